@@ -1,0 +1,1 @@
+"""Small example models named by the model.yaml files beside this package."""

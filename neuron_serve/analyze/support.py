@@ -1,0 +1,117 @@
+"""Which operators run on the accelerator: real torch-xla evidence plus target limits.
+
+An operator is unsupported when the target's profile says so, when torch-xla cannot
+lower it (it falls back to CPU and an ``aten::*`` counter appears in
+torch_xla.debug.metrics), or when its one-op graph fails to compile. Each answer is
+cached per (operator, argument shapes and dtypes, target, versions), so a model with
+many identical layers compiles each distinct one-op graph once.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from ..targets import Decision, Target
+from ..targets.runtime import versions, xla
+
+logger = logging.getLogger("neuron_serve")
+
+LOWERING_STAGE = "torch-xla lowering"
+COMPILE_STAGE = "xla compile"
+
+
+@dataclass
+class OracleStats:
+    queries: int = 0
+    compiles: int = 0
+
+
+def _signature(value: Any) -> Any:
+    """A hashable description of an argument: shape/dtype for tensors, value otherwise."""
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(value.shape), str(value.dtype), tuple(value.stride()))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_signature(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((k, _signature(v)) for k, v in value.items())))
+    return ("V", repr(value))
+
+
+def _example(value: Any) -> Any:
+    """A real tensor like the fake one export recorded, with values safe for any op.
+
+    Integer tensors are zeros so index arguments stay in range; floats are in [0, 1)
+    so log/sqrt-style ops see ordinary inputs.
+    """
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.dtype.is_floating_point or value.dtype.is_complex:
+        out = torch.rand(value.shape, dtype=value.dtype)
+    else:
+        out = torch.zeros(value.shape, dtype=value.dtype)
+    return out
+
+
+@dataclass
+class SupportOracle:
+    """Answers "can the target run this node?" for one target, with a cache."""
+
+    target: Target
+    stats: OracleStats = field(default_factory=OracleStats)
+    _cache: dict = field(default_factory=dict)
+
+    def decide(self, node: torch.fx.Node, op: str, gm: torch.fx.GraphModule) -> Decision:
+        self.stats.queries += 1
+        decision = self.target.profile_decision(op, node)
+        if decision is not None:
+            return decision
+        args, kwargs = self._concrete_args(node, gm)
+        key = (self.target.name, str(node.target), _signature(args), _signature(kwargs), tuple(versions().values()))
+        if key not in self._cache:
+            self._cache[key] = self._run_on_xla(node.target, op, args, kwargs)
+        return self._cache[key]
+
+    @staticmethod
+    def _concrete_args(node: torch.fx.Node, gm: torch.fx.GraphModule) -> tuple[tuple, dict]:
+        def value(arg: torch.fx.Node) -> Any:
+            if arg.op == "get_attr":
+                return _attr(gm, arg.target)
+            return pytree.tree_map(_example, arg.meta["val"])
+
+        return torch.fx.node.map_arg((node.args, node.kwargs), value)
+
+    def _run_on_xla(self, target: Any, op: str, args: tuple, kwargs: dict) -> Decision:
+        torch_xla = xla()
+        import torch_xla.debug.metrics as metrics  # noqa: PLC0415
+
+        device = torch_xla.device()
+        self.stats.compiles += 1
+        to_xla = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v  # noqa: E731
+        metrics.clear_counters()
+        try:
+            with torch.no_grad():
+                out = target(*pytree.tree_map(to_xla, args), **pytree.tree_map(to_xla, kwargs))
+                torch_xla.sync()
+                for leaf in pytree.tree_leaves(out):
+                    if isinstance(leaf, torch.Tensor):
+                        leaf.cpu()
+        except Exception as exc:  # any failure here means "cannot run on the accelerator"
+            logger.debug("%s failed on XLA: %s", op, exc)
+            return Decision(False, COMPILE_STAGE, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+        fallbacks = sorted(c for c in metrics.counter_names() if c.startswith("aten::"))
+        if fallbacks:
+            return Decision(False, LOWERING_STAGE, f"torch-xla has no lowering (CPU fallback: {', '.join(fallbacks)})")
+        return Decision.ok()
+
+
+def _attr(gm: torch.fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj

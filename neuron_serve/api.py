@@ -1,0 +1,108 @@
+"""analyze() and trace(): torch-neuronx's entry points, on torch.fx and torch-xla."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+import torch.fx
+
+from .analyze.capture import as_args, capture
+from .analyze.placement import GraphAnalysis, analyze_graph
+from .analyze.report import build_report, log_support
+from .compile.subgraph import CompiledSubgraph
+from .errors import ConfigError, UnsupportedModelError
+from .partition.config import PartitionerConfig
+from .partition.plan import ACCEL_PREFIX, PartitionPlan, plan_partitions
+from .targets import get_target
+from .traced import TracedModule
+
+logger = logging.getLogger("neuron_serve")
+
+
+def analyze(model: Callable, example_inputs: Any, target: str = "neuron") -> dict:
+    """Report which ATen operators ``target`` can run, in torch-neuronx's JSON format.
+
+    ``support_percentage`` counts arithmetic operations (no getitem, attribute or
+    constant nodes); each unsupported operator comes with the stage that refused it
+    (``failureAt``), its call site (``call``: "file.py 28") and the reason.
+    """
+    captured = capture(model, example_inputs)
+    return build_report(analyze_graph(captured, get_target(target)))
+
+
+def _unsupported_error(analysis: GraphAnalysis) -> UnsupportedModelError:
+    lines = [
+        f"  {r.op} at {r.site.log_form if r.site else '<unknown call site>'}: {r.decision.reason}"
+        for r in analysis.unsupported()
+    ]
+    return UnsupportedModelError(
+        f"The model has {len(lines)} operator(s) that target '{analysis.target.name}' cannot run:\n"
+        + "\n".join(lines)
+        + "\nPass partitioner_config=neuron_serve.PartitionerConfig() to run them on CPU."
+    )
+
+
+def _compile_partitions(plan: PartitionPlan, flat_inputs: list, compiler_workdir: str | None) -> None:
+    """Replace each accelerator submodule by its compiled form.
+
+    The split graph runs once on the example inputs; each accelerator partition is
+    compiled on the inputs it receives there and then run compiled, so downstream
+    partitions see the outputs they will see at inference.
+    """
+    gm = plan.gm
+
+    class _Compiler(torch.fx.Interpreter):
+        def call_module(self, target, args, kwargs):
+            if target.startswith(ACCEL_PREFIX):
+                compiled = CompiledSubgraph(
+                    gm.get_submodule(target), args, name=target, compiler_workdir=compiler_workdir
+                )
+                setattr(gm, target, compiled)
+            return super().call_module(target, args, kwargs)
+
+    with torch.no_grad():
+        _Compiler(gm).run(*flat_inputs)
+
+
+def trace(
+    func: Callable,
+    example_inputs: Any,
+    *,
+    partitioner_config: PartitionerConfig | None = None,
+    compiler_args: str | list[str] | None = None,
+    compiler_workdir: str | None = None,
+    target: str = "neuron",
+) -> TracedModule:
+    """Capture, partition and compile ``func`` for ``target``; returns a TracedModule.
+
+    Without ``partitioner_config`` every operator must be supported; otherwise the
+    error lists each unsupported operator with its call site. With one, unsupported
+    operators (and ``ops_to_partition``) run in CPU subgraphs.
+    """
+    if partitioner_config is not None and not isinstance(partitioner_config, PartitionerConfig):
+        raise ConfigError("trace(partitioner_config=...) must be a neuron_serve.PartitionerConfig.")
+    tgt = get_target(target)
+    args = as_args(example_inputs)
+    captured = capture(func, args)
+    analysis = analyze_graph(captured, tgt)
+    if partitioner_config is None:
+        if analysis.unsupported():
+            raise _unsupported_error(analysis)
+        config = PartitionerConfig(model_support_percentage_threshold=0.0)
+    else:
+        config = partitioner_config
+        compiler_workdir = compiler_workdir or config.trace_kwargs.get("compiler_workdir")
+    log_support(analysis)
+    plan = plan_partitions(captured.gm, analysis, config)
+    _compile_partitions(plan, captured.flat_inputs, compiler_workdir)
+    return TracedModule(
+        plan.gm,
+        in_spec=captured.in_spec,
+        out_spec=captured.out_spec,
+        input_shapes=[(t.shape, t.dtype) if isinstance(t, torch.Tensor) else (None, None) for t in captured.flat_inputs],
+        partitions=plan.partitions,
+        report=build_report(analysis),
+        target=tgt.name,
+    )

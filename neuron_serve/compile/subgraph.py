@@ -1,0 +1,79 @@
+"""An accelerator subgraph compiled through torch-xla into one cached executable.
+
+``extract_compiled_graph`` (torch-xla's dynamo bridge, what the ``openxla`` backend
+uses) traces the FX graph once on XLA tensors and hands back a callable that replays
+the compiled executable with little per-call overhead. On Neuron the executable is a
+NEFF; in emulation it is an XLA:CPU executable. Weights stay resident on the device;
+only activations cross per call.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import time
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+
+from ..targets.runtime import xla
+
+logger = logging.getLogger("neuron_serve")
+
+
+def _returns_tuple(gm: torch.fx.GraphModule) -> bool:
+    """Make the graph return a tuple (the bridge expects it); say if it already did."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    if isinstance(output.args[0], (tuple, list)):
+        return True
+    output.args = ((output.args[0],),)
+    gm.recompile()
+    return False
+
+
+class CompiledSubgraph(torch.nn.Module):
+    """Runs one accelerator partition on one device; consumes and returns CPU tensors."""
+
+    def __init__(
+        self,
+        gm: torch.fx.GraphModule,
+        example_args: Sequence[torch.Tensor],
+        *,
+        name: str = "subgraph",
+        device: Any = None,
+        compiler_workdir: str | None = None,
+    ) -> None:
+        super().__init__()
+        torch_xla = xla()
+        from torch_xla._dynamo.dynamo_bridge import extract_compiled_graph  # noqa: PLC0415
+
+        self.name = name
+        self.source = copy.deepcopy(gm)  # CPU copy, to load onto further cores
+        self._tuple_out = _returns_tuple(self.source)
+        self.device = device if device is not None else torch_xla.device()
+        on_device = copy.deepcopy(self.source).to(self.device)
+        xla_args = [a.to(self.device) for a in example_args]
+        started = time.perf_counter()
+        with torch.no_grad():
+            self._compiled = extract_compiled_graph(on_device, xla_args)
+            outputs = self._compiled(*xla_args)
+        self.compile_seconds = time.perf_counter() - started
+        self._on_device = on_device  # keeps the resident weights alive
+        if compiler_workdir:
+            self._dump_hlo(compiler_workdir, outputs)
+        logger.debug("compiled %s on %s in %.3fs", name, self.device, self.compile_seconds)
+
+    def _dump_hlo(self, workdir: str, outputs: Sequence[torch.Tensor]) -> None:
+        torch_xla = xla()
+        os.makedirs(workdir, exist_ok=True)
+        text = torch_xla._XLAC._get_xla_tensors_hlo(list(outputs))
+        with open(os.path.join(workdir, f"{self.name}.hlo.txt"), "w") as handle:
+            handle.write(text)
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        with torch.no_grad():
+            outputs = self._compiled(*[a.to(self.device) for a in args])
+            cpu = tuple(o.cpu() for o in outputs)
+        return cpu if self._tuple_out else cpu[0]

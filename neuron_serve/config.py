@@ -1,0 +1,158 @@
+"""model.yaml: what to serve and how to compile it, validated by pydantic.
+
+Every validation error is re-raised as a ConfigError that names the field (as a
+dotted path, e.g. ``inputs.0.dtype``) and says how to fix it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import ConfigError
+from .partition.config import DEFAULT_SUPPORT_THRESHOLD, NO_LIMIT, PartitionerConfig
+
+DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "bool": torch.bool,
+}
+DEFAULT_TARGET = "neuron"
+NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
+FACTORY_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSource(_Strict):
+    factory: str = Field(pattern=FACTORY_PATTERN, description="import path 'package.module:function' returning an nn.Module")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the factory")
+
+
+class InputSpec(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z_][\w.-]*$")
+    shape: list[int] = Field(min_length=0, description="trace-time shape; dim 0 is the batch")
+    dtype: Literal[tuple(DTYPES)] = "float32"  # type: ignore[valid-type]
+    high: int | None = Field(default=None, ge=1, description="integer inputs: example values are drawn from [0, high)")
+
+    @field_validator("shape")
+    @classmethod
+    def _positive(cls, shape: list[int]) -> list[int]:
+        if any(d < 1 for d in shape):
+            raise ValueError(f"every dimension must be >= 1, got {shape}")
+        return shape
+
+    def example(self) -> torch.Tensor:
+        dtype = DTYPES[self.dtype]
+        if dtype.is_floating_point:
+            return torch.rand(self.shape, dtype=dtype)
+        return torch.randint(0, self.high or 2, self.shape, dtype=dtype)
+
+
+class PartitionerSettings(_Strict):
+    """PartitionerConfig as YAML; same names and defaults."""
+
+    model_support_percentage_threshold: float = Field(DEFAULT_SUPPORT_THRESHOLD, ge=0, le=1)
+    min_subgraph_size: int = NO_LIMIT
+    max_subgraph_count: int = NO_LIMIT
+    ops_to_partition: list[str] = Field(default_factory=list)
+
+    def to_config(self) -> PartitionerConfig:
+        return PartitionerConfig(
+            model_support_percentage_threshold=self.model_support_percentage_threshold,
+            min_subgraph_size=self.min_subgraph_size,
+            max_subgraph_count=self.max_subgraph_count,
+            ops_to_partition=set(self.ops_to_partition),
+        )
+
+
+class ModelConfig(_Strict):
+    """One deployment: the model, its inputs and how to compile it."""
+
+    name: str = Field(pattern=NAME_PATTERN, description="model name in URLs: lowercase letters, digits, '-', '_', '.'")
+    model: ModelSource
+    inputs: list[InputSpec] = Field(min_length=1)
+    target: Literal["neuron", "xla"] = DEFAULT_TARGET
+    partitioner: PartitionerSettings | None = None
+
+    @model_validator(mode="after")
+    def _unique_inputs(self) -> "ModelConfig":
+        names = [i.name for i in self.inputs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"input names must be unique, got {names}")
+        if self.partitioner is not None:
+            self.partitioner.to_config()  # PartitionerConfig's own checks, with its messages
+        return self
+
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
+        return tuple(spec.example() for spec in self.inputs)
+
+    def partitioner_config(self) -> PartitionerConfig | None:
+        return self.partitioner.to_config() if self.partitioner else None
+
+
+_HINTS = {
+    "extra_forbidden": "remove it or check its spelling",
+    "missing": "add it",
+    "string_pattern_mismatch": "see the pattern above",
+    "literal_error": "use one of the values listed",
+}
+
+
+def _format(error: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid model.yaml"]
+    for item in error.errors():
+        field = ".".join(str(p) for p in item["loc"]) or "(top level)"
+        hint = _HINTS.get(item["type"])
+        lines.append(f"  {field}: {item['msg']}" + (f" ({hint})" if hint else ""))
+    return "\n".join(lines)
+
+
+def parse_config(data: Any, source: str = "model.yaml") -> ModelConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping with 'name', 'model' and 'inputs'.")
+    try:
+        return ModelConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format(exc, source)) from None
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    """Read and validate a model.yaml."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file; pass the path of a model.yaml.") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return parse_config(data, str(path))
+
+
+def build_model(config: ModelConfig, base_dir: str | Path | None = None) -> torch.nn.Module:
+    """Import and call the factory; import paths resolve against ``base_dir`` first."""
+    module_name, _, attr = config.model.factory.partition(":")
+    if base_dir is not None and str(base_dir) not in sys.path:
+        sys.path.insert(0, str(base_dir))
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(
+            f"model.factory: cannot import {config.model.factory!r} ({exc}); the module must be importable "
+            f"from the model.yaml's folder or the Python path."
+        ) from None
+    model = factory(**config.model.kwargs)
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"model.factory: {config.model.factory!r} returned {type(model).__name__}, not a torch.nn.Module.")
+    return model.eval()

@@ -1,0 +1,54 @@
+"""Typed errors a user can cause, and how each surfaces over HTTP and on the CLI.
+
+Each error subclasses the builtin that torch-neuronx raises for the same situation
+(ValueError for bad configuration and partitioner rule violations), so code written
+against torch_neuronx keeps catching what it caught before.
+"""
+
+from __future__ import annotations
+
+
+class NeuronServeError(Exception):
+    """Base of every error neuron-serve raises on purpose."""
+
+    http_status = 500
+    exit_code = 1
+
+
+class ConfigError(NeuronServeError, ValueError):
+    """A configuration value is invalid; the message names the field and the fix."""
+
+    http_status = 400
+    exit_code = 2
+
+
+class PartitionError(NeuronServeError, ValueError):
+    """The partition plan breaks a PartitionerConfig rule."""
+
+    exit_code = 3
+
+
+class UnsupportedModelError(NeuronServeError, RuntimeError):
+    """The model has operators the target cannot run and partitioning is off."""
+
+    exit_code = 3
+
+
+class InvalidInput(NeuronServeError, ValueError):
+    """Inputs do not match what the compiled model accepts."""
+
+    http_status = 400
+
+
+class ModelNotFound(NeuronServeError):
+    http_status = 404
+
+
+class ModelNotReady(NeuronServeError):
+    http_status = 503
+
+
+class ArtifactError(NeuronServeError):
+    """A saved artifact or cache entry is corrupt or was built by other versions."""
+
+    exit_code = 4

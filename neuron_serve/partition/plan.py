@@ -1,0 +1,172 @@
+"""Split a captured graph into accelerator and CPU subgraphs under PartitionerConfig.
+
+Two passes of torch.fx's CapabilityBasedPartitioner: the first fuses the operators
+the target supports into the fewest cycle-free accelerator subgraphs, the second
+fuses what remains into CPU subgraphs around them. The rules of PartitionerConfig
+(support threshold, max subgraph count, min subgraph size) are then checked on the
+result and reported with torch-neuronx's messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch.fx
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupportBase
+
+from ..analyze.capture import is_compute_node, op_name
+from ..analyze.placement import GraphAnalysis
+from ..errors import PartitionError
+from .config import NO_LIMIT, PartitionerConfig
+
+logger = logging.getLogger("neuron_serve")
+
+ACCEL_PREFIX = "accel_"
+CPU_PREFIX = "cpu_"
+CPU = "cpu"
+
+# Why an operator runs on CPU; the HTML report and the partition summary use these.
+REASON_UNSUPPORTED = "unsupported"
+REASON_FORCED = "ops_to_partition"
+
+
+@dataclass
+class Partition:
+    index: int  # 1-based, in execution order, as the log numbers them
+    name: str  # submodule name in the split graph
+    device: str  # the target's name, or "cpu"
+    device_label: str  # "Device.NEURON" / "Device.CPU"
+    op_counts: dict[str, int]
+
+    @property
+    def size(self) -> int:
+        return sum(self.op_counts.values())
+
+    def describe(self) -> dict:
+        return {"index": self.index, "device": self.device, "op_counts": dict(self.op_counts), "size": self.size}
+
+
+@dataclass
+class PartitionPlan:
+    gm: torch.fx.GraphModule  # top graph calling one submodule per partition
+    partitions: list[Partition]
+    cpu_reasons: dict[str, str] = field(default_factory=dict)  # node name -> why it is on CPU
+
+    def describe(self) -> list[dict]:
+        return [p.describe() for p in self.partitions]
+
+
+class _PlacedSupport(OperatorSupportBase):
+    """Supports the compute nodes placed on one side, and the weights only they read."""
+
+    def __init__(self, on_side: set[str]) -> None:
+        self.on_side = on_side
+
+    def is_node_supported(self, submodules, node: torch.fx.Node) -> bool:
+        if node.op == "get_attr":
+            return bool(node.users) and all(self.is_node_supported(submodules, u) for u in node.users)
+        if node.op != "call_function":
+            return False
+        if node.target is operator.getitem:  # follows its producer
+            return node.args[0].op == "call_function" and self.is_node_supported(submodules, node.args[0])
+        return node.name in self.on_side
+
+
+def _split_shared_attrs(gm: torch.fx.GraphModule) -> None:
+    # A weight read by operators on both sides gets one get_attr per reader, so each
+    # subgraph owns its weights (kept resident on its device) instead of taking them
+    # as per-call inputs.
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr" or len(node.users) < 2:
+            continue
+        for user in list(node.users)[1:]:
+            with gm.graph.inserting_after(node):
+                copy = gm.graph.get_attr(node.target)
+            copy.meta = dict(node.meta)
+            user.replace_input_with(node, copy)
+
+
+def _fuse(gm: torch.fx.GraphModule, nodes: set[str], prefix: str) -> torch.fx.GraphModule:
+    partitioner = CapabilityBasedPartitioner(gm, _PlacedSupport(nodes), allows_single_node_partition=True)
+    return partitioner.fuse_partitions(partitioner.propose_partitions(), prefix=prefix)
+
+
+def check_threshold(analysis: GraphAnalysis, config: PartitionerConfig) -> None:
+    threshold = config.model_support_percentage_threshold
+    if analysis.support_fraction < threshold:
+        raise PartitionError(
+            f"The partitioner has found {analysis.support_percentage} of arithmetic operations "
+            f"({analysis.supported_count} of {analysis.total}) supported which is below the specified "
+            f"model support percentage threshold of {100 * threshold:.2f}%."
+        )
+
+
+def plan_partitions(gm: torch.fx.GraphModule, analysis: GraphAnalysis, config: PartitionerConfig) -> PartitionPlan:
+    """Partition ``gm`` (mutated in place) and enforce ``config``'s rules."""
+    check_threshold(analysis, config)
+    cpu_reasons: dict[str, str] = {}
+    accel: set[str] = set()
+    for record in analysis.records:
+        if not record.supported:
+            cpu_reasons[record.node] = REASON_UNSUPPORTED
+        elif record.op in config.ops_to_partition:
+            cpu_reasons[record.node] = REASON_FORCED
+        else:
+            accel.add(record.node)
+    _split_shared_attrs(gm)
+    gm = _fuse(gm, accel, ACCEL_PREFIX)
+    gm = _fuse(gm, set(cpu_reasons), CPU_PREFIX)
+    partitions = _describe(gm, analysis)
+    _log_plan(partitions)
+    _check_rules(partitions, config)
+    return PartitionPlan(gm, partitions, cpu_reasons)
+
+
+def _describe(gm: torch.fx.GraphModule, analysis: GraphAnalysis) -> list[Partition]:
+    target = analysis.target
+    partitions = []
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        sub = gm.get_submodule(node.target)
+        counts = Counter(op_name(n) for n in sub.graph.nodes if is_compute_node(n))
+        on_accel = node.target.startswith(ACCEL_PREFIX)
+        partitions.append(
+            Partition(
+                index=len(partitions) + 1,
+                name=node.target,
+                device=target.name if on_accel else CPU,
+                device_label=target.device_label if on_accel else "Device.CPU",
+                op_counts=dict(counts),
+            )
+        )
+    return partitions
+
+
+def _log_plan(partitions: list[Partition]) -> None:
+    logger.info("Num Partitions: %d", len(partitions))
+    for p in partitions:
+        logger.info("Creating Partition #%d for device: %s", p.index, p.device_label)
+        logger.info("The following operators will be included in this partition:")
+        for op, count in p.op_counts.items():
+            logger.info("%s:%d", op, count)
+
+
+def _check_rules(partitions: list[Partition], config: PartitionerConfig) -> None:
+    if config.max_subgraph_count != NO_LIMIT and len(partitions) > config.max_subgraph_count:
+        raise PartitionError(
+            f"The partitioner has found {len(partitions)} subgraphs which exceeds the specified "
+            f"max subgraph count of {config.max_subgraph_count}."
+        )
+    if config.min_subgraph_size != NO_LIMIT:
+        for p in partitions:
+            if p.size < config.min_subgraph_size:
+                raise PartitionError(
+                    f"The partitioner has found a subgraph of size {p.size} (Partition #{p.index} for "
+                    f"device: {p.device_label}) which is below the specified min subgraph size of "
+                    f"{config.min_subgraph_size}."
+                )

@@ -1,0 +1,56 @@
+"""Starting torch-xla's PJRT runtime: Neuron devices when present, XLA:CPU otherwise.
+
+torch_xla reads PJRT_DEVICE when it is first imported, so every import of torch_xla in
+neuron-serve goes through :func:`xla` after the environment is set.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import logging
+import os
+
+logger = logging.getLogger("neuron_serve")
+
+DEFAULT_EMULATED_CORES = 1
+
+
+def neuron_devices_present() -> bool:
+    """True on an Inf2/Trn1 machine: the Neuron driver exposes /dev/neuron*."""
+    return bool(glob.glob("/dev/neuron[0-9]*"))
+
+
+def emulated() -> bool:
+    """Cores are XLA:CPU devices unless PJRT runs on real NeuronCores."""
+    return os.environ.get("PJRT_DEVICE", "").upper() != "NEURON"
+
+
+@functools.cache
+def xla():
+    """Import torch_xla once, with PJRT pointed at Neuron devices or XLA:CPU."""
+    if "PJRT_DEVICE" not in os.environ:
+        os.environ["PJRT_DEVICE"] = "NEURON" if neuron_devices_present() else "CPU"
+    if os.environ["PJRT_DEVICE"].upper() == "CPU":
+        os.environ.setdefault("CPU_NUM_DEVICES", str(DEFAULT_EMULATED_CORES))
+        logger.info(
+            "No NeuronCores found: emulating %s NeuronCore(s) on XLA:CPU devices "
+            "(placement still follows the Neuron support profile).",
+            os.environ["CPU_NUM_DEVICES"],
+        )
+    import torch_xla  # noqa: PLC0415 - must follow the environment set above
+
+    return torch_xla
+
+
+def versions() -> dict[str, str]:
+    """Versions that decide compiled results; part of every cache key and report."""
+    import torch  # noqa: PLC0415
+
+    from .. import __version__  # noqa: PLC0415
+
+    return {
+        "torch_version": torch.__version__,
+        "torch_xla_version": xla().__version__,
+        "neuron_serve_version": __version__,
+    }

@@ -1,0 +1,26 @@
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "deployments"))  # example_models, as model.yaml files resolve it
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def neuron_logs(caplog):
+    """The INFO lines of the `neuron_serve` logger, as a list of messages."""
+    caplog.set_level(logging.INFO, logger="neuron_serve")
+
+    def lines():
+        return [r.getMessage() for r in caplog.records if r.name == "neuron_serve"]
+
+    return lines
