@@ -5,7 +5,7 @@ The public API is named like ``torch_neuronx`` so code ports by changing an impo
 
 __version__ = "0.1.0"
 
-from .api import analyze, trace  # noqa: E402
+from .api import analyze, dynamic_batch, trace  # noqa: E402
 from .errors import ConfigError, PartitionError, UnsupportedModelError  # noqa: E402
 from .partition.config import PartitionerConfig  # noqa: E402
 
@@ -16,5 +16,6 @@ __all__ = [
     "UnsupportedModelError",
     "__version__",
     "analyze",
+    "dynamic_batch",
     "trace",
 ]

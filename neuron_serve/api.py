@@ -8,6 +8,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
+from . import batching
 from .analyze.capture import as_args, capture
 from .analyze.placement import GraphAnalysis, analyze_graph
 from .analyze.report import build_report, log_support
@@ -44,7 +45,7 @@ def _unsupported_error(analysis: GraphAnalysis) -> UnsupportedModelError:
     )
 
 
-def _compile_partitions(plan: PartitionPlan, flat_inputs: list, compiler_workdir: str | None) -> None:
+def _compile_partitions(plan: PartitionPlan, flat_inputs: list, compiler_workdir: str | None) -> list:
     """Replace each accelerator submodule by its compiled form.
 
     The split graph runs once on the example inputs; each accelerator partition is
@@ -63,7 +64,7 @@ def _compile_partitions(plan: PartitionPlan, flat_inputs: list, compiler_workdir
             return super().call_module(target, args, kwargs)
 
     with torch.no_grad():
-        _Compiler(gm).run(*flat_inputs)
+        return list(_Compiler(gm).run(*flat_inputs))
 
 
 def trace(
@@ -96,13 +97,28 @@ def trace(
         compiler_workdir = compiler_workdir or config.trace_kwargs.get("compiler_workdir")
     log_support(analysis)
     plan = plan_partitions(captured.gm, analysis, config)
-    _compile_partitions(plan, captured.flat_inputs, compiler_workdir)
+    outputs = _compile_partitions(plan, captured.flat_inputs, compiler_workdir)
     return TracedModule(
         plan.gm,
         in_spec=captured.in_spec,
         out_spec=captured.out_spec,
         input_shapes=[(t.shape, t.dtype) if isinstance(t, torch.Tensor) else (None, None) for t in captured.flat_inputs],
+        output_shapes=[t.shape if isinstance(t, torch.Tensor) else None for t in outputs],
         partitions=plan.partitions,
         report=build_report(analysis),
         target=tgt.name,
     )
+
+
+def dynamic_batch(neuron_script: TracedModule) -> TracedModule:
+    """Let a traced model take any batch size; modifies it in place and returns it.
+
+    Inputs are split along dim 0 into chunks of the trace-time batch size, the last
+    chunk padded, and outputs concatenated and unpadded. Inputs whose non-0 dims
+    differ from trace time, or whose dim 0 differ from each other, raise ValueError
+    naming the input and both shapes. Models that cannot be chunked (inputs with
+    different dim 0 at trace time, outputs without the batch in dim 0) are refused here.
+    """
+    if not isinstance(neuron_script, TracedModule):
+        raise ConfigError("dynamic_batch() takes the module returned by neuron_serve.trace().")
+    return batching.enable(neuron_script)

@@ -8,6 +8,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from . import batching
 from .errors import InvalidInput
 from .partition.plan import Partition
 
@@ -26,7 +27,8 @@ class TracedModule(torch.nn.Module):
         *,
         in_spec: pytree.TreeSpec,
         out_spec: pytree.TreeSpec,
-        input_shapes: list[tuple[torch.Size, torch.dtype]],
+        input_shapes: list[tuple[torch.Size | None, torch.dtype | None]],
+        output_shapes: list[torch.Size | None],
         partitions: list[Partition],
         report: dict,
         target: str,
@@ -36,6 +38,11 @@ class TracedModule(torch.nn.Module):
         self.in_spec = in_spec
         self.out_spec = out_spec
         self.input_shapes = input_shapes
+        self.output_shapes = output_shapes
+        self.dynamic_batch_enabled = False
+        self.batch_size: int | None = None
+        # How dynamic-batch chunks are run; the serving runtime spreads them over cores.
+        self.map_chunks = None
         self.partitions = partitions
         self.report = report
         self.target = target
@@ -54,7 +61,7 @@ class TracedModule(torch.nn.Module):
 
     def check_shapes(self, flat: list[Any]) -> None:
         for i, (value, (shape, dtype)) in enumerate(zip(flat, self.input_shapes)):
-            if not isinstance(value, torch.Tensor):
+            if shape is None or not isinstance(value, torch.Tensor):
                 continue
             if value.shape != shape or value.dtype != dtype:
                 raise InvalidInput(
@@ -65,6 +72,9 @@ class TracedModule(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         flat = self.flatten(args, kwargs)
+        if self.dynamic_batch_enabled:
+            shapes = [shape for shape, _ in self.input_shapes]
+            return batching.run_dynamic(self.run_flat, flat, shapes, self.batch_size, self.map_chunks)
         self.check_shapes(flat)
         return self.run_flat(flat)
 
