@@ -5,7 +5,8 @@ The public API is named like ``torch_neuronx`` so code ports by changing an impo
 
 __version__ = "0.1.0"
 
-from .api import analyze, dynamic_batch, trace  # noqa: E402
+from .api import analyze, bucket_model_trace, dynamic_batch, trace, trace_buckets
+from .bucketing import BucketedModule, BucketModelConfig, BucketSpec  # noqa: E402  # noqa: E402
 from .errors import ConfigError, PartitionError, UnsupportedModelError  # noqa: E402
 from .partition.config import PartitionerConfig  # noqa: E402
 
@@ -15,7 +16,12 @@ __all__ = [
     "PartitionerConfig",
     "UnsupportedModelError",
     "__version__",
+    "BucketModelConfig",
+    "BucketSpec",
+    "BucketedModule",
     "analyze",
+    "bucket_model_trace",
+    "trace_buckets",
     "dynamic_batch",
     "trace",
 ]

@@ -12,6 +12,7 @@ from . import batching
 from .analyze.capture import as_args, capture
 from .analyze.placement import GraphAnalysis, analyze_graph
 from .analyze.report import build_report, log_support
+from .bucketing import BucketedModule, BucketModelConfig, BucketSpec
 from .compile.subgraph import CompiledSubgraph
 from .errors import ConfigError, UnsupportedModelError
 from .partition.config import PartitionerConfig
@@ -119,6 +120,72 @@ def dynamic_batch(neuron_script: TracedModule) -> TracedModule:
     naming the input and both shapes. Models that cannot be chunked (inputs with
     different dim 0 at trace time, outputs without the batch in dim 0) are refused here.
     """
+    if isinstance(neuron_script, BucketedModule):
+        for bucket in neuron_script.buckets:
+            batching.enable(bucket)
+        return neuron_script
     if not isinstance(neuron_script, TracedModule):
-        raise ConfigError("dynamic_batch() takes the module returned by neuron_serve.trace().")
+        raise ConfigError("dynamic_batch() takes the module returned by neuron_serve.trace() or bucket_model_trace().")
     return batching.enable(neuron_script)
+
+
+def bucket_model_trace(
+    func: Callable[..., tuple[torch.nn.Module, dict]],
+    example_inputs: list,
+    bucket_config: BucketModelConfig,
+    compiler_workdir: str | None = None,
+    compiler_args: str | list[str] | None = None,
+    *,
+    partitioner_config: PartitionerConfig | None = None,
+    target: str = "neuron",
+) -> BucketedModule:
+    """Compile one model per example input; the bucket kernel picks one per call.
+
+    As in torch-neuronx, ``func(**func_kwargs)`` returns ``(model, input_output_aliases)``
+    and ``bucket_config.bucket_kernel()`` returns the kernel mapping the list of inputs
+    to (padded inputs, bucket index).
+    """
+    if not isinstance(bucket_config, BucketModelConfig):
+        raise ConfigError("bucket_model_trace(bucket_config=...) must be a neuron_serve.BucketModelConfig.")
+    if not example_inputs:
+        raise ConfigError("bucket_model_trace needs one example input per bucket; got none.")
+    state = bucket_config.shared_state_buffer
+    preprocess = bucket_config.shared_state_buffer_preprocessor() if bucket_config.shared_state_buffer_preprocessor else None
+    buckets = []
+    for index, example in enumerate(example_inputs):
+        model, aliases = func(**bucket_config.kwargs_for(index, len(example_inputs)))
+        if aliases:
+            raise ConfigError(
+                "bucket_model_trace: input_output_aliases (device-resident state) is not supported; return an "
+                "empty dict and pass state through shared_state_buffer instead."
+            )
+        args = as_args(example)
+        if state is not None:
+            shapes = [list(t.shape) for t in args]
+            extra = preprocess(shapes, state, torch.tensor(index)) if preprocess else state
+            args = (*args, *extra)
+        buckets.append(
+            trace(model, args, partitioner_config=partitioner_config, compiler_args=compiler_args,
+                  compiler_workdir=compiler_workdir, target=target)
+        )
+    return BucketedModule(buckets, bucket_config.bucket_kernel(), state=state, state_preprocessor=preprocess)
+
+
+def trace_buckets(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    buckets: BucketSpec,
+    *,
+    partitioner_config: PartitionerConfig | None = None,
+    compiler_args: str | list[str] | None = None,
+    compiler_workdir: str | None = None,
+    target: str = "neuron",
+) -> BucketedModule:
+    """The declarative form: trace ``model`` once per bucket of ``buckets``."""
+    example = as_args(example_inputs)
+    traced = [
+        trace(model, buckets.example_inputs(example, i), partitioner_config=partitioner_config,
+              compiler_args=compiler_args, compiler_workdir=compiler_workdir, target=target)
+        for i in range(len(buckets.sizes))
+    ]
+    return BucketedModule(traced, buckets.kernel, spec=buckets)
