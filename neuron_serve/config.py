@@ -27,6 +27,13 @@ DTYPES = {
     "bool": torch.bool,
 }
 DEFAULT_TARGET = "neuron"
+DEFAULT_MAX_BATCH_SIZE = 32
+DEFAULT_MAX_QUEUE_DELAY_MS = 2.0
+DEFAULT_MAX_QUEUE_SIZE = 256
+DEFAULT_REQUEST_TIMEOUT_S = 30.0
+DEFAULT_TARGET_ONGOING_REQUESTS = 16.0
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
 FACTORY_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
 
@@ -77,6 +84,43 @@ class PartitionerSettings(_Strict):
         )
 
 
+class BucketSettings(_Strict):
+    """Declarative shape buckets (see neuron_serve.BucketSpec)."""
+
+    sizes: list[int | list[int]] = Field(min_length=1, description="buckets, smallest first; one size per bucketed dim")
+    inputs: dict[str, int | list[int]] = Field(min_length=1, description="input name -> bucketed dim(s)")
+    pad_values: dict[str, float] = Field(default_factory=dict, description="input name -> pad value (default 0)")
+    outputs: dict[str, int | list[int]] = Field(
+        default_factory=dict, description="output name -> dim(s) cut back to the request's size"
+    )
+
+
+class BatchingSettings(_Strict):
+    """The replica's dynamic request batcher."""
+
+    max_batch_size: int = Field(DEFAULT_MAX_BATCH_SIZE, ge=1, description="most rows in one batch")
+    max_queue_delay_ms: float = Field(DEFAULT_MAX_QUEUE_DELAY_MS, ge=0, description="longest wait to fill a batch")
+    max_queue_size: int = Field(DEFAULT_MAX_QUEUE_SIZE, ge=1, description="waiting requests before 503")
+    request_timeout_s: float = Field(DEFAULT_REQUEST_TIMEOUT_S, gt=0, description="a request waiting longer gets 504")
+
+
+class AutoscalingSettings(_Strict):
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(ge=1)
+    target_ongoing_requests: float = Field(DEFAULT_TARGET_ONGOING_REQUESTS, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "AutoscalingSettings":
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})")
+        return self
+
+
+class HttpSettings(_Strict):
+    host: str = DEFAULT_HOST
+    port: int = Field(DEFAULT_PORT, ge=1, le=65535)
+
+
 class ModelConfig(_Strict):
     """One deployment: the model, its inputs and how to compile it."""
 
@@ -85,12 +129,24 @@ class ModelConfig(_Strict):
     inputs: list[InputSpec] = Field(min_length=1)
     target: Literal["neuron", "xla"] = DEFAULT_TARGET
     partitioner: PartitionerSettings | None = None
+    outputs: list[str] | None = Field(default=None, description="names of the flattened outputs (default: from the model)")
+    buckets: BucketSettings | None = None
+    dynamic_batch: bool = Field(True, description="accept any batch size, chunked into the trace-time batch")
+    cores_per_replica: int = Field(1, ge=1)
+    replicas: int = Field(1, ge=1)
+    autoscaling: AutoscalingSettings | None = None
+    batching: BatchingSettings = Field(default_factory=BatchingSettings)
+    http: HttpSettings = Field(default_factory=HttpSettings)
 
     @model_validator(mode="after")
     def _unique_inputs(self) -> "ModelConfig":
         names = [i.name for i in self.inputs]
         if len(set(names)) != len(names):
             raise ValueError(f"input names must be unique, got {names}")
+        if self.buckets is not None:
+            unknown = sorted((set(self.buckets.inputs) | set(self.buckets.pad_values)) - set(names))
+            if unknown:
+                raise ValueError(f"buckets name unknown inputs {unknown}; inputs are {names}")
         if self.partitioner is not None:
             self.partitioner.to_config()  # PartitionerConfig's own checks, with its messages
         return self

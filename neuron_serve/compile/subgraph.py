@@ -23,6 +23,16 @@ from ..targets.runtime import xla
 logger = logging.getLogger("neuron_serve")
 
 
+def use_device(device: Any) -> None:
+    """Make ``device`` this thread's default XLA device.
+
+    torch-xla replays a cached executable on the calling thread's default device, so
+    each core is driven from its own thread with its own default; without this, a
+    subgraph loaded on xla:1 would run against xla:0.
+    """
+    xla()._XLAC._xla_set_default_device(str(device))
+
+
 def _returns_tuple(gm: torch.fx.GraphModule) -> bool:
     """Make the graph return a tuple (the bridge expects it); say if it already did."""
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
@@ -53,6 +63,9 @@ class CompiledSubgraph(torch.nn.Module):
         self.source = copy.deepcopy(gm)  # CPU copy, to load onto further cores
         self._tuple_out = _returns_tuple(self.source)
         self.device = device if device is not None else torch_xla.device()
+        self.example_args = [a.detach().clone() for a in example_args]
+        self.compiler_workdir = compiler_workdir
+        use_device(self.device)
         on_device = copy.deepcopy(self.source).to(self.device)
         xla_args = [a.to(self.device) for a in example_args]
         started = time.perf_counter()
@@ -71,6 +84,15 @@ class CompiledSubgraph(torch.nn.Module):
         text = torch_xla._XLAC._get_xla_tensors_hlo(list(outputs))
         with open(os.path.join(workdir, f"{self.name}.hlo.txt"), "w") as handle:
             handle.write(text)
+
+    def load_to(self, device: Any) -> "CompiledSubgraph":
+        """A copy of this subgraph compiled for and resident on ``device`` (another core).
+
+        Call it from the thread that will run the copy (see :func:`use_device`).
+        """
+        copy_ = CompiledSubgraph(self.source, self.example_args, name=self.name, device=device)
+        copy_._tuple_out = self._tuple_out  # self.source already returns a tuple
+        return copy_
 
     def forward(self, *args: torch.Tensor) -> Any:
         with torch.no_grad():
