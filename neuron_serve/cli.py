@@ -6,7 +6,9 @@ import argparse
 import copy
 import json
 import logging
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from .analyze.capture import capture
@@ -44,6 +46,51 @@ def _analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+def _deploy(args: argparse.Namespace) -> int:
+    from .serve import deployment  # noqa: PLC0415 - Ray is only needed to serve
+
+    configs = [(load_config(path), str(Path(path).resolve().parent)) for path in args.configs]
+    names = [c.name for c, _ in configs]
+    if len(set(names)) != len(names):
+        print(f"error: model names must differ, got {names}", file=sys.stderr)
+        return 2
+    host = args.host or configs[0][0].http.host
+    port = args.port or configs[0][0].http.port
+    started_here = deployment.connect(args.address)
+    states = deployment.deploy(configs, host, port)
+    for name, state in states.items():
+        print(f"{name}: {state}", file=sys.stderr)
+    if any(s != "ready" for s in states.values()):
+        deployment.shutdown(names if not started_here else None)
+        return 1
+    print(f"serving {', '.join(names)} on http://{host}:{port}/v2 (metrics: /metrics)", file=sys.stderr, flush=True)
+    if started_here:
+        # This process owns the Ray instance: serve until interrupted, then drain.
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+        print("shutting down: draining in-flight requests", file=sys.stderr, flush=True)
+        deployment.shutdown()
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from .serve import deployment  # noqa: PLC0415
+
+    deployment.connect(args.address or "auto")
+    print(json.dumps(deployment.status(), indent=2))
+    return 0
+
+
+def _shutdown(args: argparse.Namespace) -> int:
+    from .serve import deployment  # noqa: PLC0415
+
+    deployment.connect(args.address or "auto")
+    deployment.shutdown(args.names or None)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="neuron-serve", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -52,6 +99,22 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("config", help="path to a model.yaml")
     analyze.add_argument("--json", metavar="PATH", help="write the report (with the plan) to PATH")
     analyze.set_defaults(func=_analyze)
+
+    deploy = sub.add_parser("deploy", help="build and serve one or more model.yaml files over HTTP")
+    deploy.add_argument("configs", nargs="+", metavar="model.yaml")
+    deploy.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS, else start one here)")
+    deploy.add_argument("--host", help="HTTP host (default: the first model.yaml's http.host)")
+    deploy.add_argument("--port", type=int, help="HTTP port (default: the first model.yaml's http.port)")
+    deploy.set_defaults(func=_deploy)
+
+    status = sub.add_parser("status", help="show the deployed models and their state")
+    status.add_argument("--address", help="Ray cluster (default: the local one)")
+    status.set_defaults(func=_status)
+
+    shutdown = sub.add_parser("shutdown", help="stop some models, or everything")
+    shutdown.add_argument("names", nargs="*", help="model names (default: all, and the server)")
+    shutdown.add_argument("--address", help="Ray cluster (default: the local one)")
+    shutdown.set_defaults(func=_shutdown)
     return parser
 
 

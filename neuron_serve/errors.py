@@ -52,3 +52,15 @@ class ArtifactError(NeuronServeError):
     """A saved artifact or cache entry is corrupt or was built by other versions."""
 
     exit_code = 4
+
+
+class Overloaded(NeuronServeError):
+    """The request queue is full or the server is shutting down; retry later."""
+
+    http_status = 503
+
+
+class RequestTimeout(NeuronServeError):
+    """A request waited longer than its deadline for a result."""
+
+    http_status = 504

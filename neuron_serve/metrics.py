@@ -1,0 +1,77 @@
+"""Every Prometheus metric neuron-serve exports, with its labels, in one place.
+
+Replicas are separate processes (Ray actors), so metrics use prometheus-client's
+multiprocess mode: each process writes its samples under PROMETHEUS_MULTIPROC_DIR and
+the scrape endpoint (``/metrics`` on the HTTP port) merges every process's files. The
+directory must be set before prometheus_client is first imported in a process;
+:func:`multiproc_dir` picks it and the Ray deployments pass it to every replica.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def multiproc_dir() -> str:
+    """The shared metrics directory of this machine's neuron-serve processes."""
+    if MULTIPROC_ENV not in os.environ:
+        path = os.path.join(tempfile.gettempdir(), "neuron-serve-metrics")
+        os.makedirs(path, exist_ok=True)
+        os.environ[MULTIPROC_ENV] = path
+    return os.environ[MULTIPROC_ENV]
+
+
+multiproc_dir()
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest  # noqa: E402
+from prometheus_client import multiprocess  # noqa: E402
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+REQUEST_LATENCY = Histogram(
+    "neuron_serve_request_latency_seconds", "End-to-end latency of an infer request inside the replica",
+    ["model", "replica"], buckets=LATENCY_BUCKETS,
+)
+QUEUE_TIME = Histogram(
+    "neuron_serve_queue_time_seconds", "Time a request waited in the batcher before its batch started",
+    ["model", "replica"], buckets=LATENCY_BUCKETS,
+)
+BATCH_SIZE = Histogram(
+    "neuron_serve_batch_size_rows", "Rows per batch formed by the request batcher",
+    ["model", "replica"], buckets=BATCH_BUCKETS,
+)
+PARTITION_TIME = Histogram(
+    "neuron_serve_partition_seconds", "Time of one partition (subgraph) run, by device kind and core",
+    ["model", "replica", "partition", "device", "core"], buckets=LATENCY_BUCKETS,
+)
+CORE_BATCHES = Counter(
+    "neuron_serve_core_chunks_total", "Chunks (trace-size batches) run per core",
+    ["model", "replica", "core"],
+)
+REQUESTS = Counter(
+    "neuron_serve_requests_total", "Infer requests by outcome (HTTP status code)",
+    ["model", "replica", "code"],
+)
+PADDING_ROWS = Counter(
+    "neuron_serve_padding_rows_total", "Rows added to fill compiled batch or bucket shapes (wasted work)",
+    ["model", "replica"],
+)
+COMPILE_TIME = Histogram(
+    "neuron_serve_build_seconds", "Time to build (capture, partition, compile, load) a model on a replica",
+    ["model", "replica"], buckets=(0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800),
+)
+CACHE_HITS = Counter(
+    "neuron_serve_compile_cache_hits_total", "Operator-support and compile cache hits",
+    ["model", "replica", "cache"],
+)
+
+
+def scrape() -> bytes:
+    """Every process's samples, merged: the body of GET /metrics."""
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=multiproc_dir())
+    return generate_latest(registry)

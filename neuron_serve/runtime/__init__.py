@@ -1,0 +1,1 @@
+"""Serving runtime: request batching, core workers and the CPU executor."""

@@ -1,0 +1,303 @@
+"""DynamicBatcher: groups concurrent requests into batches, with a queue bound and deadlines.
+
+One background task forms batches on a single asyncio event loop:
+
+1. It waits for a free batch slot (at most ``max_concurrent_batches`` run at once), so a
+   batch keeps filling while every core is busy instead of waiting, half-formed, for one.
+2. It takes waiting requests from the front of the queue while their rows fit in
+   ``max_batch_size``. A request with more rows than that runs in a batch of its own.
+3. It dispatches at once when the batch cannot grow (its rows reach ``max_batch_size`` or
+   the largest preferred batch size, or the next request does not fit); otherwise when
+   ``max_queue_delay_s`` has passed since the first request of the batch arrived.
+
+Requests that time out while queued leave the queue and never run; a request that times
+out after its batch started has its result discarded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Sequence
+
+from ..errors import ConfigError, InvalidInput, Overloaded, RequestTimeout
+
+logger = logging.getLogger("neuron_serve")
+
+RunBatch = Callable[[list[Any]], Awaitable[list[Any]]]
+OnBatch = Callable[[int, list[float]], None]
+
+
+@dataclass(eq=False)
+class _Pending:
+    """One submitted request; identity-compared so ``deque.remove`` finds exactly this one."""
+
+    item: Any
+    rows: int
+    arrived: float
+    future: asyncio.Future = field(repr=False)
+    started: bool = False
+
+
+def _check_config(
+    max_batch_size: int,
+    max_queue_delay_s: float,
+    max_queue_size: int,
+    request_timeout_s: float | None,
+    preferred_batch_sizes: Sequence[int] | None,
+    max_concurrent_batches: int,
+) -> None:
+    """Raise ConfigError naming the first invalid parameter and the accepted range."""
+    checks = [
+        ("max_batch_size", max_batch_size, max_batch_size >= 1, "an integer >= 1"),
+        ("max_queue_delay_s", max_queue_delay_s, max_queue_delay_s >= 0, "a number of seconds >= 0"),
+        ("max_queue_size", max_queue_size, max_queue_size >= 1, "an integer >= 1"),
+        ("request_timeout_s", request_timeout_s, request_timeout_s is None or request_timeout_s > 0,
+         "None (no deadline) or a number of seconds > 0"),
+        ("max_concurrent_batches", max_concurrent_batches, max_concurrent_batches >= 1, "an integer >= 1"),
+        ("preferred_batch_sizes", preferred_batch_sizes,
+         preferred_batch_sizes is None or all(s >= 1 for s in preferred_batch_sizes), "None or integers >= 1"),
+    ]
+    for name, value, ok, expected in checks:
+        if not ok:
+            raise ConfigError(f"DynamicBatcher: {name}={value!r} is invalid; it must be {expected}.")
+
+
+class DynamicBatcher:
+    """Batches ``submit``-ted items and runs them through ``run_batch``.
+
+    ``run_batch(items)`` returns one result per item, in order; an ``Exception`` instance in
+    its place fails only that item. An exception raised by ``run_batch`` fails every item of
+    the batch. ``on_batch(batch_rows, queue_waits)``, if given, is called as each batch
+    starts, with every item's seconds from submit to the batch start (for metrics).
+    """
+
+    def __init__(
+        self,
+        run_batch: RunBatch,
+        *,
+        max_batch_size: int,
+        max_queue_delay_s: float,
+        max_queue_size: int,
+        request_timeout_s: float | None,
+        preferred_batch_sizes: Sequence[int] | None = None,
+        max_concurrent_batches: int = 1,
+        on_batch: OnBatch | None = None,
+    ) -> None:
+        _check_config(max_batch_size, max_queue_delay_s, max_queue_size, request_timeout_s,
+                      preferred_batch_sizes, max_concurrent_batches)
+        self._run_batch = run_batch
+        self.max_batch_size = max_batch_size
+        self.max_queue_delay_s = max_queue_delay_s
+        self.max_queue_size = max_queue_size
+        self.request_timeout_s = request_timeout_s
+        self.max_concurrent_batches = max_concurrent_batches
+        self._on_batch = on_batch
+        # Past the largest preferred (compiled) size a batch would only grow by padding
+        # into a chunked run, so reaching it is as good as reaching max_batch_size.
+        fitting = [s for s in (preferred_batch_sizes or []) if s <= max_batch_size]
+        self._full_rows = max(fitting) if fitting else max_batch_size
+        self._queue: collections.deque[_Pending] = collections.deque()
+        self._wakeup: asyncio.Event | None = None
+        self._slots: asyncio.Semaphore | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._running: set[asyncio.Task] = set()
+        self._accepting = False
+        self._closing = False
+        self._counts = {"completed": 0, "failed": 0, "rejected": 0, "timed_out": 0}
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start forming batches; call from inside the running event loop."""
+        if self._loop_task is not None:
+            return
+        # Created here, not in __init__, so they bind to the loop that serves requests.
+        self._wakeup = asyncio.Event()
+        self._slots = asyncio.Semaphore(self.max_concurrent_batches)
+        self._accepting = True
+        self._loop_task = asyncio.get_running_loop().create_task(self._form_batches())
+
+    async def stop(self, drain: bool = True) -> None:
+        """Stop accepting; run what is queued (``drain``) or fail it with Overloaded; await running batches."""
+        self._accepting = False
+        self._closing = True
+        if not drain:
+            while self._queue:
+                self._fail(self._queue.popleft(), Overloaded("server shutting down; request was not run"))
+        if self._wakeup is not None:
+            self._wakeup.set()
+        if self._loop_task is not None:
+            await self._loop_task
+        if self._running:
+            await asyncio.gather(*self._running, return_exceptions=True)
+
+    async def __aenter__(self) -> DynamicBatcher:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop(drain=True)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Requests queued and batches running now; request counts so far.
+
+        ``completed`` got a result, ``failed`` an error (from run_batch or shutdown),
+        ``rejected`` were refused by submit (queue full, shutting down), ``timed_out``
+        hit ``request_timeout_s``.
+        """
+        return {"queued": len(self._queue), "running_batches": len(self._running), **self._counts}
+
+    # -- requests --------------------------------------------------------------------
+
+    async def submit(self, item: Any, rows: int = 1) -> Any:
+        """Queue ``item`` (``rows`` rows) for the next batch and return its result.
+
+        Raises Overloaded when the queue is full or the batcher is shutting down, and
+        RequestTimeout when ``request_timeout_s`` passes before the result arrives.
+        """
+        if self._loop_task is None and not self._closing:
+            raise RuntimeError("DynamicBatcher.start() must be called before submit().")
+        if not self._accepting:
+            self._counts["rejected"] += 1
+            raise Overloaded("server shutting down; not accepting new requests")
+        if rows < 1:
+            raise InvalidInput(f"a request needs at least 1 row, got rows={rows}.")
+        if len(self._queue) >= self.max_queue_size:
+            self._counts["rejected"] += 1
+            raise Overloaded(f"queue full ({len(self._queue)} requests waiting); retry later")
+        loop = asyncio.get_running_loop()
+        pending = _Pending(item, rows, loop.time(), loop.create_future())
+        self._queue.append(pending)
+        self._wakeup.set()
+        try:
+            done, _ = await asyncio.wait({pending.future}, timeout=self.request_timeout_s)
+        except BaseException:
+            self._abandon(pending)  # the caller went away (cancelled): same as a timeout
+            raise
+        if not done:
+            self._abandon(pending)
+            self._counts["timed_out"] += 1
+            raise RequestTimeout(
+                f"request timed out after waiting {self.request_timeout_s:g}s "
+                f"({'running' if pending.started else 'still queued'}); raise request_timeout_s or retry later"
+            )
+        return pending.future.result()
+
+    def _abandon(self, pending: _Pending) -> None:
+        """Make sure an abandoned request never runs (if queued) and its result is dropped."""
+        if not pending.started:
+            try:
+                self._queue.remove(pending)
+            except ValueError:
+                pass  # already taken off by stop(drain=False) or a batcher failure
+        pending.future.cancel()
+
+    # -- batch formation ----------------------------------------------------------------
+
+    def _fit(self) -> tuple[int, bool]:
+        """How many requests from the queue front form the next batch, and whether it is full."""
+        count, rows = 0, 0
+        for pending in self._queue:
+            if count and rows + pending.rows > self.max_batch_size:
+                return count, True  # the next request does not fit: waiting cannot help
+            count, rows = count + 1, rows + pending.rows
+            if rows >= self._full_rows:
+                return count, True
+        return count, False
+
+    async def _next_batch(self) -> list[_Pending] | None:
+        """Wait until a batch is due and take it off the queue; None once closing and empty."""
+        loop = asyncio.get_running_loop()
+        while True:
+            self._wakeup.clear()
+            if not self._queue:
+                if self._closing:
+                    return None
+                await self._wakeup.wait()
+                continue
+            count, full = self._fit()
+            # Recomputed each pass: the first request may have timed out and left the queue.
+            remaining = self._queue[0].arrived + self.max_queue_delay_s - loop.time()
+            if full or remaining <= 0 or self._closing:
+                batch = [self._queue.popleft() for _ in range(count)]
+                for pending in batch:
+                    pending.started = True
+                return batch
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _form_batches(self) -> None:
+        """The background task: take a slot, form a batch, hand it to a runner task."""
+        try:
+            while True:
+                await self._slots.acquire()
+                batch = await self._next_batch()
+                if batch is None:
+                    self._slots.release()
+                    return
+                task = asyncio.get_running_loop().create_task(self._run(batch))
+                self._running.add(task)
+                task.add_done_callback(self._batch_done)
+        except BaseException as exc:
+            # Never leave callers hanging on a batcher that can no longer form batches
+            # (cancelled with its event loop, or broken by a bug).
+            if not isinstance(exc, asyncio.CancelledError):
+                logger.exception("DynamicBatcher stopped forming batches")
+            self._accepting = False
+            while self._queue:
+                self._fail(self._queue.popleft(), Overloaded("batcher stopped; request was not run"))
+            raise
+
+    def _batch_done(self, task: asyncio.Task) -> None:
+        self._running.discard(task)
+        self._slots.release()
+
+    async def _run(self, batch: list[_Pending]) -> None:
+        """Run one batch and deliver each item's result or error."""
+        # Requests abandoned between dispatch and now are dropped before they run.
+        live = [p for p in batch if not p.future.done()]
+        if not live:
+            return
+        self._report(live)
+        try:
+            results = await self._run_batch([p.item for p in live])
+            if not isinstance(results, (list, tuple)) or len(results) != len(live):
+                got = f"{len(results)} results" if isinstance(results, (list, tuple)) else type(results).__name__
+                raise RuntimeError(f"run_batch returned {got} for {len(live)} items; it must return one per item.")
+        except asyncio.CancelledError:
+            # Cancelling a caller's future would surface as a bare CancelledError in its
+            # task; a typed error says what happened.
+            for pending in live:
+                self._fail(pending, Overloaded("batch was cancelled before it finished; retry later"))
+            raise
+        except Exception as exc:
+            for pending in live:
+                self._fail(pending, exc)
+            return
+        for pending, result in zip(live, results):
+            if isinstance(result, Exception):
+                self._fail(pending, result)
+            elif not pending.future.done():
+                pending.future.set_result(result)
+                self._counts["completed"] += 1
+
+    def _fail(self, pending: _Pending, exc: BaseException) -> None:
+        if not pending.future.done():
+            pending.future.set_exception(exc)
+            self._counts["failed"] += 1
+
+    def _report(self, live: list[_Pending]) -> None:
+        """Hand batch size and queue waits to ``on_batch``; a broken hook must not break serving."""
+        if self._on_batch is None:
+            return
+        now = asyncio.get_running_loop().time()
+        try:
+            self._on_batch(sum(p.rows for p in live), [now - p.arrived for p in live])
+        except Exception:
+            logger.exception("DynamicBatcher on_batch callback failed")

@@ -1,0 +1,137 @@
+"""ModelRunner: builds a model.yaml's model in this process and runs request batches.
+
+Building runs the whole compile pipeline (capture, analyze, partition, compile per
+bucket) and loads every accelerator subgraph onto every core. A batch of requests is
+padded into its bucket, concatenated, split into trace-size chunks, and the chunks
+are spread round-robin over the cores, each chunk a pipeline of core and CPU stages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import torch.utils._pytree as pytree
+
+from .. import batching
+from ..api import dynamic_batch, trace, trace_buckets
+from ..bucketing import BucketSpec
+from ..config import DTYPES, ModelConfig, build_model
+from ..errors import ConfigError, NeuronServeError
+from ..traced import TracedModule
+from . import collate
+from .cores import CorePool
+from .pipeline import Pipeline, StageTimer
+
+logger = logging.getLogger("neuron_serve")
+
+
+def output_names(traced: TracedModule, example_outputs: object, configured: list[str] | None) -> list[str]:
+    """Names of the flattened outputs: configured, else the model's own keys."""
+    paths = [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(example_outputs)[0]]
+    if configured is not None:
+        if len(configured) != len(paths):
+            raise ConfigError(f"outputs: the model has {len(paths)} outputs {paths}, but {len(configured)} names are given.")
+        return list(configured)
+    names = []
+    for i, path in enumerate(paths):
+        name = path.strip(".[]'\"").replace("'][", ".").replace("][", ".")
+        names.append(name if name and not name.isdigit() else f"output_{i}")
+    return names
+
+
+class ModelRunner:
+    """The compiled model of one deployment, on every core of this replica."""
+
+    def __init__(self, config: ModelConfig, base_dir: str | Path | None = None, on_stage: StageTimer | None = None):
+        started = time.perf_counter()
+        self.config = config
+        model = build_model(config, base_dir)
+        example = config.example_inputs()
+        names = [i.name for i in config.inputs]
+        partitioner = config.partitioner_config()
+        self.spec: BucketSpec | None = None
+        if config.buckets is not None:
+            self.spec = BucketSpec.build(
+                sizes=config.buckets.sizes, inputs=config.buckets.inputs, pad_values=config.buckets.pad_values,
+                input_names=names,
+            )
+            bucketed = trace_buckets(model, example, self.spec, partitioner_config=partitioner, target=config.target)
+            self.buckets: list[TracedModule] = list(bucketed.buckets)
+        else:
+            self.buckets = [trace(model, example, partitioner_config=partitioner, target=config.target)]
+        if config.dynamic_batch:
+            for traced in self.buckets:
+                dynamic_batch(traced)
+        with torch.no_grad():
+            reference = model(*example)
+        self.output_names = output_names(self.buckets[0], reference, config.outputs)
+        if self.spec is not None and config.buckets.outputs:
+            unknown = sorted(set(config.buckets.outputs) - set(self.output_names))
+            if unknown:
+                raise ConfigError(f"buckets.outputs: unknown outputs {unknown}; outputs are {self.output_names}.")
+            self.spec.outputs = {self.output_names.index(k): BucketSpec.build([1], {0: v}).inputs[0]
+                                 for k, v in config.buckets.outputs.items()}
+        self.trace_batch = example[0].shape[0] if example[0].dim() else 1
+        self.cores = CorePool(config.cores_per_replica)
+        self.cpu_pool = ThreadPoolExecutor(max(2, os.cpu_count() or 2), thread_name_prefix="cpu-subgraph")
+        self.pipelines = [Pipeline(traced, self.cores, self.cpu_pool, on_stage) for traced in self.buckets]
+        self.build_seconds = time.perf_counter() - started
+        logger.info("model %s ready on %d core(s) in %.1fs", config.name, len(self.cores), self.build_seconds)
+
+    @property
+    def partitions(self) -> list[dict]:
+        return [p.describe() for p in self.buckets[0].partitions]
+
+    def input_dtypes(self) -> list[torch.dtype]:
+        return [DTYPES[i.dtype] for i in self.config.inputs]
+
+    async def infer(self, requests: list[list[torch.Tensor]]) -> list[list[torch.Tensor] | Exception]:
+        """Run a batch of requests (each a list of input tensors); one result per request.
+
+        A request that cannot run (too large for every bucket) gets its exception as
+        its result; the others still run.
+        """
+        results: list[list[torch.Tensor] | Exception] = [None] * len(requests)  # type: ignore[list-item]
+        groups: dict[int, list[int]] = defaultdict(list)
+        padded: dict[int, list[torch.Tensor]] = {}
+        for i, inputs in enumerate(requests):
+            try:
+                bucket, padded[i] = self._place(inputs)
+            except NeuronServeError as exc:
+                results[i] = exc
+                continue
+            groups[bucket].append(i)
+        await asyncio.gather(*(self._run_group(b, members, requests, padded, results) for b, members in groups.items()))
+        return results
+
+    def _place(self, inputs: list[torch.Tensor]) -> tuple[int, list[torch.Tensor]]:
+        if self.spec is None:
+            return 0, list(inputs)
+        padded, index = self.spec.kernel(list(inputs))
+        return int(index), padded
+
+    async def _run_group(self, bucket, members, requests, padded, results) -> None:
+        batch, sizes = collate.collate([padded[i] for i in members])
+        outputs = await self._run_rows(bucket, batch)
+        for i, out in zip(members, collate.split(outputs, sizes)):
+            if self.spec is not None:
+                out = self.spec.unpad(out, self.spec.request_sizes(requests[i]))
+            results[i] = out
+
+    async def _run_rows(self, bucket: int, batch: list[torch.Tensor]) -> list[torch.Tensor]:
+        pipeline = self.pipelines[bucket]
+        rows = batch[0].shape[0]
+        chunks = batching.split_chunks(batch, rows, self.trace_batch)
+        outputs = await asyncio.gather(*(pipeline.run(chunk, self.cores.next()) for chunk in chunks))
+        return batching.join_chunks(list(outputs), rows)
+
+    def close(self) -> None:
+        self.cpu_pool.shutdown(wait=False)
+        self.cores.shutdown()

@@ -1,0 +1,1 @@
+"""Serving layers: protocol codecs, data plane, HTTP routes."""

@@ -1,0 +1,156 @@
+"""Ray Serve deployments: the only place neuron-serve talks to Ray.
+
+Each model is its own Serve application at ``/v2/models/{name}`` (so requests go
+straight to its replicas); the ``neuron-serve`` application at ``/`` serves health,
+server metadata and metrics. Replicas ask Ray for ``neuron_cores`` when the cluster
+advertises them, so each gets its own cores; in emulation each replica gets
+``cores_per_replica`` XLA:CPU devices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+from ray import serve
+
+from .. import metrics
+from ..config import ModelConfig, parse_config
+from ..targets.runtime import neuron_devices_present
+from .dataplane import ModelDataPlane
+from . import dataplane
+from .http import model_app, server_app
+
+logger = logging.getLogger("neuron_serve")
+
+SERVER_APP = "neuron-serve"
+NEURON_CORES = "neuron_cores"  # the Ray resource each replica asks for on Neuron clusters
+STATUS_TTL_S = 1.0
+
+_MODEL_API = model_app()
+
+
+@serve.deployment(name="model", graceful_shutdown_timeout_s=30, health_check_period_s=5)
+@serve.ingress(_MODEL_API)
+class ModelServer:
+    """One replica of one model: builds it on construction, then serves OIP v2."""
+
+    async def __init__(self, config: dict, base_dir: str | None) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+        parsed = parse_config(config)
+        replica = serve.get_replica_context().replica_id.unique_id
+        loop = asyncio.get_running_loop()
+        # Building compiles for seconds to minutes; run it off the event loop.
+        self.plane = await loop.run_in_executor(None, ModelDataPlane, parsed, base_dir, replica)
+        self.plane.start()
+        dataplane.set_current(self.plane)
+
+    async def __del__(self) -> None:
+        dataplane.set_current(None)
+        await self.plane.stop()
+
+
+_status_cache: tuple[float, dict[str, str]] = (0.0, {})
+
+
+async def model_states() -> dict[str, str]:
+    """Every model application's state, from the Serve controller (cached briefly)."""
+    global _status_cache
+    stamp, cached = _status_cache
+    if time.monotonic() - stamp < STATUS_TTL_S:
+        return cached
+    status = await asyncio.get_running_loop().run_in_executor(None, serve.status)
+    states = {}
+    for name, app in status.applications.items():
+        if name == SERVER_APP:
+            continue
+        value = str(app.status.value if hasattr(app.status, "value") else app.status)
+        states[name] = {"RUNNING": "ready", "DEPLOY_FAILED": f"failed: {app.message}"}.get(value, value.lower())
+    _status_cache = (time.monotonic(), states)
+    return states
+
+
+@serve.deployment(name="server", num_replicas=1, ray_actor_options={"num_cpus": 0})
+@serve.ingress(server_app(model_states))
+class Server:
+    """Health, server metadata, metrics and fallbacks; holds no model."""
+
+
+def replica_env(config: ModelConfig) -> dict[str, str]:
+    env = {metrics.MULTIPROC_ENV: metrics.multiproc_dir()}
+    if not neuron_devices_present():
+        env.update({"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(config.cores_per_replica)})
+    return env
+
+
+def model_application(config: ModelConfig, base_dir: str | None):
+    """The Serve application of one model, with replica count and resources."""
+    resources = {}
+    if ray.cluster_resources().get(NEURON_CORES):
+        resources[NEURON_CORES] = config.cores_per_replica
+    options = {
+        "ray_actor_options": {"num_cpus": 0, "resources": resources, "runtime_env": {"env_vars": replica_env(config)}},
+        "max_ongoing_requests": config.batching.max_queue_size + config.batching.max_batch_size,
+    }
+    if config.autoscaling is not None:
+        options["autoscaling_config"] = config.autoscaling.model_dump()
+    else:
+        options["num_replicas"] = config.replicas
+    return ModelServer.options(**options).bind(config.model_dump(), base_dir)
+
+
+def connect(address: str | None) -> bool:
+    """Join the Ray cluster at ``address`` (or RAY_ADDRESS); else start one here.
+
+    Returns True when this process started Ray (and so must stay up to serve).
+    """
+    address = address or os.environ.get("RAY_ADDRESS")
+    if not ray.is_initialized():
+        if address:
+            ray.init(address=address, namespace=SERVER_APP, logging_level=logging.WARNING)
+            return False
+        os.environ[metrics.MULTIPROC_ENV] = tempfile.mkdtemp(prefix="neuron-serve-metrics-")
+        ray.init(namespace=SERVER_APP, logging_level=logging.WARNING,
+                 runtime_env={"env_vars": {metrics.MULTIPROC_ENV: os.environ[metrics.MULTIPROC_ENV]}})
+        return True
+    return False
+
+
+def deploy(configs: list[tuple[ModelConfig, str | None]], host: str, port: int, timeout_s: float = 1800) -> dict[str, str]:
+    """Deploy every model and the server app; wait until all are ready or one fails."""
+    serve.start(http_options={"host": host, "port": port})
+    for config, base_dir in configs:
+        serve.run(model_application(config, base_dir), name=config.name,
+                  route_prefix=f"/v2/models/{config.name}", blocking=False)
+    serve.run(Server.bind(), name=SERVER_APP, route_prefix="/", blocking=False)
+    deadline = time.monotonic() + timeout_s
+    names = {c.name for c, _ in configs}
+    while True:
+        apps = serve.status().applications
+        states = {n: str(apps[n].status) if n in apps else "MISSING" for n in names | {SERVER_APP}}
+        failed = {n: apps[n].message for n, s in states.items() if "DEPLOY_FAILED" in s}
+        if failed:
+            return {n: f"failed: {m}" for n, m in failed.items()}
+        if all("RUNNING" in s for s in states.values()):
+            return {n: "ready" for n in names}
+        if time.monotonic() > deadline:
+            return {n: s for n, s in states.items()}
+        time.sleep(1)
+
+
+def status() -> dict[str, dict]:
+    apps = serve.status().applications
+    return {name: {"status": str(app.status), "message": app.message} for name, app in apps.items()}
+
+
+def shutdown(names: list[str] | None = None) -> None:
+    if names:
+        for name in names:
+            serve.delete(name)
+    else:
+        serve.shutdown()

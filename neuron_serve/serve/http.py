@@ -1,0 +1,154 @@
+"""HTTP routes of the Open Inference Protocol v2, as FastAPI apps.
+
+Two apps: the model app (one per model, mounted at ``/v2/models/{name}``) serves
+metadata, readiness and inference from its ModelDataPlane; the server app (mounted at
+``/``) serves health, server metadata, ``/metrics``, the OpenAPI document, and answers
+for models that are unknown (404) or still loading (503). Errors are always
+``{"error": "..."}`` with the status of the error's type (see neuron_serve.errors).
+"""
+
+from __future__ import annotations
+
+from typing import Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+
+from .. import __version__, metrics
+from ..errors import ModelNotFound, ModelNotReady, NeuronServeError
+from ..targets.runtime import emulated
+from ..config import DEFAULT_MAX_REQUEST_BYTES
+from . import dataplane
+from .dataplane import ModelDataPlane
+
+OPENAPI_PATH = "/openapi.json"
+HEALTH_LIVE = "/v2/health/live"
+HEALTH_READY = "/v2/health/ready"
+METRICS_PATH = "/metrics"
+
+
+class PayloadTooLarge(NeuronServeError):
+    http_status = 413
+
+
+def _error(exc: NeuronServeError) -> JSONResponse:
+    return JSONResponse({"error": str(exc)}, status_code=exc.http_status)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(NeuronServeError)
+    async def _typed(_: Request, exc: NeuronServeError) -> JSONResponse:
+        return _error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"error": str(exc)}, status_code=400)
+
+
+async def read_body(request: Request, limit: int = DEFAULT_MAX_REQUEST_BYTES) -> bytes:
+    """The request body, refused with 413 as soon as it passes ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def model_app() -> FastAPI:
+    """Routes under /v2/models/{name}, served by the replica's current data plane.
+
+    Ray Serve ships this app to each replica by value, so handlers find the plane
+    through the dataplane module (imported by name in the replica), not a closure.
+    """
+    app = FastAPI(title="neuron-serve model", openapi_url=None, docs_url=None, redoc_url=None)
+    _install_error_handlers(app)
+
+    def plane() -> ModelDataPlane:
+        found = dataplane.current()
+        if found is None or not found.ready():
+            raise ModelNotReady("model is loading or shutting down")
+        return found
+
+    @app.get("")
+    @app.get("/")
+    async def metadata() -> JSONResponse:
+        return JSONResponse(plane().metadata())
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        return JSONResponse({"name": plane().name, "ready": True})
+
+    @app.post("/infer")
+    async def infer(request: Request) -> Response:
+        served = plane()
+        body = await read_body(request, served.config.http.max_request_bytes)
+        content, headers = await served.infer(body, request.headers)
+        return Response(content, headers=headers)
+
+    return app
+
+
+ModelStates = Callable[[], Awaitable[dict[str, str]]]  # model name -> "ready" | "loading" | "failed: ..."
+
+
+def server_app(model_states: ModelStates) -> FastAPI:
+    """Health, server metadata, metrics and the fallbacks for unknown or loading models."""
+    app = FastAPI(
+        title="neuron-serve",
+        version=__version__,
+        description="Open Inference Protocol v2 (KServe v2 / Triton HTTP) for models compiled by neuron-serve.",
+        openapi_url=OPENAPI_PATH,
+    )
+    _install_error_handlers(app)
+
+    async def missing(name: str) -> NeuronServeError:
+        state = (await model_states()).get(name)
+        if state is None:
+            return ModelNotFound(f"model {name!r} not found")
+        return ModelNotReady(f"model {name!r} is not ready ({state})")
+
+    @app.get(HEALTH_LIVE)
+    async def live() -> dict:
+        return {"live": True}
+
+    @app.get(HEALTH_READY)
+    async def ready() -> JSONResponse:
+        states = await model_states()
+        waiting = {n: s for n, s in states.items() if s != "ready"}
+        if not states or waiting:
+            return JSONResponse({"ready": False, "error": f"models not ready: {waiting or 'none deployed'}"}, 503)
+        return JSONResponse({"ready": True})
+
+    @app.get("/v2")
+    async def server_metadata() -> dict:
+        return {
+            "name": "neuron-serve",
+            "version": __version__,
+            "extensions": ["binary_tensor_data"],
+            "emulated": emulated(),
+            "models": sorted(await model_states()),
+        }
+
+    @app.get("/v2/models/{name}")
+    async def model_metadata(name: str) -> JSONResponse:
+        return _error(await missing(name))
+
+    @app.get("/v2/models/{name}/ready")
+    async def model_ready(name: str) -> JSONResponse:
+        return _error(await missing(name))
+
+    @app.post("/v2/models/{name}/infer")
+    async def model_infer(name: str) -> JSONResponse:
+        return _error(await missing(name))
+
+    @app.get(METRICS_PATH)
+    async def scrape() -> Response:
+        return Response(metrics.scrape(), media_type="text/plain; version=0.0.4")
+
+    return app

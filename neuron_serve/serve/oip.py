@@ -1,0 +1,383 @@
+"""Open Inference Protocol v2 REST codec: infer requests in, infer responses out.
+
+Implements the KServe v2 / Triton HTTP JSON infer request and response, and Triton's
+binary tensor data extension: with an `Inference-Header-Content-Length: N` header, the
+first N bytes of the body are the JSON header and the rest is the raw little-endian,
+row-major bytes of every tensor that declares `parameters.binary_data_size`, in order.
+
+Pure functions over bytes and headers; the HTTP layer only moves bytes. Every flaw in
+a request raises `InvalidInput` (HTTP 400) naming the input and the problem, and no
+tensor is allocated before its size has been checked against the body and the limit.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from math import prod
+from typing import Any
+
+import torch
+
+from neuron_serve.errors import InvalidInput, NeuronServeError
+from neuron_serve.serve.oip_tensors import describe, json_type, tensor_from_bytes, tensor_from_json
+from neuron_serve.serve.oip_types import (
+    DATATYPE_TO_TORCH,
+    TORCH_TO_DATATYPE,
+    UNSUPPORTED_DATATYPES,
+    InferInput,
+    InferRequest,
+    RequestedOutput,
+    TensorSpec,
+    datatype_itemsize,
+    format_shape,
+)
+
+__all__ = [
+    "DATATYPE_TO_TORCH",
+    "HEADER_LENGTH",
+    "TORCH_TO_DATATYPE",
+    "InferInput",
+    "InferRequest",
+    "RequestedOutput",
+    "TensorSpec",
+    "check_inputs",
+    "encode_infer_response",
+    "parse_infer_request",
+]
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+DEFAULT_MAX_ELEMENTS = 1 << 26
+# torch accepts far more dims, but no model does; a bound keeps a hostile shape of a
+# million 1s from costing time in torch's size bookkeeping.
+MAX_RANK = 64
+
+_SUPPORTED = ", ".join(DATATYPE_TO_TORCH)
+
+
+@dataclass
+class _InputPlan:
+    """An input whose header has been validated but whose tensor is not built yet."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    data: list[Any] | None
+    binary_size: int | None
+
+
+def parse_infer_request(
+    body: bytes, headers: Mapping[str, str], *, max_elements: int = DEFAULT_MAX_ELEMENTS
+) -> InferRequest:
+    """Decode an OIP v2 REST infer request body (JSON, or JSON + binary tensor data).
+
+    `headers` is looked up case-insensitively for `Inference-Header-Content-Length`.
+    Each input holds at most `max_elements` elements; larger shapes are refused before
+    any allocation. Raises `InvalidInput` for every malformed request.
+    """
+    body = bytes(body)
+    header_length = _header_length(headers, len(body))
+    doc = _load_json(body if header_length is None else body[:header_length])
+    binary = memoryview(body)[len(body) if header_length is None else header_length :]
+    if not isinstance(doc, dict):
+        raise InvalidInput(f"request body must be a JSON object, got {json_type(doc)}")
+
+    request_id = doc.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise InvalidInput(f"request 'id' must be a string, got {json_type(request_id)}")
+    parameters = _object(doc.get("parameters"), "request 'parameters'")
+    binary_output = parameters.get("binary_data_output", False)
+    if not isinstance(binary_output, bool):
+        raise InvalidInput("request parameter 'binary_data_output' must be true or false")
+
+    raw_inputs = doc.get("inputs")
+    if not isinstance(raw_inputs, list):
+        raise InvalidInput(f"request 'inputs' must be a list, got {json_type(raw_inputs)}")
+    plans: list[_InputPlan] = []
+    seen: set[str] = set()
+    for index, raw in enumerate(raw_inputs):
+        plan = _plan_input(index, raw, max_elements)
+        if plan.name in seen:
+            raise InvalidInput(f"duplicate input name '{plan.name}'")
+        seen.add(plan.name)
+        plans.append(plan)
+    outputs = _parse_outputs(doc.get("outputs"))
+
+    # Sizes are all checked against the body before any tensor is built, so a lying
+    # header costs nothing but the parse.
+    sized = [p for p in plans if p.binary_size is not None]
+    declared = sum(p.binary_size or 0 for p in sized)
+    if sized and header_length is None:
+        raise InvalidInput(
+            f"input '{sized[0].name}' has parameters.binary_data_size but the request "
+            f"has no {HEADER_LENGTH} header"
+        )
+    if declared != len(binary):
+        longer = "longer" if len(binary) > declared else "shorter"
+        raise InvalidInput(
+            f"binary tensor data is {len(binary)} bytes, {longer} than the {declared} "
+            "bytes the inputs declare in parameters.binary_data_size"
+        )
+
+    inputs, offset = [], 0
+    for plan in plans:
+        if plan.binary_size is not None:
+            chunk = binary[offset : offset + plan.binary_size]
+            offset += plan.binary_size
+            tensor = tensor_from_bytes(plan.name, plan.datatype, plan.shape, chunk)
+        else:
+            tensor = tensor_from_json(plan.name, plan.datatype, plan.shape, plan.data)
+        inputs.append(InferInput(plan.name, plan.datatype, plan.shape, tensor))
+    return InferRequest(
+        id=request_id,
+        inputs=inputs,
+        outputs=outputs,
+        binary_output=binary_output,
+        parameters=parameters,
+    )
+
+
+def encode_infer_response(
+    *,
+    model_name: str,
+    model_version: str | None,
+    request_id: str | None,
+    outputs: list[tuple[str, torch.Tensor]],
+    request: InferRequest | None,
+) -> tuple[bytes, dict[str, str]]:
+    """Encode model outputs as an OIP v2 REST infer response; returns (body, headers).
+
+    If `request` names outputs, only those are returned, in its order (an unknown name
+    raises `InvalidInput`). Outputs the request wants in binary (per-output
+    `binary_data`, else request-level `binary_data_output`) carry
+    `parameters.binary_data_size` and their bytes follow the JSON header, whose length
+    is then given in the `Inference-Header-Content-Length` header. JSON `data` is flat
+    and row-major, as Triton returns it. `request_id` defaults to the request's id.
+    """
+    default_binary = request.binary_output if request is not None else False
+    selected: list[tuple[str, torch.Tensor, bool]] = []
+    if request is not None and request.outputs:
+        produced = dict(outputs)
+        for wanted in request.outputs:
+            if wanted.name not in produced:
+                raise InvalidInput(
+                    f"requested output '{wanted.name}' is not an output of model "
+                    f"'{model_name}'; its outputs are: {', '.join(produced) or '(none)'}"
+                )
+            binary = default_binary if wanted.binary_data is None else wanted.binary_data
+            selected.append((wanted.name, produced[wanted.name], binary))
+    else:
+        selected = [(name, tensor, default_binary) for name, tensor in outputs]
+
+    entries: list[dict[str, Any]] = []
+    chunks: list[bytes] = []
+    for name, tensor, binary in selected:
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        datatype = TORCH_TO_DATATYPE.get(flat.dtype)
+        if datatype is None:
+            # The model produced it, not the client: a server-side error (500).
+            raise NeuronServeError(
+                f"output '{name}' has dtype {flat.dtype}, which the protocol cannot carry; "
+                f"cast it to one of {_SUPPORTED}"
+            )
+        entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(tensor.shape)}
+        if binary:
+            raw = flat.view(torch.uint8).numpy().tobytes()
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            chunks.append(raw)
+        else:
+            entry["data"] = flat.tolist()  # FP16/BF16 come out as Python floats
+        entries.append(entry)
+
+    doc: dict[str, Any] = {"model_name": model_name}
+    if model_version:
+        doc["model_version"] = model_version
+    if request_id is None and request is not None:
+        request_id = request.id
+    if request_id is not None:
+        doc["id"] = request_id
+    doc["outputs"] = entries
+    header = json.dumps(doc, separators=(",", ":")).encode("utf-8")
+    if not chunks:
+        return header, {"Content-Type": "application/json"}
+    return header + b"".join(chunks), {
+        "Content-Type": "application/octet-stream",
+        HEADER_LENGTH: str(len(header)),
+    }
+
+
+def check_inputs(inputs: list[InferInput], expected: list[TensorSpec]) -> list[torch.Tensor]:
+    """Match request inputs to a model's declared inputs; tensors in `expected` order.
+
+    Raises `InvalidInput` for an unknown, duplicate or missing input, a wrong datatype,
+    or a shape whose rank or fixed (non -1) dimensions differ from the spec.
+    """
+    specs = {spec.name: spec for spec in expected}
+    names = ", ".join(spec.name for spec in expected) or "(none)"
+    given: dict[str, InferInput] = {}
+    for inp in inputs:
+        if inp.name not in specs:
+            raise InvalidInput(f"unknown input '{inp.name}'; the model expects: {names}")
+        if inp.name in given:
+            raise InvalidInput(f"duplicate input name '{inp.name}'")
+        given[inp.name] = inp
+    for spec in expected:
+        inp = given.get(spec.name)
+        if inp is None:
+            raise InvalidInput(f"missing input '{spec.name}'; the model expects: {names}")
+        if inp.datatype != spec.datatype:
+            raise InvalidInput(
+                f"input '{spec.name}' has datatype {inp.datatype}; expected {spec.datatype}"
+            )
+        shape = tuple(inp.tensor.shape)
+        if len(shape) != len(spec.shape) or any(
+            want != -1 and want != got for want, got in zip(spec.shape, shape, strict=True)
+        ):
+            raise InvalidInput(
+                f"input '{spec.name}' has shape {format_shape(shape)}; "
+                f"expected {format_shape(spec.shape)}"
+            )
+    return [given[spec.name].tensor for spec in expected]
+
+
+# --- request header ------------------------------------------------------------------
+
+
+def _header_length(headers: Mapping[str, str], body_length: int) -> int | None:
+    target = HEADER_LENGTH.lower()
+    values = {
+        value.decode("latin-1") if isinstance(value, bytes) else str(value)
+        for key, value in headers.items()
+        if isinstance(key, str) and key.lower() == target
+    }
+    if not values:
+        return None
+    if len(values) > 1:
+        raise InvalidInput(f"conflicting {HEADER_LENGTH} headers: {sorted(values)}")
+    text = values.pop().strip()
+    if re.fullmatch(r"-[0-9]+", text):
+        raise InvalidInput(f"{HEADER_LENGTH} must not be negative, got {text}")
+    if not re.fullmatch(r"[0-9]+", text):
+        raise InvalidInput(f"{HEADER_LENGTH} must be an integer, got {text[:40]!r}")
+    # The digit count bound keeps int() away from Python's huge-integer guard.
+    if len(text) > 20 or int(text) > body_length:
+        raise InvalidInput(
+            f"{HEADER_LENGTH} is {text[:40]} but the request body is only {body_length} bytes"
+        )
+    return int(text)
+
+
+def _load_json(raw: bytes) -> Any:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(
+            f"request JSON is not valid UTF-8 ({exc.reason} at byte {exc.start})"
+        ) from None
+    try:
+        # Python's json accepts NaN/Infinity, which float tensors legitimately hold.
+        return json.loads(text)
+    except RecursionError:
+        raise InvalidInput("request JSON is nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, and integers too long to convert
+        raise InvalidInput(f"request body is not valid JSON: {exc}") from None
+
+
+def _object(value: Any, what: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidInput(f"{what} must be an object, got {json_type(value)}")
+    return value
+
+
+def _plan_input(index: int, raw: Any, max_elements: int) -> _InputPlan:
+    if not isinstance(raw, dict):
+        raise InvalidInput(f"inputs[{index}] must be an object, got {json_type(raw)}")
+    name = raw.get("name")
+    if not isinstance(name, str) or not name:
+        raise InvalidInput(f"inputs[{index}] has no 'name' (a non-empty string)")
+    label = f"input '{name}'"
+
+    datatype = raw.get("datatype")
+    if datatype in UNSUPPORTED_DATATYPES:
+        raise InvalidInput(
+            f"{label}: datatype {datatype} is not supported; use one of {_SUPPORTED}"
+        )
+    if not isinstance(datatype, str) or datatype not in DATATYPE_TO_TORCH:
+        shown = datatype if isinstance(datatype, str) else json_type(datatype)
+        raise InvalidInput(f"{label}: unknown datatype {shown!r}; use one of {_SUPPORTED}")
+
+    shape = _shape(raw.get("shape"), label, max_elements)
+    parameters = _object(raw.get("parameters"), f"{label} 'parameters'")
+    if "shared_memory_region" in parameters:
+        raise InvalidInput(f"{label}: shared memory inputs are not supported; send the data")
+    binary_size = parameters.get("binary_data_size")
+    has_data = "data" in raw
+    if has_data and binary_size is not None:
+        raise InvalidInput(f"{label} has both 'data' and parameters.binary_data_size; give one")
+    if not has_data and binary_size is None:
+        raise InvalidInput(f"{label} has no data: give 'data' or parameters.binary_data_size")
+    if binary_size is not None:
+        needed = prod(shape) * datatype_itemsize(datatype)
+        if type(binary_size) is not int or binary_size != needed:
+            raise InvalidInput(
+                f"{label}: binary_data_size is {binary_size!r} but shape "
+                f"{format_shape(shape)} of {datatype} needs {needed} bytes"
+            )
+    return _InputPlan(name, datatype, shape, raw.get("data"), binary_size)
+
+
+def _shape(raw: Any, label: str, max_elements: int) -> tuple[int, ...]:
+    if not isinstance(raw, list):
+        raise InvalidInput(f"{label}: 'shape' must be a list of integers, got {json_type(raw)}")
+    if len(raw) > MAX_RANK:
+        raise InvalidInput(f"{label}: shape has {len(raw)} dimensions, more than {MAX_RANK}")
+    for axis, dim in enumerate(raw):
+        if type(dim) is not int or dim < 0:
+            raise InvalidInput(
+                f"{label}: shape dimension {axis} is {describe(dim)}; "
+                "dimensions must be non-negative integers"
+            )
+    # Zero-sized dims are skipped so that e.g. [0, 2**40, 2**40] cannot overflow
+    # torch's stride arithmetic; this checks the product before anything is allocated.
+    span = 1
+    for dim in raw:
+        span *= max(dim, 1)
+        if span > max_elements:
+            raise InvalidInput(
+                f"{label}: shape {format_shape(raw)} has more than max_elements="
+                f"{max_elements} elements"
+            )
+    return tuple(raw)
+
+
+def _parse_outputs(raw: Any) -> list[RequestedOutput] | None:
+    # An empty list means the same as no list: the client named no outputs.
+    if raw is None or raw == []:
+        return None
+    if not isinstance(raw, list):
+        raise InvalidInput(f"request 'outputs' must be a list, got {json_type(raw)}")
+    outputs: list[RequestedOutput] = []
+    seen: set[str] = set()
+    for index, item in enumerate(raw):
+        if not isinstance(item, dict):
+            raise InvalidInput(f"outputs[{index}] must be an object, got {json_type(item)}")
+        name = item.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidInput(f"outputs[{index}] has no 'name' (a non-empty string)")
+        label = f"requested output '{name}'"
+        if name in seen:
+            raise InvalidInput(f"duplicate requested output '{name}'")
+        seen.add(name)
+        parameters = _object(item.get("parameters"), f"{label} 'parameters'")
+        binary = parameters.get("binary_data")
+        if binary is not None and not isinstance(binary, bool):
+            raise InvalidInput(f"{label}: parameter 'binary_data' must be true or false")
+        for unsupported in ("shared_memory_region", "classification"):
+            if unsupported in parameters:
+                raise InvalidInput(f"{label}: parameter '{unsupported}' is not supported")
+        outputs.append(RequestedOutput(name, binary, parameters))
+    return outputs
