@@ -34,6 +34,7 @@ DEFAULT_REQUEST_TIMEOUT_S = 30.0
 DEFAULT_TARGET_ONGOING_REQUESTS = 16.0
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+DEFAULT_MAX_REQUEST_BYTES = 64 << 20
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
 FACTORY_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
 
@@ -119,6 +120,7 @@ class AutoscalingSettings(_Strict):
 class HttpSettings(_Strict):
     host: str = DEFAULT_HOST
     port: int = Field(DEFAULT_PORT, ge=1, le=65535)
+    max_request_bytes: int = Field(DEFAULT_MAX_REQUEST_BYTES, ge=1024, description="larger bodies get 413")
 
 
 class ModelConfig(_Strict):
