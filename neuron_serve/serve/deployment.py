@@ -154,3 +154,20 @@ def shutdown(names: list[str] | None = None) -> None:
             serve.delete(name)
     else:
         serve.shutdown()
+
+
+# Builders for Serve config files (KubeRay RayService `import_path`s), which run the
+# same applications `neuron-serve deploy` runs.
+
+
+def build_model_app(args: dict):
+    """``neuron_serve.serve.deployment:build_model_app`` with ``{"config": "model.yaml"}``."""
+    from ..config import load_config  # noqa: PLC0415
+
+    path = Path(args["config"])
+    return model_application(load_config(path), str(path.resolve().parent))
+
+
+def build_server_app(args: dict | None = None):
+    """``neuron_serve.serve.deployment:build_server_app``: health, metadata, metrics."""
+    return Server.bind()
