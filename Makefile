@@ -1,4 +1,5 @@
 # Two entry points for a fresh machine: `make serve` and `make test`.
+# `make serve EXAMPLE=deployments/encoder.yaml` serves another example.
 # Both create .venv on first use; every other target is a helper.
 PYTHON ?= python3
 VENV   := .venv
@@ -17,7 +18,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 serve: $(STAMP)
-	$(BIN)/neuron-serve analyze $(EXAMPLE)
+	$(BIN)/neuron-serve deploy $(EXAMPLE)
 
 analyze: $(STAMP)
 	$(BIN)/neuron-serve analyze $(EXAMPLE)
