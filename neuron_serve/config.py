@@ -214,3 +214,11 @@ def build_model(config: ModelConfig, base_dir: str | Path | None = None) -> torc
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model.factory: {config.model.factory!r} returned {type(model).__name__}, not a torch.nn.Module.")
     return model.eval()
+
+
+def json_schema() -> dict:
+    """The JSON Schema of model.yaml, for editors (shipped as model.schema.json)."""
+    schema = ModelConfig.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "neuron-serve model.yaml"
+    return schema

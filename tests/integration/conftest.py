@@ -26,8 +26,8 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / "deploy.log"
-        env = {**os.environ, "PYTHONWARNINGS": "ignore", "RAY_ADDRESS": ""}
-        env.pop("RAY_ADDRESS")
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # always an embedded Ray
+        env["PYTHONWARNINGS"] = "ignore"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "neuron_serve.cli", "deploy", *configs, "--port", str(self.port)],
             cwd=ROOT, env=env, stdout=self.log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
@@ -56,7 +56,6 @@ class Server:
                 self.proc.wait(timeout=90)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
-        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True)
 
 
 @pytest.fixture(scope="session")

@@ -359,6 +359,14 @@ def test_probes_hit_the_v2_health_endpoints_on_the_http_port(values, http_port):
         "livenessProbe": "/v2/health/live",
         "readinessProbe": "/v2/health/ready",
     }
+    # ...and they are routes the server really serves (the integration tests call them).
+    from neuron_serve.serve.http import server_app
+
+    async def no_models():
+        return {}
+
+    served = {route.path for route in server_app(no_models).routes if "GET" in getattr(route, "methods", ())}
+    assert set(paths.values()) <= served
     service_ports = {p["name"]: p for p in one(docs, "Service")["spec"]["ports"]}
     assert service_ports["http"]["port"] == service_ports["http"]["targetPort"] == http_port
 
