@@ -41,6 +41,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _typed(_: Request, exc: NeuronServeError) -> JSONResponse:
         return _error(exc)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # A fault of the server or the model, not of the request: still a JSON error.
+        return JSONResponse({"error": f"internal error: {type(exc).__name__}: {exc}"}, status_code=500)
+
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=400)
