@@ -48,6 +48,12 @@ class ModelNotReady(NeuronServeError):
     http_status = 503
 
 
+class PayloadTooLarge(NeuronServeError):
+    """The request body passes http.max_request_bytes."""
+
+    http_status = 413
+
+
 class ArtifactError(NeuronServeError):
     """A saved artifact or cache entry is corrupt or was built by other versions."""
 

@@ -37,18 +37,6 @@ class CapturedGraph:
     out_spec: pytree.TreeSpec
     flat_inputs: list[torch.Tensor]
 
-    def flatten_inputs(self, args: tuple, kwargs: dict | None = None) -> list[Any]:
-        flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
-        if spec != self.in_spec:
-            raise TypeError(
-                f"inputs do not have the structure the model was traced with: "
-                f"expected {self.in_spec}, got {spec}"
-            )
-        return flat
-
-    def unflatten_outputs(self, flat: list[Any]) -> Any:
-        return pytree.tree_unflatten(list(flat), self.out_spec)
-
 
 class _FunctionModule(torch.nn.Module):
     """Lets a plain function be exported like a module."""

@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from .. import __version__, metrics
-from ..errors import ModelNotFound, ModelNotReady, NeuronServeError
+from ..errors import ModelNotFound, ModelNotReady, NeuronServeError, PayloadTooLarge
 from ..targets.runtime import emulated
 from ..config import DEFAULT_MAX_REQUEST_BYTES
 from . import dataplane
@@ -26,10 +26,6 @@ OPENAPI_PATH = "/openapi.json"
 HEALTH_LIVE = "/v2/health/live"
 HEALTH_READY = "/v2/health/ready"
 METRICS_PATH = "/metrics"
-
-
-class PayloadTooLarge(NeuronServeError):
-    http_status = 413
 
 
 def _error(exc: NeuronServeError) -> JSONResponse:
