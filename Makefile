@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 EXAMPLE ?= deployments/mlp.yaml
 
-.PHONY: install serve analyze test
+.PHONY: install serve analyze test bench bench-quick
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -25,3 +25,14 @@ analyze: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/pytest
+
+# Benchmarks against peer servers (needs wrk: apt-get install wrk). Results: bench/results/.
+$(VENV)/.bench: $(STAMP)
+	$(BIN)/pip install -e '.[test,bench]'
+	touch $(VENV)/.bench
+
+bench: $(VENV)/.bench
+	$(BIN)/python -m bench
+
+bench-quick: $(VENV)/.bench
+	$(BIN)/python -m bench --quick

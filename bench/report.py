@@ -1,0 +1,129 @@
+"""The results as Markdown tables and a PNG plot of p99 latency against throughput."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# Targets of the issue: (workload, concurrency, peer, at least this many times its req/s).
+TARGETS = [
+    ("W1", 16, "ray-proxy", 4.0),
+    ("W1", 16, "ray-haproxy", 1.3),
+    ("W1", 16, "litserve", 1.3),
+    ("W2", 16, "fastest-eager", 2.0),
+]
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "n/a"
+
+
+def serving_table(rows: list[dict], labels: dict[str, str]) -> str:
+    """Every (workload, concurrency) point: each server with neuron-serve's ratio to it."""
+    out = ["| workload | conc | server | req/s | p50 ms | p99 ms | errors | neuron-serve req/s ratio | p99 ratio (peer/ns) |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    points = sorted({(r["workload"], r["concurrency"]) for r in rows})
+    for workload, conc in points:
+        here = [r for r in rows if r["workload"] == workload and r["concurrency"] == conc]
+        ours = next((r for r in here if r["server"] == "neuron-serve"), None)
+        for r in here:
+            if r.get("skipped"):
+                out.append(f"| {workload} | {conc} | {labels[r['server']]} | n/a | | | | | {r['skipped']} |")
+                continue
+            ratio = _ratio(ours["rps"], r["rps"]) if ours and r is not ours and not ours.get("skipped") else ""
+            p99 = _ratio(r["p99_ms"], ours["p99_ms"]) if ours and r is not ours and not ours.get("skipped") else ""
+            out.append(f"| {workload} | {conc} | {labels[r['server']]} | {r['rps']:.1f} | {r['p50_ms']:.1f} | "
+                       f"{r['p99_ms']:.1f} | {r['errors']} | {ratio} | {p99} |")
+    return "\n".join(out)
+
+
+def target_rows(rows: list[dict]) -> list[dict]:
+    """Each serving target of the issue: the ratio reached and whether p99 is lower."""
+    def find(workload, conc, server):
+        return next((r for r in rows if (r["workload"], r["concurrency"], r["server"]) == (workload, conc, server)
+                     and not r.get("skipped")), None)
+
+    result = []
+    for workload, conc, peer, want in TARGETS:
+        ours = find(workload, conc, "neuron-serve")
+        if peer == "fastest-eager":
+            peers = [r for r in rows if r["workload"] == workload and r["concurrency"] == conc
+                     and r["server"] != "neuron-serve" and not r.get("skipped")]
+            theirs = max(peers, key=lambda r: r["rps"], default=None)
+        else:
+            theirs = find(workload, conc, peer)
+        if not ours or not theirs:
+            continue
+        ratio = ours["rps"] / theirs["rps"] if theirs["rps"] else float("inf")
+        result.append({"target": f"{workload} c{conc} vs {theirs['server']}", "want": want, "ratio": ratio,
+                       "met": ratio >= want and ours["p99_ms"] < theirs["p99_ms"],
+                       "p99_ours": ours["p99_ms"], "p99_theirs": theirs["p99_ms"]})
+    return result
+
+
+def targets_table(targets: list[dict]) -> str:
+    out = ["| target | wanted | reached | p99 ns / peer ms | met |", "|---|---|---|---|---|"]
+    for t in targets:
+        out.append(f"| {t['target']} | >= {t['want']:.1f}x | {t['ratio']:.2f}x ({t['ratio'] / t['want']:.0%} of target) | "
+                   f"{t['p99_ours']:.1f} / {t['p99_theirs']:.1f} | {'yes' if t['met'] else 'no'} |")
+    return "\n".join(out)
+
+
+def internal_tables(internal: list[dict]) -> str:
+    out = ["### Pipeline efficiency (target >= 0.9)", "",
+           "| model | partitions | accel s/chunk | cpu s/chunk | cores | cpu workers | bound chunks/s | measured chunks/s | efficiency |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for m in internal:
+        p = m["pipeline"]
+        out.append(f"| {m['model']} (trace batch {m['trace_batch']}) | {'+'.join(m['partitions'])} | {p['accel_s'] * 1e3:.2f} ms | "
+                   f"{p['cpu_s'] * 1e3:.2f} ms | {p['cores']} | {p['cpu_workers']} | {p['bound_chunks_per_s']:.1f} | "
+                   f"{p['measured_chunks_per_s']:.1f} | {p['efficiency']:.2f} |")
+    out += ["", "### Dynamic batch scaling (target: within 15% of ceil(b / trace batch) / cores x one chunk)", "",
+            "| model | batch | chunks | measured ms | formula ms | measured / formula |", "|---|---|---|---|---|---|"]
+    for m in internal:
+        for r in m["batch_scaling"]:
+            out.append(f"| {m['model']} | {r['batch']} | {r['chunks']} | {r['measured_s'] * 1e3:.1f} | "
+                       f"{r['formula_s'] * 1e3:.1f} | {r['ratio']:.2f} |")
+    out += ["", "### Compiled subgraph against the same subgraph in eager PyTorch", "",
+            "| model | subgraph | compiled ms | eager ms | eager / compiled |", "|---|---|---|---|---|"]
+    for m in internal:
+        for r in m["compiled_vs_eager"]:
+            out.append(f"| {m['model']} | {r['subgraph']} | {r['compiled_s'] * 1e3:.2f} | {r['eager_s'] * 1e3:.2f} | "
+                       f"{r['speedup']:.2f}x |")
+    return "\n".join(out)
+
+
+def memory_table(memory: dict[str, dict[str, float]], labels: dict[str, str]) -> str:
+    out = ["| server | process | RSS MiB |", "|---|---|---|"]
+    for server, processes in memory.items():
+        for name, rss in processes.items():
+            out.append(f"| {labels[server]} | {name} | {rss:.0f} |")
+    return "\n".join(out)
+
+
+def plot(rows: list[dict], labels: dict[str, str], path: Path) -> None:
+    """p99 latency against throughput, one line per server over W1's concurrencies, W2/W3 as points."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    workloads = sorted({r["workload"] for r in rows})
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4.2), squeeze=False)
+    for ax, workload in zip(axes[0], workloads):
+        for server in labels:
+            points = sorted((r["concurrency"], r["rps"], r["p99_ms"]) for r in rows
+                            if r["workload"] == workload and r["server"] == server and not r.get("skipped"))
+            if not points:
+                continue
+            ax.plot([p[1] for p in points], [p[2] for p in points], marker="o", label=labels[server])
+            for conc, x, y in points:
+                ax.annotate(f"c{conc}", (x, y), fontsize=7, textcoords="offset points", xytext=(3, 3))
+        ax.set_title(workload)
+        ax.set_xlabel("requests/s")
+        ax.set_ylabel("p99 latency (ms)")
+        ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

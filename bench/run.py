@@ -1,0 +1,153 @@
+"""bench: neuron-serve against peer servers, side by side in one run.
+
+    python -m bench            # full run (about 10 minutes on 2 cores)
+    python -m bench --quick    # a shorter run for development (about 3 minutes)
+
+Each server in turn is started, driven with the same request files by wrk, measured
+and stopped, so only one server uses the machine at a time. Results go to
+bench/results/<timestamp>/: results.md, latency_throughput.png and raw.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import loadgen, report, servers, workloads
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+# (workload, concurrency) points measured on every server.
+FULL_POINTS = [("W1", 1), ("W1", 16), ("W1", 64), ("W2", 16), ("W3-mlp", 16), ("W3-enc", 16)]
+QUICK_POINTS = [("W1", 16), ("W2", 16), ("W3-mlp", 16), ("W3-enc", 16)]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="shorter measurements and fewer points")
+    parser.add_argument("--servers", default=",".join(servers.specs()),
+                        help="comma-separated subset of: " + ", ".join(servers.specs()))
+    parser.add_argument("--seconds", type=float, help="seconds of load per point (default 4 quick, 10 full)")
+    parser.add_argument("--points", help="workload:concurrency list, e.g. W1:16,W2:16 (default: by mode)")
+    parser.add_argument("--no-internal", action="store_true", help="skip the internal figures")
+    parser.add_argument("--out", type=Path, help="results directory (default bench/results/<timestamp>)")
+    return parser.parse_args(argv)
+
+
+def measure_server(spec: servers.ServerSpec, points, manifests, seconds: float, out: Path, log) -> tuple[list[dict], dict]:
+    rows: list[dict] = []
+    server = servers.Server(spec, out / "logs")
+    try:
+        probes = {workloads.WORKLOADS[w].model: workloads.first_body(manifests[w])
+                  for w, _ in points if not workloads.WORKLOADS[w].binary}
+        ready_s = server.wait_ready(probes)
+        log(f"  {spec.key}: ready in {ready_s:.0f}s")
+        for workload, conc in points:
+            wl = workloads.WORKLOADS[workload]
+            row = {"server": spec.key, "workload": workload, "concurrency": conc}
+            if wl.binary and not spec.binary:
+                row["skipped"] = "no binary tensor extension"
+            else:
+                # A short warm-up at the same concurrency, so first-call costs are not measured.
+                loadgen.run_load(server.url(wl.model), manifests[workload], conc, 1)
+                row.update(loadgen.run_load(server.url(wl.model), manifests[workload], conc, seconds).as_dict())
+                log(f"  {spec.key} {workload} c{conc}: {row['rps']:.1f} req/s  p50 {row['p50_ms']:.1f} ms  "
+                    f"p99 {row['p99_ms']:.1f} ms  errors {row['errors']}")
+            rows.append(row)
+        memory = server.memory_mb()
+    finally:
+        server.stop()
+    return rows, memory
+
+
+def run_internal(quick: bool, out: Path, log) -> list[dict] | None:
+    path = out / "internal.json"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
+           "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"}
+    command = [sys.executable, "-m", "bench.internal", "--json", str(path)] + (["--quick"] if quick else [])
+    with open(out / "logs" / "internal.log", "w") as handle:
+        proc = subprocess.run(command, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=900)
+    if proc.returncode != 0:
+        log(f"  internal figures failed (rc {proc.returncode}); see {out / 'logs' / 'internal.log'}")
+        return None
+    return json.loads(path.read_text())
+
+
+def run_cold_warm(quick: bool, out: Path, log) -> str | None:
+    """bench/cold_warm.py, when present, measures cold and warm (compile cache) starts; its
+    standard output (Markdown) is included in the report as is."""
+    if not (ROOT / "bench" / "cold_warm.py").exists():
+        return None
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    command = [sys.executable, "-m", "bench.cold_warm"] + (["--quick"] if quick else [])
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    (out / "logs" / "cold_warm.log").write_text(proc.stderr)
+    if proc.returncode != 0:
+        log(f"  cold/warm start failed (rc {proc.returncode}); see {out / 'logs' / 'cold_warm.log'}")
+        return None
+    return proc.stdout
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+    out = args.out or RESULTS / time.strftime("%Y%m%d-%H%M%S")
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    seconds = args.seconds or (4 if args.quick else 10)
+    points = QUICK_POINTS if args.quick else FULL_POINTS
+    if args.points:
+        points = [(w, int(c)) for w, c in (p.split(":") for p in args.points.split(","))]
+    all_specs = servers.specs()
+    chosen = [all_specs[k] for k in args.servers.split(",")]
+    labels = {s.key: s.label for s in chosen}
+    loadgen.wrk_binary()
+
+    def log(message: str) -> None:
+        print(message, flush=True)
+
+    manifests = {w: workloads.write_bodies(workloads.WORKLOADS[w], out / "bodies" / w) for w in {p[0] for p in points}}
+    log(f"bench: {len(chosen)} servers x {len(points)} points, {seconds:g}s each; results in {out}")
+    rows, memory = [], {}
+    for spec in chosen:
+        log(f"{spec.label}:")
+        try:
+            server_rows, memory[spec.key] = measure_server(spec, points, manifests, seconds, out, log)
+            rows += server_rows
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            log(f"  {spec.key} failed: {exc}")
+            rows += [{"server": spec.key, "workload": w, "concurrency": c, "skipped": f"failed: {exc}"[:80]}
+                     for w, c in points]
+    internal = None if args.no_internal else run_internal(args.quick, out, log)
+    cold_warm = run_cold_warm(args.quick, out, log)
+
+    targets = report.target_rows(rows)
+    sections = [
+        f"# neuron-serve benchmarks ({'quick' if args.quick else 'full'} run, {time.strftime('%Y-%m-%d %H:%M %Z')})",
+        "",
+        f"Load: wrk, one thread, concurrency = open connections, {seconds:g}s per point after a 1s warm-up; "
+        f"{os.cpu_count()} CPU cores; every server alone on the machine while measured. "
+        "Ratios compare figures taken in this same run.",
+        "", "## Serving", "", report.serving_table(rows, labels),
+        "", "## Targets", "", report.targets_table(targets),
+        "", "## Memory per replica", "", report.memory_table(memory, labels),
+    ]
+    if internal:
+        sections += ["", "## Internal figures", "", report.internal_tables(internal)]
+    if cold_warm:
+        sections += ["", "## Cold and warm start", "", cold_warm.strip()]
+    markdown = "\n".join(sections) + "\n"
+    (out / "results.md").write_text(markdown)
+    (out / "raw.json").write_text(json.dumps({"rows": rows, "memory": memory, "internal": internal,
+                                              "targets": targets}, indent=2))
+    report.plot([r for r in rows], labels, out / "latency_throughput.png")
+    print()
+    print(markdown)
+    log(f"wrote {out / 'results.md'} and {out / 'latency_throughput.png'} in {time.monotonic() - started:.0f}s")
+    return 0
