@@ -47,6 +47,10 @@ def _analyze(args: argparse.Namespace) -> int:
 
 
 def _deploy(args: argparse.Namespace) -> int:
+    from .serve import ingress  # noqa: PLC0415
+
+    # Before Ray is imported: Ray Serve reads its ingress settings at import.
+    chosen = ingress.configure(args.ingress)
     from .serve import deployment  # noqa: PLC0415 - Ray is only needed to serve
 
     configs = [(load_config(path), str(Path(path).resolve().parent)) for path in args.configs]
@@ -63,7 +67,8 @@ def _deploy(args: argparse.Namespace) -> int:
     if any(s != "ready" for s in states.values()):
         deployment.shutdown(names if not started_here else None)
         return 1
-    print(f"serving {', '.join(names)} on http://{host}:{port}/v2 (metrics: /metrics)", file=sys.stderr, flush=True)
+    print(f"serving {', '.join(names)} on http://{host}:{port}/v2 (metrics: /metrics, ingress: {chosen})",
+          file=sys.stderr, flush=True)
     if started_here:
         # This process owns the Ray instance: serve until interrupted, then drain.
         stop = threading.Event()
@@ -105,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     deploy.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS, else start one here)")
     deploy.add_argument("--host", help="HTTP host (default: the first model.yaml's http.host)")
     deploy.add_argument("--port", type=int, help="HTTP port (default: the first model.yaml's http.port)")
+    deploy.add_argument("--ingress", choices=["auto", "haproxy", "proxy"], default="auto",
+                        help="HTTP ingress of an embedded Ray: HAProxy straight to the replicas, or Serve's "
+                             "Python proxy (default auto: haproxy when its binary is found)")
     deploy.set_defaults(func=_deploy)
 
     status = sub.add_parser("status", help="show the deployed models and their state")
