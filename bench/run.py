@@ -3,8 +3,10 @@
     python -m bench            # full run (about 10 minutes on 2 cores)
     python -m bench --quick    # a shorter run for development (about 3 minutes)
 
-Each server in turn is started, driven with the same request files by wrk, measured
-and stopped, so only one server uses the machine at a time. Results go to
+Every server is started, then each (workload, concurrency) point is taken on each
+server in turn with the same request files by wrk (order rotated per point), so load
+from elsewhere on the machine falls on all servers alike; ``--one-at-a-time`` runs
+each server alone instead. Results go to
 bench/results/<timestamp>/: results.md, latency_throughput.png and raw.json.
 """
 
@@ -36,34 +38,59 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="comma-separated subset of: " + ", ".join(servers.specs()))
     parser.add_argument("--seconds", type=float, help="seconds of load per point (default 4 quick, 10 full)")
     parser.add_argument("--points", help="workload:concurrency list, e.g. W1:16,W2:16 (default: by mode)")
+    parser.add_argument("--one-at-a-time", action="store_true",
+                        help="run each server alone (default: all up at once, each point taken on each in turn)")
     parser.add_argument("--no-internal", action="store_true", help="skip the internal figures")
     parser.add_argument("--out", type=Path, help="results directory (default bench/results/<timestamp>)")
     return parser.parse_args(argv)
 
 
-def measure_server(spec: servers.ServerSpec, points, manifests, seconds: float, out: Path, log) -> tuple[list[dict], dict]:
-    rows: list[dict] = []
-    server = servers.Server(spec, out / "logs")
-    try:
-        probes = {workloads.WORKLOADS[w].model: workloads.first_body(manifests[w])
-                  for w, _ in points if not workloads.WORKLOADS[w].binary}
-        ready_s = server.wait_ready(probes)
-        log(f"  {spec.key}: ready in {ready_s:.0f}s")
-        for workload, conc in points:
-            wl = workloads.WORKLOADS[workload]
-            row = {"server": spec.key, "workload": workload, "concurrency": conc}
-            if wl.binary and not spec.binary:
-                row["skipped"] = "no binary tensor extension"
-            else:
-                # A short warm-up at the same concurrency, so first-call costs are not measured.
-                loadgen.run_load(server.url(wl.model), manifests[workload], conc, 1)
-                row.update(loadgen.run_load(server.url(wl.model), manifests[workload], conc, seconds).as_dict())
-                log(f"  {spec.key} {workload} c{conc}: {row['rps']:.1f} req/s  p50 {row['p50_ms']:.1f} ms  "
-                    f"p99 {row['p99_ms']:.1f} ms  errors {row['errors']}")
-            rows.append(row)
-        memory = server.memory_mb()
-    finally:
-        server.stop()
+def measure_point(server: servers.Server, workload: str, conc: int, manifest: Path, seconds: float, log) -> dict:
+    wl = workloads.WORKLOADS[workload]
+    row = {"server": server.spec.key, "workload": workload, "concurrency": conc}
+    if wl.binary and not server.spec.binary:
+        row["skipped"] = "no binary tensor extension"
+        return row
+    # A short warm-up at the same concurrency, so first-call costs are not measured.
+    loadgen.run_load(server.url(wl.model), manifest, conc, 1)
+    row.update(loadgen.run_load(server.url(wl.model), manifest, conc, seconds).as_dict())
+    log(f"  {server.spec.key:13s} {workload} c{conc}: {row['rps']:7.1f} req/s  p50 {row['p50_ms']:7.1f} ms  "
+        f"p99 {row['p99_ms']:7.1f} ms  errors {row['errors']}")
+    return row
+
+
+def measure_all(chosen, points, manifests, seconds: float, out: Path, log, together: bool):
+    """Every (server, point). ``together``: all servers up at once and each point taken on
+    every server in turn (order rotated per point), so a noisy neighbour's load lands on
+    all of them alike; otherwise one server at a time."""
+    rows, memory = [], {}
+    probes = {workloads.WORKLOADS[w].model: workloads.first_body(manifests[w])
+              for w, _ in points if not workloads.WORKLOADS[w].binary}
+
+    def start(spec) -> servers.Server | None:
+        server = servers.Server(spec, out / "logs")
+        try:
+            log(f"  {spec.key}: ready in {server.wait_ready(probes):.0f}s")
+            return server
+        except RuntimeError as exc:
+            log(f"  {spec.key} failed: {exc}")
+            server.stop()
+            rows.extend({"server": spec.key, "workload": w, "concurrency": c, "skipped": f"failed: {exc}"[:80]}
+                        for w, c in points)
+            return None
+
+    groups = [chosen] if together else [[spec] for spec in chosen]
+    for group in groups:
+        running = [s for s in (start(spec) for spec in group) if s is not None]
+        try:
+            for index, (workload, conc) in enumerate(points):
+                for server in running[index % max(1, len(running)):] + running[:index % max(1, len(running))]:
+                    rows.append(measure_point(server, workload, conc, manifests[workload], seconds, log))
+            for server in running:
+                memory[server.spec.key] = server.memory_mb()
+        finally:
+            for server in running:
+                server.stop()
     return rows, memory
 
 
@@ -114,16 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
     manifests = {w: workloads.write_bodies(workloads.WORKLOADS[w], out / "bodies" / w) for w in {p[0] for p in points}}
     log(f"bench: {len(chosen)} servers x {len(points)} points, {seconds:g}s each; results in {out}")
-    rows, memory = [], {}
-    for spec in chosen:
-        log(f"{spec.label}:")
-        try:
-            server_rows, memory[spec.key] = measure_server(spec, points, manifests, seconds, out, log)
-            rows += server_rows
-        except (RuntimeError, subprocess.TimeoutExpired) as exc:
-            log(f"  {spec.key} failed: {exc}")
-            rows += [{"server": spec.key, "workload": w, "concurrency": c, "skipped": f"failed: {exc}"[:80]}
-                     for w, c in points]
+    rows, memory = measure_all(chosen, points, manifests, seconds, out, log, together=not args.one_at_a_time)
     internal = None if args.no_internal else run_internal(args.quick, out, log)
     cold_warm = run_cold_warm(args.quick, out, log)
 
@@ -132,7 +150,10 @@ def main(argv: list[str] | None = None) -> int:
         f"# neuron-serve benchmarks ({'quick' if args.quick else 'full'} run, {time.strftime('%Y-%m-%d %H:%M %Z')})",
         "",
         f"Load: wrk, one thread, concurrency = open connections, {seconds:g}s per point after a 1s warm-up; "
-        f"{os.cpu_count()} CPU cores; every server alone on the machine while measured. "
+        f"{os.cpu_count()} CPU cores; "
+        + ("each server alone on the machine. " if args.one_at_a_time else
+           "all servers up at once, each point taken on every server in turn (idle servers cost little). ")
+        + f"Load average at the end: {os.getloadavg()[0]:.1f} (other work on the machine adds noise). "
         "Ratios compare figures taken in this same run.",
         "", "## Serving", "", report.serving_table(rows, labels),
         "", "## Targets", "", report.targets_table(targets),
