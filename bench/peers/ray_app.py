@@ -14,8 +14,15 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 import threading
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -26,6 +33,10 @@ def main() -> None:
     if args.haproxy:
         os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
         os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"
+        # HAProxy's stats and metrics frontends default to fixed ports (8404, 9101);
+        # free ones let it run beside another HAProxy-fronted Serve (neuron-serve).
+        for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
+            os.environ.setdefault(name, str(_free_port()))
     os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", str(args.port + 10))
 
     import ray  # noqa: PLC0415

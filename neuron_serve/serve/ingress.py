@@ -17,12 +17,24 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import sys
 
 from ..errors import ConfigError
 
 INGRESS_CHOICES = ("auto", "haproxy", "proxy")
 HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+# HAProxy's stats page and Prometheus frontend bind fixed ports (8404, 9101) by default,
+# so a second deployment on the same machine would fail to start; each gets free ones
+# unless these are set.
+HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
+
+
+def free_port() -> int:
+    """A TCP port that is free now on every interface (HAProxy binds 0.0.0.0)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def haproxy_binary() -> str | None:
@@ -54,4 +66,7 @@ def configure(kind: str = "auto") -> str:
             os.environ[name] = value
         else:
             os.environ.pop(name, None)
+    if kind == "haproxy":
+        for name in HAPROXY_PORT_ENV:
+            os.environ.setdefault(name, str(free_port()))
     return kind

@@ -36,3 +36,13 @@ def test_proxy_clears_inherited_haproxy_settings():
 def test_unknown_ingress_names_the_choices():
     with pytest.raises(ConfigError, match=r"ingress 'nginx' is unknown; choose one of auto, haproxy, proxy\."):
         ingress.configure("nginx")
+
+
+def test_haproxy_gets_its_own_stats_and_metrics_ports():
+    # Two deployments on one machine must not both bind HAProxy's default 8404 and 9101.
+    snippet = ("import os\nfrom neuron_serve.serve import ingress\ningress.configure('haproxy')\n"
+               "print(os.environ['RAY_SERVE_HAPROXY_STATS_PORT'], os.environ['RAY_SERVE_HAPROXY_METRICS_PORT'])")
+    if not ingress.haproxy_binary():
+        pytest.skip("no HAProxy binary here")
+    ports = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, check=True).stdout.split()
+    assert len(set(ports)) == 2 and not {"8404", "9101"} & set(ports)
