@@ -108,12 +108,14 @@ def run_internal(quick: bool, out: Path, log) -> list[dict] | None:
 
 
 def run_cold_warm(quick: bool, out: Path, log) -> str | None:
-    """bench/cold_warm.py, when present, measures cold and warm (compile cache) starts; its
-    standard output (Markdown) is included in the report as is."""
+    """bench/cold_warm.py, when present, measures cold, warm (compile cache) and artifact
+    starts; its standard output (a Markdown table) goes into the report as is."""
     if not (ROOT / "bench" / "cold_warm.py").exists():
         return None
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    command = [sys.executable, "-m", "bench.cold_warm"] + (["--quick"] if quick else [])
+    models = ["mlp", "encoder"] if quick else ["mlp", "encoder", "convnet"]
+    command = [sys.executable, "bench/cold_warm.py", "--models", *models, "--runs", "1" if quick else "2",
+               "--out", str(out / "cold_warm")]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     (out / "logs" / "cold_warm.log").write_text(proc.stderr)
     if proc.returncode != 0:
