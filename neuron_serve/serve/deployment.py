@@ -88,6 +88,16 @@ def replica_env(config: ModelConfig) -> dict[str, str]:
     return env
 
 
+def server_application():
+    """The health/metadata/metrics application, reading the replicas' metrics directory.
+
+    Joining a cluster (``--address``) gives no job-wide runtime_env, so the directory is
+    passed here as it is to the replicas, or /metrics would read another directory.
+    """
+    env = {metrics.MULTIPROC_ENV: metrics.multiproc_dir()}
+    return Server.options(ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}}).bind()
+
+
 def model_application(config: ModelConfig, base_dir: str | None):
     """The Serve application of one model, with replica count and resources."""
     resources = {}
@@ -127,7 +137,7 @@ def deploy(configs: list[tuple[ModelConfig, str | None]], host: str, port: int, 
     for config, base_dir in configs:
         serve.run(model_application(config, base_dir), name=config.name,
                   route_prefix=f"/v2/models/{config.name}", blocking=False)
-    serve.run(Server.bind(), name=SERVER_APP, route_prefix="/", blocking=False)
+    serve.run(server_application(), name=SERVER_APP, route_prefix="/", blocking=False)
     deadline = time.monotonic() + timeout_s
     names = {c.name for c, _ in configs}
     while True:
@@ -170,4 +180,4 @@ def build_model_app(args: dict):
 
 def build_server_app(args: dict | None = None):
     """``neuron_serve.serve.deployment:build_server_app``: health, metadata, metrics."""
-    return Server.bind()
+    return server_application()
