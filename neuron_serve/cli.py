@@ -47,9 +47,11 @@ def _analyze(args: argparse.Namespace) -> int:
 
 
 def _deploy(args: argparse.Namespace) -> int:
-    from .serve import deployment  # noqa: PLC0415 - Ray is only needed to serve
+    from .serve import auth, deployment  # noqa: PLC0415 - Ray is only needed to serve
 
     configs = [(load_config(path), str(Path(path).resolve().parent)) for path in args.configs]
+    for config, _ in configs:
+        auth.resolve_token(config)  # a missing token fails here, before Ray starts
     names = [c.name for c, _ in configs]
     if len(set(names)) != len(names):
         print(f"error: model names must differ, got {names}", file=sys.stderr)
@@ -63,7 +65,8 @@ def _deploy(args: argparse.Namespace) -> int:
     if any(s != "ready" for s in states.values()):
         deployment.shutdown(names if not started_here else None)
         return 1
-    print(f"serving {', '.join(names)} on http://{host}:{port}/v2 (metrics: /metrics)", file=sys.stderr, flush=True)
+    print(f"serving {', '.join(names)} on http://{host}:{port}/v2 (metrics: /metrics; "
+          f"Ray at {deployment.ray_address()})", file=sys.stderr, flush=True)
     if started_here:
         # This process owns the Ray instance: serve until interrupted, then drain.
         stop = threading.Event()

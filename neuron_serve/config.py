@@ -35,6 +35,8 @@ DEFAULT_TARGET_ONGOING_REQUESTS = 16.0
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20
+AUTH_TOKEN_ENV = "NEURON_SERVE_AUTH_TOKEN"
+MIN_TOKEN_LENGTH = 16
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
 FACTORY_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
 
@@ -117,10 +119,33 @@ class AutoscalingSettings(_Strict):
         return self
 
 
+class AuthSettings(_Strict):
+    """Bearer-token authentication: every route but /v2/health/* needs the token.
+
+    The token itself never goes in model.yaml; it is read from an environment variable
+    or a file (a mounted Kubernetes Secret) when the server starts.
+    """
+
+    token_env: str | None = Field(
+        default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description=f"environment variable holding the token (default {AUTH_TOKEN_ENV})",
+    )
+    token_file: str | None = Field(default=None, min_length=1, description="file holding the token (e.g. a mounted Secret)")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "AuthSettings":
+        if self.token_env is not None and self.token_file is not None:
+            raise ValueError("give token_env or token_file, not both")
+        return self
+
+
 class HttpSettings(_Strict):
     host: str = DEFAULT_HOST
     port: int = Field(DEFAULT_PORT, ge=1, le=65535)
     max_request_bytes: int = Field(DEFAULT_MAX_REQUEST_BYTES, ge=1024, description="larger bodies get 413")
+    auth: AuthSettings | None = Field(
+        default=None, description=f"bearer-token authentication (off unless set here or ${AUTH_TOKEN_ENV} is set)"
+    )
 
 
 class ModelConfig(_Strict):

@@ -119,7 +119,19 @@ class ModelRunner:
 
     async def _run_group(self, bucket, members, requests, padded, results) -> None:
         batch, sizes = collate.collate([padded[i] for i in members])
-        outputs = await self._run_rows(bucket, batch)
+        try:
+            outputs = await self._run_rows(bucket, batch)
+        except Exception as exc:
+            if len(members) == 1:
+                results[members[0]] = exc
+                return
+            # One request's rows can make a subgraph raise (a CPU op refusing a value);
+            # re-running each request alone confines the failure to the request that
+            # caused it, so its batch-mates still get their results.
+            logger.warning("batch of %d requests failed (%s: %s); re-running each alone",
+                           len(members), type(exc).__name__, exc)
+            await asyncio.gather(*(self._run_group(bucket, [i], requests, padded, results) for i in members))
+            return
         for i, out in zip(members, collate.split(outputs, sizes)):
             if self.spec is not None:
                 out = self.spec.unpad(out, self.spec.request_sizes(requests[i]))

@@ -22,8 +22,9 @@ from ray import serve
 from .. import metrics
 from ..config import ModelConfig, parse_config
 from ..targets.runtime import neuron_devices_present
+from ..errors import ConfigError
 from .dataplane import ModelDataPlane
-from . import dataplane
+from . import auth, dataplane
 from .http import model_app, server_app
 
 logger = logging.getLogger("neuron_serve")
@@ -31,6 +32,7 @@ logger = logging.getLogger("neuron_serve")
 SERVER_APP = "neuron-serve"
 NEURON_CORES = "neuron_cores"  # the Ray resource each replica asks for on Neuron clusters
 STATUS_TTL_S = 1.0
+ONGOING_PER_CAPACITY = 8
 
 _MODEL_API = model_app()
 
@@ -43,6 +45,7 @@ class ModelServer:
     async def __init__(self, config: dict, base_dir: str | None) -> None:
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
         parsed = parse_config(config)
+        auth.configure(auth.resolve_token(parsed))  # before anything can be served
         replica = serve.get_replica_context().replica_id.unique_id
         loop = asyncio.get_running_loop()
         # Building compiles for seconds to minutes; run it off the event loop.
@@ -52,7 +55,9 @@ class ModelServer:
 
     async def __del__(self) -> None:
         dataplane.set_current(None)
-        await self.plane.stop()
+        plane = getattr(self, "plane", None)  # absent when building failed
+        if plane is not None:
+            await plane.stop()
 
 
 _status_cache: tuple[float, dict[str, str]] = (0.0, {})
@@ -80,6 +85,9 @@ async def model_states() -> dict[str, str]:
 class Server:
     """Health, server metadata, metrics and fallbacks; holds no model."""
 
+    def __init__(self) -> None:
+        auth.configure(auth.resolve_token(None))
+
 
 def replica_env(config: ModelConfig) -> dict[str, str]:
     env = {metrics.MULTIPROC_ENV: metrics.multiproc_dir()}
@@ -88,14 +96,28 @@ def replica_env(config: ModelConfig) -> dict[str, str]:
     return env
 
 
+def max_ongoing_requests(config: ModelConfig) -> int:
+    """How many requests Ray Serve hands one replica at once.
+
+    Several times what the replica's batcher holds (its queue plus the batches running
+    on every core), so that in a burst the batcher answers 503 at once with a JSON error,
+    rather than Ray holding requests in its own queue with no deadline. Refused requests
+    cost the replica little: it refuses before reading their bodies.
+    """
+    batching = config.batching
+    running = 2 * config.cores_per_replica * batching.max_batch_size
+    return ONGOING_PER_CAPACITY * (batching.max_queue_size + running)
+
+
 def model_application(config: ModelConfig, base_dir: str | None):
     """The Serve application of one model, with replica count and resources."""
     resources = {}
     if ray.cluster_resources().get(NEURON_CORES):
         resources[NEURON_CORES] = config.cores_per_replica
+    env = {**replica_env(config), **auth.token_env_vars(config, auth.resolve_token(config))}
     options = {
-        "ray_actor_options": {"num_cpus": 0, "resources": resources, "runtime_env": {"env_vars": replica_env(config)}},
-        "max_ongoing_requests": config.batching.max_queue_size + config.batching.max_batch_size,
+        "ray_actor_options": {"num_cpus": 0, "resources": resources, "runtime_env": {"env_vars": env}},
+        "max_ongoing_requests": max_ongoing_requests(config),
     }
     if config.autoscaling is not None:
         options["autoscaling_config"] = config.autoscaling.model_dump()
@@ -123,11 +145,12 @@ def connect(address: str | None) -> bool:
 
 def deploy(configs: list[tuple[ModelConfig, str | None]], host: str, port: int, timeout_s: float = 1800) -> dict[str, str]:
     """Deploy every model and the server app; wait until all are ready or one fails."""
+    server = server_application([c for c, _ in configs])  # refuses bad auth before starting anything
     serve.start(http_options={"host": host, "port": port})
     for config, base_dir in configs:
         serve.run(model_application(config, base_dir), name=config.name,
                   route_prefix=f"/v2/models/{config.name}", blocking=False)
-    serve.run(Server.bind(), name=SERVER_APP, route_prefix="/", blocking=False)
+    serve.run(server, name=SERVER_APP, route_prefix="/", blocking=False)
     deadline = time.monotonic() + timeout_s
     names = {c.name for c, _ in configs}
     while True:
@@ -141,6 +164,22 @@ def deploy(configs: list[tuple[ModelConfig, str | None]], host: str, port: int, 
         if time.monotonic() > deadline:
             return {n: s for n, s in states.items()}
         time.sleep(1)
+
+
+def server_application(configs: list[ModelConfig]):
+    """The server app, requiring the models' token when any of them has one."""
+    tokens = {t for t in (auth.resolve_token(c) for c in configs) if t is not None}
+    if len(tokens) > 1:
+        raise ConfigError("http.auth: models served together must use the same token; "
+                          "point their token_env or token_file at one secret.")
+    env = {metrics.MULTIPROC_ENV: metrics.multiproc_dir()}
+    env.update(auth.token_env_vars(None, tokens.pop()) if tokens else {})
+    return Server.options(ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}}).bind()
+
+
+def ray_address() -> str:
+    """The address of the Ray cluster this process is connected to (for --address)."""
+    return ray.get_runtime_context().gcs_address
 
 
 def status() -> dict[str, dict]:
