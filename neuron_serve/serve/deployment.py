@@ -126,6 +126,23 @@ def model_application(config: ModelConfig, base_dir: str | None):
     return ModelServer.options(**options).bind(config.model_dump(), base_dir)
 
 
+def _token_auth_if_available() -> None:
+    """Send Ray's cluster token when joining by address, as Ray does for "auto".
+
+    A local cluster started by ``ray.init()`` (as `neuron-serve deploy` does) requires
+    Ray's token (~/.ray/auth_token) since Ray 2.5x, but Ray only sends it by itself when
+    it finds the cluster with ``address="auto"``, so `status`/`shutdown --address`
+    would be refused. An explicit RAY_AUTH_MODE is respected.
+    """
+    try:  # the function Ray itself runs for address="auto"; absent in older Rays
+        from ray._private.authentication.authentication_token_setup import (  # noqa: PLC0415
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
 def connect(address: str | None) -> bool:
     """Join the Ray cluster at ``address`` (or RAY_ADDRESS); else start one here.
 
@@ -134,6 +151,7 @@ def connect(address: str | None) -> bool:
     address = address or os.environ.get("RAY_ADDRESS")
     if not ray.is_initialized():
         if address:
+            _token_auth_if_available()
             ray.init(address=address, namespace=SERVER_APP, logging_level=logging.WARNING)
             return False
         os.environ[metrics.MULTIPROC_ENV] = tempfile.mkdtemp(prefix="neuron-serve-metrics-")
@@ -188,11 +206,21 @@ def status() -> dict[str, dict]:
 
 
 def shutdown(names: list[str] | None = None) -> None:
+    """Stop the named models, or every model and then the server.
+
+    Models go first, one ``serve.delete`` each: Serve stops routing to their replicas
+    and waits for the requests they hold to finish (graceful_shutdown_timeout_s), while
+    new requests get a JSON 404/503 from the server app. Only then does
+    ``serve.shutdown`` stop the proxy, which Ray ends abruptly.
+    """
     if names:
         for name in names:
             serve.delete(name)
-    else:
-        serve.shutdown()
+        return
+    for name in serve.status().applications:
+        if name != SERVER_APP:
+            serve.delete(name)
+    serve.shutdown()
 
 
 # Builders for Serve config files (KubeRay RayService `import_path`s), which run the

@@ -88,6 +88,11 @@ class Server:
                 found.append(pid)
         return found
 
+    def kill_pid(self, pid: int) -> None:
+        """SIGKILL one process of this server (a replica, to test recovery)."""
+        assert pid in self.session_pids(), f"{pid} is not a process of this server"
+        os.kill(pid, signal.SIGKILL)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -25,11 +25,14 @@ class Answer:
 class Client:
     """Sends requests to one server over a keep-alive connection per thread."""
 
-    def __init__(self, url: str, token: str | None = None, timeout: float = 30):
+    def __init__(self, url: str, token: str | None = None, timeout: float = 30, keep_alive: bool = True):
         parts = urlsplit(url)
         self.host, self.port = parts.hostname, parts.port
         self.token = token
         self.timeout = timeout
+        # Without keep-alive every request has its own connection, so a dropped
+        # connection always means a dropped request, never a stale idle socket.
+        self.keep_alive = keep_alive
         self._local = threading.local()
         self._lock = threading.Lock()
         self._opened: list[http.client.HTTPConnection] = []
@@ -69,7 +72,7 @@ class Client:
             conn.close()
             self._local.conn = None
             raise
-        if response.getheader("connection", "").lower() == "close":
+        if not self.keep_alive or response.getheader("connection", "").lower() == "close":
             conn.close()
             self._local.conn = None
         return Answer(response.status, {k.lower(): v for k, v in response.getheaders()}, data,
