@@ -120,8 +120,8 @@ def assert_drained(results, stopped_at, workers):
 
     Ray Serve (2.60) ends its HTTP proxy with ray.kill once the models are gone, so a
     request that reaches the proxy in that last instant (after every model drained and
-    answers were already JSON 503s) can see its connection dropped: at most one per
-    client, and never one that reached a model.
+    answers were already JSON 503s or 404s) can see its connection dropped: a few at
+    most, and never one that reached a model.
     """
     outcomes = Counter(str(o) for _, _, o in results)
     assert not [o for o in outcomes if o.startswith("5") and not o.startswith("503")], outcomes
