@@ -85,6 +85,15 @@ class CompiledSubgraph(torch.nn.Module):
         with open(os.path.join(workdir, f"{self.name}.hlo.txt"), "w") as handle:
             handle.write(text)
 
+    def hlo_text(self) -> str:
+        """The HLO torch-xla lowers this subgraph to (what the compiler compiles)."""
+        use_device(self.device)
+        # The compiled module replays its executable; lowering again needs a fresh copy.
+        lowered = copy.deepcopy(self.source).to(self.device)
+        with torch.no_grad():
+            outputs = lowered(*[a.to(self.device) for a in self.example_args])
+        return xla()._XLAC._get_xla_tensors_hlo(list(outputs))
+
     def load_to(self, device: Any) -> "CompiledSubgraph":
         """A copy of this subgraph compiled for and resident on ``device`` (another core).
 
