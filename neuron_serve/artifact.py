@@ -25,6 +25,7 @@ import json
 import logging
 import operator
 import shutil
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -279,13 +280,24 @@ def _check_no_pickle(file: Path) -> None:
                 raise ArtifactError(f"artifact file {file} stores tensors as pickles; neuron-serve does not unpickle.")
 
 
+def _drop_device_asserts(gm: torch.fx.GraphModule) -> None:
+    # Re-export records "this input is on CPU" checks; the compiled copy runs on the device.
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
 def _load_bucket(entry: dict, root: Path) -> TracedModule:
     modules: dict[str, torch.nn.Module] = {}
     for name, part in entry["modules"].items():
         _check_no_pickle(root / part["file"])
-        program = torch.export.load(str(root / part["file"]))
+        with warnings.catch_warnings():  # the archive's bytes are copied into tensors we own
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            program = torch.export.load(str(root / part["file"]))
         graph = program.module()
         if part["compiled"]:
+            _drop_device_asserts(graph)
             example = _example_args([(tuple(s), _dtype(d)) for s, d in part["inputs"]])
             compiled = CompiledSubgraph(graph, example, name=name)
             compiled._tuple_out = part["tuple_out"]
