@@ -156,6 +156,7 @@ def _save_bucket(traced: TracedModule, folder: Path, root: Path) -> dict:
         "modules": parts,
         "in_spec": pytree.treespec_dumps(traced.in_spec),
         "out_spec": pytree.treespec_dumps(traced.out_spec),
+        "out_spec_portable": pytree.treespec_dumps(_portable(traced.out_spec)),
         "input_shapes": [None if s is None else [list(s), str(d).removeprefix("torch.")] for s, d in traced.input_shapes],
         "output_shapes": [None if s is None else list(s) for s in traced.output_shapes],
         "dynamic_batch": traced.dynamic_batch_enabled,
@@ -280,6 +281,28 @@ def _check_no_pickle(file: Path) -> None:
                 raise ArtifactError(f"artifact file {file} stores tensors as pickles; neuron-serve does not unpickle.")
 
 
+_BUILTIN_CONTAINERS = (tuple, list, dict)
+
+
+def _portable(spec: pytree.TreeSpec) -> pytree.TreeSpec:
+    """The same structure with library output classes (e.g. transformers' ModelOutput) as dicts."""
+    children = [_portable(c) for c in spec.children_specs]
+    if spec.type is None or spec.type in _BUILTIN_CONTAINERS:
+        return pytree.TreeSpec(spec.type, spec.context, children) if children else spec
+    if isinstance(spec.context, (list, tuple)) and all(isinstance(k, str) for k in spec.context):
+        return pytree.TreeSpec(dict, list(spec.context), children)
+    return pytree.TreeSpec(tuple, None, children)
+
+
+def _load_out_spec(entry: dict) -> pytree.TreeSpec:
+    try:
+        return pytree.treespec_loads(entry["out_spec"])
+    except NotImplementedError as exc:
+        # The model returned a library's output class that this process has not imported.
+        logger.info("outputs come back as dicts and tuples: %s (import the library to get its classes)", exc)
+        return pytree.treespec_loads(entry["out_spec_portable"])
+
+
 def _drop_device_asserts(gm: torch.fx.GraphModule) -> None:
     # Re-export records "this input is on CPU" checks; the compiled copy runs on the device.
     for node in list(gm.graph.nodes):
@@ -307,7 +330,7 @@ def _load_bucket(entry: dict, root: Path) -> TracedModule:
     traced = TracedModule(
         _graph_from_json(entry["graph"], modules),
         in_spec=pytree.treespec_loads(entry["in_spec"]),
-        out_spec=pytree.treespec_loads(entry["out_spec"]),
+        out_spec=_load_out_spec(entry),
         input_shapes=[(None, None) if s is None else (torch.Size(s[0]), _dtype(s[1])) for s in entry["input_shapes"]],
         output_shapes=[None if s is None else torch.Size(s) for s in entry["output_shapes"]],
         partitions=[Partition(**p) for p in entry["partitions"]],
