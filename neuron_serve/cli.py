@@ -39,6 +39,12 @@ def _analyze(args: argparse.Namespace) -> int:
     else:
         plan = plan_partitions(copy.deepcopy(captured.gm), analysis, partitioner)
         report["partitions"] = plan.describe()
+    if args.html or args.report_json:
+        from .analyze import partition_report  # noqa: PLC0415
+
+        data = partition_report.build(config, model, captured, analysis, profile_runs=args.profile)
+        for path in partition_report.write(data, html=args.html, json_path=args.report_json):
+            print(f"wrote {path}", file=sys.stderr)
     text = json.dumps(report, indent=2)
     if args.json:
         Path(args.json).write_text(text + "\n")
@@ -122,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     analyze = sub.add_parser("analyze", help="report operator support and the partition plan of a model.yaml")
     analyze.add_argument("config", help="path to a model.yaml")
     analyze.add_argument("--json", metavar="PATH", help="write the report (with the plan) to PATH")
+    analyze.add_argument("--html", metavar="PATH", help="write the partition report page (one self-contained file)")
+    analyze.add_argument("--report-json", metavar="PATH", help="write the partition report's data as JSON")
+    analyze.add_argument("--profile", type=int, nargs="?", const=5, default=0, metavar="RUNS",
+                         help="with --html/--report-json: compile, run the example inputs RUNS times (default 5) "
+                              "and add the measured times")
     analyze.set_defaults(func=_analyze)
 
     build = sub.add_parser("build", help="compile a model.yaml ahead of time into an artifact directory")
