@@ -54,6 +54,11 @@ document.querySelectorAll('[data-node]').forEach(e => e.addEventListener('click'
 """
 
 
+def _fit(label: str, room: int = 21) -> str:
+    """Cut a label to what a node box holds at the page's monospace size."""
+    return label if len(label) <= room else label[: room - 1] + "…"
+
+
 def _svg_nodes(data: dict, lay: Layout) -> list[str]:
     out = []
     for op in data["ops"]:
@@ -66,7 +71,7 @@ def _svg_nodes(data: dict, lay: Layout) -> list[str]:
             f'<g class="op cat-{op["category"]}" data-op="{escape(op["op"])}" data-node="{escape(op["node"])}" '
             f'data-placement="{op["category"]}" data-subgraph="{op["subgraph"]}">'
             f'<rect x="{x:.1f}" y="{y:.1f}" width="{NODE_W}" height="{NODE_H}" rx="5"/>'
-            f'<text x="{x + NODE_W / 2:.1f}" y="{y + NODE_H / 2 + 4:.1f}" text-anchor="middle">{escape(label[:22])}</text>'
+            f'<text x="{x + NODE_W / 2:.1f}" y="{y + NODE_H / 2 + 4:.1f}" text-anchor="middle">{escape(_fit(label))}</text>'
             f"<title>{escape(tip)} ({escape(site)})</title></g>"
         )
     for io in data["inputs"] + data["outputs"]:
