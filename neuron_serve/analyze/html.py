@@ -31,7 +31,7 @@ svg text{font:11px ui-monospace,SFMono-Regular,Menlo,monospace;pointer-events:no
 .io rect{fill:#e8eaed;stroke:#888;stroke-dasharray:3 2}
 .box{fill:none;stroke-width:1.5;rx:8}.box.dev-cpu{stroke:#8a6d3b;fill:#fff8ee}.box.dev-accel{stroke:#2f6f3e;fill:#f1faf3}
 .box.breaks{stroke:#b3261e;stroke-width:3;stroke-dasharray:6 3}
-.boxlabel{font-weight:bold;font-size:12px}.edge{fill:none;stroke:#777;stroke-width:1.2}
+.boxlabel{font-weight:bold;font-size:12px;paint-order:stroke;stroke:#fff;stroke-width:4px;stroke-linejoin:round}.edge{fill:none;stroke:#777;stroke-width:1.2}
 .edge.transfer{stroke:#0969da;stroke-width:1.8;stroke-dasharray:5 3}
 #detail{position:sticky;top:0;background:#fff;border:1px solid #d0d7de;border-radius:6px;padding:8px 12px;
 margin:0 0 8px;min-height:1.5em}tr.selected td{background:#ddf4ff}
@@ -123,19 +123,21 @@ def graph_svg(data: dict) -> str:
     lay = layout(bands, preds)
     timings = {t["index"]: t for t in (data.get("profile") or {}).get("subgraphs", [])}
     devices = {s["index"]: s for s in data["subgraphs"]}
-    parts = []
+    parts, captions = [], []
     for box in lay.boxes:
         sub = devices[box.index]
         kind = "dev-cpu" if sub["device"] == "cpu" else "dev-accel"
         breaks = " breaks" if sub["breaks"] else ""
         parts.append(
             f'<g class="subgraph" data-subgraph="{box.index}" data-device="{sub["device"]}">'
-            f'<rect class="box {kind}{breaks}" x="{box.x}" y="{box.y:.1f}" width="{box.w}" height="{box.h:.1f}"/>'
-            f'<text class="boxlabel" x="{box.x + BOX_PAD}" y="{box.y + 16:.1f}">{escape(_box_caption(sub, timings.get(box.index)))}'
-            f"</text></g>"
+            f'<rect class="box {kind}{breaks}" x="{box.x}" y="{box.y:.1f}" width="{box.w}" height="{box.h:.1f}"/></g>'
         )
+        # Captions go on top of the edges, with a halo, so an arrow never hides them.
+        captions.append(f'<text class="boxlabel" x="{box.x + BOX_PAD}" y="{box.y + 16:.1f}">'
+                        f"{escape(_box_caption(sub, timings.get(box.index)))}</text>")
     parts += _svg_edges(data, lay, preds)
     parts += _svg_nodes(data, lay)
+    parts += captions
     marker = ('<defs><marker id="arrow" viewBox="0 0 10 10" refX="10" refY="5" markerWidth="7" markerHeight="7" '
               'orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="#777"/></marker></defs>')
     return (f'<svg id="graph" xmlns="http://www.w3.org/2000/svg" width="{lay.width:.0f}" height="{lay.height:.0f}" '
