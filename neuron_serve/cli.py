@@ -30,6 +30,13 @@ def _analyze(args: argparse.Namespace) -> int:
     analysis = analyze_graph(captured, get_target(config.target))
     report = build_report(analysis)
     log_support(analysis)
+    if args.html or args.report_json:
+        # Written before the plan below can refuse the config: a refused plan is what it helps to see.
+        from .analyze import partition_report  # noqa: PLC0415
+
+        data = partition_report.build(config, model, captured, analysis, profile_runs=args.profile)
+        for path in partition_report.write(data, html=args.html, json_path=args.report_json):
+            print(f"wrote {path}", file=sys.stderr)
     partitioner = config.partitioner_config() or PartitionerConfig(model_support_percentage_threshold=0.0)
     if config.partitioner is None and analysis.unsupported():
         report["partitions"] = None
@@ -39,12 +46,6 @@ def _analyze(args: argparse.Namespace) -> int:
     else:
         plan = plan_partitions(copy.deepcopy(captured.gm), analysis, partitioner)
         report["partitions"] = plan.describe()
-    if args.html or args.report_json:
-        from .analyze import partition_report  # noqa: PLC0415
-
-        data = partition_report.build(config, model, captured, analysis, profile_runs=args.profile)
-        for path in partition_report.write(data, html=args.html, json_path=args.report_json):
-            print(f"wrote {path}", file=sys.stderr)
     text = json.dumps(report, indent=2)
     if args.json:
         Path(args.json).write_text(text + "\n")

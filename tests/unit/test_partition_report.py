@@ -6,6 +6,7 @@ Suggestions are checked against what trace really builds with the suggested conf
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from html.parser import HTMLParser
@@ -176,3 +177,25 @@ def test_cli_report_json_carries_buckets(tmp_path):
     assert (data["operator_count"], len(data["ops"]), [s["device"] for s in data["subgraphs"]]) == (155, 155, ["neuron"])
     assert data["accepted"] is True and data["profile"] is None
     assert json.loads(result.stdout)["support_percentage"] == "100.00%"  # the torch-neuronx report still prints
+
+
+def test_cli_writes_the_page_for_a_refused_config_and_still_fails(tmp_path):
+    shutil.copytree(ROOT / "deployments" / "example_models", tmp_path / "example_models")
+    (tmp_path / "model.yaml").write_text(
+        "name: refused\nmodel: {factory: 'example_models.mlp:build', kwargs: {layers: [64, 32]}}\n"
+        "inputs: [{name: x, shape: [8, 784]}]\npartitioner: {min_subgraph_size: 2}\n"
+    )
+    page, data = tmp_path / "r.html", tmp_path / "r.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "neuron_serve.cli", "analyze", str(tmp_path / "model.yaml"), "--html", str(page),
+         "--report-json", str(data)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    message = ("The partitioner has found a subgraph of size 1 (Partition #2 for device: Device.CPU) which is "
+               "below the specified min subgraph size of 2.")
+    assert result.returncode == 3
+    assert f"error: {message}" in result.stderr
+    report = json.loads(data.read_text())
+    assert report["accepted"] is False
+    assert [v["message"] for v in report["violations"]] == [message]
+    assert message in page.read_text()
