@@ -5,11 +5,14 @@ One directory (``NEURON_SERVE_CACHE_DIR``, else the user's cache dir) holds:
 - ``support/``: operator-support decisions, keyed by operator, argument shapes and
   dtypes, target and versions. Each decision costs a real torch-xla compile of a
   one-op graph, so a warm start skips all of them.
-- ``xla/``: torch-xla's own persistent compilation cache (serialized executables,
-  keyed by the HLO graph hash, device and compiler flags), opened where the PJRT
-  client can serialize executables: on Neuron (NEFFs, with ``neuronx-cc``'s cache
-  under ``neuronx-cc/``). torch-xla 2.9's XLA:CPU client cannot deserialize
-  executables, so in emulation accelerator subgraphs are recompiled on every start.
+- ``neuronx-cc/``: on Neuron, the Neuron compiler's own cache of NEFFs, keyed by the
+  HLO graph hash and compiler version and flags (``NEURON_COMPILE_CACHE_URL``), so a
+  warm start loads NEFFs instead of running neuronx-cc.
+
+torch-xla's own persistent cache is not used: in torch-xla 2.9 no PJRT client here
+can load the executables it writes ("Deserializing serialized executable not
+supported", pytorch/xla#9094). So in emulation each accelerator subgraph is compiled
+by XLA:CPU again on every start; the cache skips everything else.
 
 Every entry carries the SHA-256 of its key and payload; an entry that is truncated,
 edited or unreadable is logged, removed and recomputed, never used.
@@ -135,16 +138,5 @@ def current() -> CompileCache | None:
 
 
 def _open_executable_cache(root: Path) -> None:
-    """On Neuron, point torch-xla's and neuronx-cc's executable caches into ``root``."""
-    from ..targets.runtime import emulated, xla  # noqa: PLC0415
-
-    xla()
-    if emulated():
-        return  # XLA:CPU executables cannot be deserialized; see the module docstring
+    """On Neuron, keep neuronx-cc's NEFF cache in ``root`` (unless already configured)."""
     os.environ.setdefault("NEURON_COMPILE_CACHE_URL", str(root / "neuronx-cc"))
-    import torch_xla.runtime as runtime  # noqa: PLC0415
-
-    try:
-        runtime.initialize_cache(str(root / "xla"), readonly=False)
-    except RuntimeError as exc:  # already opened in this process
-        logger.debug("torch-xla cache not reopened: %s", exc)
