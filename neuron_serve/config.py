@@ -46,8 +46,24 @@ class _Strict(BaseModel):
 
 
 class ModelSource(_Strict):
-    factory: str = Field(pattern=FACTORY_PATTERN, description="import path 'package.module:function' returning an nn.Module")
+    factory: str | None = Field(
+        default=None, pattern=FACTORY_PATTERN, description="import path 'package.module:function' returning an nn.Module"
+    )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the factory")
+    artifact: str | None = Field(
+        default=None, description="a directory written by 'neuron-serve build' (relative to the model.yaml's folder)"
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelSource":
+        if (self.factory is None) == (self.artifact is None):
+            raise ValueError(
+                "give exactly one of 'factory' (an import path 'package.module:function') or 'artifact' "
+                "(a directory written by 'neuron-serve build')"
+            )
+        if self.artifact is not None and self.kwargs:
+            raise ValueError("'kwargs' apply to a factory; an artifact is already built, remove 'kwargs'")
+        return self
 
 
 class InputSpec(_Strict):
@@ -62,6 +78,9 @@ class InputSpec(_Strict):
         if any(d < 1 for d in shape):
             raise ValueError(f"every dimension must be >= 1, got {shape}")
         return shape
+
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
 
     def example(self) -> torch.Tensor:
         dtype = DTYPES[self.dtype]
@@ -223,8 +242,24 @@ def load_config(path: str | Path) -> ModelConfig:
     return parse_config(data, str(path))
 
 
+def load_deployment(path: str | Path) -> tuple[ModelConfig, str]:
+    """A model.yaml, or an artifact directory (served by the model.yaml inside it).
+
+    Returns the config and the folder its relative paths resolve against.
+    """
+    path = Path(path)
+    if path.is_dir():
+        if not (path / "model.yaml").is_file():
+            raise ConfigError(f"{path}: a directory to deploy must be an artifact written by 'neuron-serve build' "
+                              "(it holds a model.yaml); pass a model.yaml or such a directory.")
+        path = path / "model.yaml"
+    return load_config(path), str(path.resolve().parent)
+
+
 def build_model(config: ModelConfig, base_dir: str | Path | None = None) -> torch.nn.Module:
     """Import and call the factory; import paths resolve against ``base_dir`` first."""
+    if config.model.factory is None:
+        raise ConfigError("model: this model.yaml names an artifact, which holds no Python model to build.")
     module_name, _, attr = config.model.factory.partition(":")
     if base_dir is not None and str(base_dir) not in sys.path:
         sys.path.insert(0, str(base_dir))

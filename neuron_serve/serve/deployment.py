@@ -20,6 +20,7 @@ import ray
 from ray import serve
 
 from .. import metrics
+from ..compile.cache import CACHE_ENV
 from ..config import ModelConfig, parse_config
 from ..targets.runtime import neuron_devices_present
 from ..errors import ConfigError
@@ -91,6 +92,8 @@ class Server:
 
 def replica_env(config: ModelConfig) -> dict[str, str]:
     env = {metrics.MULTIPROC_ENV: metrics.multiproc_dir()}
+    if os.environ.get(CACHE_ENV):
+        env[CACHE_ENV] = os.environ[CACHE_ENV]
     if not neuron_devices_present():
         env.update({"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(config.cores_per_replica)})
     return env
@@ -229,10 +232,9 @@ def shutdown(names: list[str] | None = None) -> None:
 
 def build_model_app(args: dict):
     """``neuron_serve.serve.deployment:build_model_app`` with ``{"config": "model.yaml"}``."""
-    from ..config import load_config  # noqa: PLC0415
+    from ..config import load_deployment  # noqa: PLC0415
 
-    path = Path(args["config"])
-    return model_application(load_config(path), str(path.resolve().parent))
+    return model_application(*load_deployment(args["config"]))
 
 
 def build_server_app(args: dict | None = None):

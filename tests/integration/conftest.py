@@ -112,6 +112,12 @@ class Server:
 
 
 @pytest.fixture(scope="session")
+def server_factory():
+    """Start another real server: ``server_factory([model.yaml or artifact dir, ...], tmp_dir)``."""
+    return Server
+
+
+@pytest.fixture(scope="session")
 def server(tmp_path_factory):
     """mlp (sort on CPU, 2 cores) and encoder (sequence buckets) served side by side."""
     srv = Server(["deployments/mlp.yaml", "deployments/encoder.yaml"], tmp_path_factory.mktemp("serve"))
