@@ -6,8 +6,13 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 EXAMPLE ?= deployments/mlp.yaml
+# The KServe Python client lives in its own venv: kserve pins protobuf<7, which the
+# Ray in .venv needs. tests/integration/test_kserve_client.py runs its python.
+KSERVE_VENV  := .venv-kserve
+KSERVE_STAMP := $(KSERVE_VENV)/.installed
+KSERVE_REQS  := tests/integration/kserve-requirements.txt
 
-.PHONY: install serve analyze test bench bench-quick
+.PHONY: install serve analyze test kserve-client bench bench-quick
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -17,13 +22,21 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+$(KSERVE_STAMP): $(KSERVE_REQS)
+	test -d $(KSERVE_VENV) || $(PYTHON) -m venv $(KSERVE_VENV)
+	$(KSERVE_VENV)/bin/pip install --upgrade pip
+	$(KSERVE_VENV)/bin/pip install -r $(KSERVE_REQS)
+	touch $(KSERVE_STAMP)
+
+kserve-client: $(KSERVE_STAMP)
+
 serve: $(STAMP)
 	$(BIN)/neuron-serve deploy $(EXAMPLE)
 
 analyze: $(STAMP)
 	$(BIN)/neuron-serve analyze $(EXAMPLE)
 
-test: $(STAMP)
+test: $(STAMP) $(KSERVE_STAMP)
 	$(BIN)/pytest
 
 # Benchmarks against peer servers (needs wrk: apt-get install wrk). Results: bench/results/.

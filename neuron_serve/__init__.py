@@ -6,6 +6,7 @@ The public API is named like ``torch_neuronx`` so code ports by changing an impo
 __version__ = "0.1.0"
 
 from .api import analyze, bucket_model_trace, dynamic_batch, trace, trace_buckets
+from .artifact import load, save  # noqa: E402
 from .bucketing import BucketedModule, BucketModelConfig, BucketSpec  # noqa: E402  # noqa: E402
 from .errors import ConfigError, PartitionError, UnsupportedModelError  # noqa: E402
 from .partition.config import PartitionerConfig  # noqa: E402
@@ -24,4 +25,6 @@ __all__ = [
     "trace_buckets",
     "dynamic_batch",
     "trace",
+    "save",
+    "load",
 ]

@@ -8,7 +8,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from . import batching
+from . import batching, progress
 from .analyze.capture import as_args, capture
 from .analyze.placement import GraphAnalysis, analyze_graph
 from .analyze.report import build_report, log_support
@@ -46,26 +46,34 @@ def _unsupported_error(analysis: GraphAnalysis) -> UnsupportedModelError:
     )
 
 
-def _compile_partitions(plan: PartitionPlan, flat_inputs: list, compiler_workdir: str | None) -> list:
+def _compile_partitions(plan: PartitionPlan, flat_inputs: list, compiler_workdir: str | None) -> tuple[list, dict]:
     """Replace each accelerator submodule by its compiled form.
 
     The split graph runs once on the example inputs; each accelerator partition is
     compiled on the inputs it receives there and then run compiled, so downstream
-    partitions see the outputs they will see at inference.
+    partitions see the outputs they will see at inference. Returns the outputs and
+    the (shape, dtype) of every partition's inputs, which saving a module needs.
     """
     gm = plan.gm
+    accel_total = sum(1 for p in plan.partitions if p.name.startswith(ACCEL_PREFIX))
+    stage_inputs: dict[str, list] = {}
 
     class _Compiler(torch.fx.Interpreter):
         def call_module(self, target, args, kwargs):
+            stage_inputs[target] = [(tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else None for a in args]
             if target.startswith(ACCEL_PREFIX):
-                compiled = CompiledSubgraph(
-                    gm.get_submodule(target), args, name=target, compiler_workdir=compiler_workdir
-                )
+                index = sum(1 for name in stage_inputs if name.startswith(ACCEL_PREFIX))
+                with progress.subgraph(target, index, accel_total):
+                    compiled = CompiledSubgraph(
+                        gm.get_submodule(target), args, name=target, compiler_workdir=compiler_workdir
+                    )
                 setattr(gm, target, compiled)
             return super().call_module(target, args, kwargs)
 
     with torch.no_grad():
-        return list(_Compiler(gm).run(*flat_inputs))
+        outputs = list(_Compiler(gm).run(*flat_inputs))
+    progress.bucket_done()
+    return outputs, stage_inputs
 
 
 def trace(
@@ -98,8 +106,8 @@ def trace(
         compiler_workdir = compiler_workdir or config.trace_kwargs.get("compiler_workdir")
     log_support(analysis)
     plan = plan_partitions(captured.gm, analysis, config)
-    outputs = _compile_partitions(plan, captured.flat_inputs, compiler_workdir)
-    return TracedModule(
+    outputs, stage_inputs = _compile_partitions(plan, captured.flat_inputs, compiler_workdir)
+    traced = TracedModule(
         plan.gm,
         in_spec=captured.in_spec,
         out_spec=captured.out_spec,
@@ -109,6 +117,8 @@ def trace(
         report=build_report(analysis),
         target=tgt.name,
     )
+    traced.stage_inputs = stage_inputs
+    return traced
 
 
 def dynamic_batch(neuron_script: TracedModule) -> TracedModule:

@@ -6,6 +6,7 @@ import argparse
 import copy
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -14,7 +15,8 @@ from pathlib import Path
 from .analyze.capture import capture
 from .analyze.placement import analyze_graph
 from .analyze.report import build_report, log_support
-from .config import build_model, load_config
+from .compile import cache as compile_cache
+from .config import build_model, load_config, load_deployment
 from .errors import NeuronServeError
 from .partition.config import PartitionerConfig
 from .partition.plan import plan_partitions
@@ -28,6 +30,13 @@ def _analyze(args: argparse.Namespace) -> int:
     analysis = analyze_graph(captured, get_target(config.target))
     report = build_report(analysis)
     log_support(analysis)
+    if args.html or args.report_json:
+        # Written before the plan below can refuse the config: a refused plan is what it helps to see.
+        from .analyze import partition_report  # noqa: PLC0415
+
+        data = partition_report.build(config, model, captured, analysis, profile_runs=args.profile)
+        for path in partition_report.write(data, html=args.html, json_path=args.report_json):
+            print(f"wrote {path}", file=sys.stderr)
     partitioner = config.partitioner_config() or PartitionerConfig(model_support_percentage_threshold=0.0)
     if config.partitioner is None and analysis.unsupported():
         report["partitions"] = None
@@ -46,14 +55,35 @@ def _analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+def _build(args: argparse.Namespace) -> int:
+    from . import artifact  # noqa: PLC0415
+    from .build import build  # noqa: PLC0415
+
+    config = load_config(args.config)
+    if config.model.artifact is not None:
+        print(f"error: {args.config} already names an artifact ({config.model.artifact}); build from a model.yaml "
+              "with a 'factory'.", file=sys.stderr)
+        return 2
+    built = build(config, Path(args.config).resolve().parent)
+    out = Path(args.output)
+    # The artifact's own model.yaml serves it as is: its model source is the artifact.
+    served = config.model_dump(mode="json", exclude_none=True)
+    served["model"] = {"artifact": "."}
+    artifact.save(built.module, out, config=served, source=str(args.config))
+    print(f"built {config.name} in {built.seconds:.1f}s -> {out} (serve it: neuron-serve deploy {out})", file=sys.stderr)
+    return 0
+
+
 def _deploy(args: argparse.Namespace) -> int:
     from .serve import ingress  # noqa: PLC0415
 
     # Before Ray is imported: Ray Serve reads its ingress settings at import.
     chosen = ingress.configure(args.ingress)
-    from .serve import deployment  # noqa: PLC0415 - Ray is only needed to serve
+    from .serve import auth, deployment  # noqa: PLC0415 - Ray is only needed to serve
 
-    configs = [(load_config(path), str(Path(path).resolve().parent)) for path in args.configs]
+    configs = [load_deployment(path) for path in args.configs]
+    for config, _ in configs:
+        auth.resolve_token(config)  # a missing token fails here, before Ray starts
     names = [c.name for c, _ in configs]
     if len(set(names)) != len(names):
         print(f"error: model names must differ, got {names}", file=sys.stderr)
@@ -67,8 +97,8 @@ def _deploy(args: argparse.Namespace) -> int:
     if any(s != "ready" for s in states.values()):
         deployment.shutdown(names if not started_here else None)
         return 1
-    print(f"serving {', '.join(names)} on http://{host}:{port}/v2 (metrics: /metrics, ingress: {chosen})",
-          file=sys.stderr, flush=True)
+    print(f"serving {', '.join(names)} on http://{host}:{port}/v2 (metrics: /metrics; ingress: {chosen}; "
+          f"Ray at {deployment.ray_address()})", file=sys.stderr, flush=True)
     if started_here:
         # This process owns the Ray instance: serve until interrupted, then drain.
         stop = threading.Event()
@@ -99,14 +129,28 @@ def _shutdown(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="neuron-serve", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--cache-dir", metavar="DIR",
+                        help=f"persistent compile cache (default: ${compile_cache.CACHE_ENV}, else the user cache dir; "
+                             "'off' disables it)")
     sub = parser.add_subparsers(dest="command", required=True)
     analyze = sub.add_parser("analyze", help="report operator support and the partition plan of a model.yaml")
     analyze.add_argument("config", help="path to a model.yaml")
     analyze.add_argument("--json", metavar="PATH", help="write the report (with the plan) to PATH")
+    analyze.add_argument("--html", metavar="PATH", help="write the partition report page (one self-contained file)")
+    analyze.add_argument("--report-json", metavar="PATH", help="write the partition report's data as JSON")
+    analyze.add_argument("--profile", type=int, nargs="?", const=5, default=0, metavar="RUNS",
+                         help="with --html/--report-json: compile, run the example inputs RUNS times (default 5) "
+                              "and add the measured times")
     analyze.set_defaults(func=_analyze)
 
-    deploy = sub.add_parser("deploy", help="build and serve one or more model.yaml files over HTTP")
-    deploy.add_argument("configs", nargs="+", metavar="model.yaml")
+    build = sub.add_parser("build", help="compile a model.yaml ahead of time into an artifact directory")
+    build.add_argument("config", help="path to a model.yaml")
+    build.add_argument("-o", "--output", required=True, metavar="DIR", help="artifact directory to write")
+    build.set_defaults(func=_build)
+
+    deploy = sub.add_parser("deploy", help="build and serve one or more model.yaml files (or built artifacts) over HTTP")
+    deploy.add_argument("configs", nargs="+", metavar="model.yaml|DIR",
+                        help="model.yaml files, or artifact directories written by 'neuron-serve build'")
     deploy.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS, else start one here)")
     deploy.add_argument("--host", help="HTTP host (default: the first model.yaml's http.host)")
     deploy.add_argument("--port", type=int, help="HTTP port (default: the first model.yaml's http.port)")
@@ -133,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         format="%(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if args.cache_dir:
+        # Through the environment, so Ray replicas started from here use it too.
+        os.environ[compile_cache.CACHE_ENV] = str(Path(args.cache_dir).expanduser().resolve()) \
+            if args.cache_dir.lower() not in compile_cache.DISABLE_VALUES else "off"
     try:
         return args.func(args)
     except NeuronServeError as exc:

@@ -35,6 +35,8 @@ DEFAULT_TARGET_ONGOING_REQUESTS = 16.0
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20
+AUTH_TOKEN_ENV = "NEURON_SERVE_AUTH_TOKEN"
+MIN_TOKEN_LENGTH = 16
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
 FACTORY_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
 
@@ -44,8 +46,24 @@ class _Strict(BaseModel):
 
 
 class ModelSource(_Strict):
-    factory: str = Field(pattern=FACTORY_PATTERN, description="import path 'package.module:function' returning an nn.Module")
+    factory: str | None = Field(
+        default=None, pattern=FACTORY_PATTERN, description="import path 'package.module:function' returning an nn.Module"
+    )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the factory")
+    artifact: str | None = Field(
+        default=None, description="a directory written by 'neuron-serve build' (relative to the model.yaml's folder)"
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelSource":
+        if (self.factory is None) == (self.artifact is None):
+            raise ValueError(
+                "give exactly one of 'factory' (an import path 'package.module:function') or 'artifact' "
+                "(a directory written by 'neuron-serve build')"
+            )
+        if self.artifact is not None and self.kwargs:
+            raise ValueError("'kwargs' apply to a factory; an artifact is already built, remove 'kwargs'")
+        return self
 
 
 class InputSpec(_Strict):
@@ -60,6 +78,9 @@ class InputSpec(_Strict):
         if any(d < 1 for d in shape):
             raise ValueError(f"every dimension must be >= 1, got {shape}")
         return shape
+
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
 
     def example(self) -> torch.Tensor:
         dtype = DTYPES[self.dtype]
@@ -117,10 +138,33 @@ class AutoscalingSettings(_Strict):
         return self
 
 
+class AuthSettings(_Strict):
+    """Bearer-token authentication: every route but /v2/health/* needs the token.
+
+    The token itself never goes in model.yaml; it is read from an environment variable
+    or a file (a mounted Kubernetes Secret) when the server starts.
+    """
+
+    token_env: str | None = Field(
+        default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description=f"environment variable holding the token (default {AUTH_TOKEN_ENV})",
+    )
+    token_file: str | None = Field(default=None, min_length=1, description="file holding the token (e.g. a mounted Secret)")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "AuthSettings":
+        if self.token_env is not None and self.token_file is not None:
+            raise ValueError("give token_env or token_file, not both")
+        return self
+
+
 class HttpSettings(_Strict):
     host: str = DEFAULT_HOST
     port: int = Field(DEFAULT_PORT, ge=1, le=65535)
     max_request_bytes: int = Field(DEFAULT_MAX_REQUEST_BYTES, ge=1024, description="larger bodies get 413")
+    auth: AuthSettings | None = Field(
+        default=None, description=f"bearer-token authentication (off unless set here or ${AUTH_TOKEN_ENV} is set)"
+    )
 
 
 class ModelConfig(_Strict):
@@ -198,8 +242,24 @@ def load_config(path: str | Path) -> ModelConfig:
     return parse_config(data, str(path))
 
 
+def load_deployment(path: str | Path) -> tuple[ModelConfig, str]:
+    """A model.yaml, or an artifact directory (served by the model.yaml inside it).
+
+    Returns the config and the folder its relative paths resolve against.
+    """
+    path = Path(path)
+    if path.is_dir():
+        if not (path / "model.yaml").is_file():
+            raise ConfigError(f"{path}: a directory to deploy must be an artifact written by 'neuron-serve build' "
+                              "(it holds a model.yaml); pass a model.yaml or such a directory.")
+        path = path / "model.yaml"
+    return load_config(path), str(path.resolve().parent)
+
+
 def build_model(config: ModelConfig, base_dir: str | Path | None = None) -> torch.nn.Module:
     """Import and call the factory; import paths resolve against ``base_dir`` first."""
+    if config.model.factory is None:
+        raise ConfigError("model: this model.yaml names an artifact, which holds no Python model to build.")
     module_name, _, attr = config.model.factory.partition(":")
     if base_dir is not None and str(base_dir) not in sys.path:
         sys.path.insert(0, str(base_dir))

@@ -46,6 +46,8 @@ class TracedModule(torch.nn.Module):
         self.partitions = partitions
         self.report = report
         self.target = target
+        # (shape, dtype) of each partition's inputs at trace time; save() re-exports with them.
+        self.stage_inputs: dict[str, list[tuple[tuple[int, ...], torch.dtype] | None]] = {}
 
     @property
     def partition_devices(self) -> list[str]:

@@ -1,5 +1,7 @@
 import logging
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -8,6 +10,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "deployments"))  # example_models, as model.yaml files resolve it
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# One compile cache per test run (servers started by tests inherit it), never the user's.
+os.environ.setdefault("NEURON_SERVE_CACHE_DIR", tempfile.mkdtemp(prefix="neuron-serve-test-cache-"))
 
 
 @pytest.fixture(autouse=True)

@@ -4,7 +4,8 @@ An operator is unsupported when the target's profile says so, when torch-xla can
 lower it (it falls back to CPU and an ``aten::*`` counter appears in
 torch_xla.debug.metrics), or when its one-op graph fails to compile. Each answer is
 cached per (operator, argument shapes and dtypes, target, versions), so a model with
-many identical layers compiles each distinct one-op graph once.
+many identical layers compiles each distinct one-op graph once; the persistent compile
+cache keeps the answers across processes, so a second start compiles none.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from ..compile import cache as compile_cache
 from ..targets import Decision, Target
 from ..targets.runtime import versions, xla
 
@@ -74,8 +76,19 @@ class SupportOracle:
         args, kwargs = self._concrete_args(node, gm)
         key = (self.target.name, str(node.target), _signature(args), _signature(kwargs), tuple(versions().values()))
         if key not in self._cache:
-            self._cache[key] = self._run_on_xla(node.target, op, args, kwargs)
+            self._cache[key] = self._lookup(key, node.target, op, args, kwargs)
         return self._cache[key]
+
+    def _lookup(self, key: tuple, target: Any, op: str, args: tuple, kwargs: dict) -> Decision:
+        store = compile_cache.current()
+        stored = store.get("support", key) if store is not None else None
+        if stored is not None:
+            return Decision(**stored)
+        decision = self._run_on_xla(target, op, args, kwargs)
+        if store is not None:
+            store.put("support", key, {"supported": decision.supported, "failure_at": decision.failure_at,
+                                       "reason": decision.reason})
+        return decision
 
     @staticmethod
     def _concrete_args(node: torch.fx.Node, gm: torch.fx.GraphModule) -> tuple[tuple, dict]:

@@ -85,6 +85,15 @@ class CompiledSubgraph(torch.nn.Module):
         with open(os.path.join(workdir, f"{self.name}.hlo.txt"), "w") as handle:
             handle.write(text)
 
+    def hlo_text(self) -> str:
+        """The HLO torch-xla lowers this subgraph to (what the compiler compiles)."""
+        use_device(self.device)
+        # The compiled module replays its executable; lowering again needs a fresh copy.
+        lowered = copy.deepcopy(self.source).to(self.device)
+        with torch.no_grad():
+            outputs = lowered(*[a.to(self.device) for a in self.example_args])
+        return xla()._XLAC._get_xla_tensors_hlo(list(outputs))
+
     def load_to(self, device: Any) -> "CompiledSubgraph":
         """A copy of this subgraph compiled for and resident on ``device`` (another core).
 
@@ -99,3 +108,23 @@ class CompiledSubgraph(torch.nn.Module):
             outputs = self._compiled(*[a.to(self.device) for a in args])
             cpu = tuple(o.cpu() for o in outputs)
         return cpu if self._tuple_out else cpu[0]
+
+    def timed(self, *args: torch.Tensor) -> tuple[Any, dict[str, float]]:
+        """forward() with its phases timed apart: to the device, compute, back to CPU.
+
+        Each phase waits for the device, so the times add up to a slower call than
+        forward(); the partition report uses them to show what transfers cost.
+        """
+        wait = xla()._XLAC._xla_wait_device_ops
+        with torch.no_grad():
+            started = time.perf_counter()
+            on_device = [a.to(self.device) for a in args]
+            wait(devices=[])
+            moved = time.perf_counter()
+            outputs = self._compiled(*on_device)
+            wait(devices=[])
+            computed = time.perf_counter()
+            cpu = tuple(o.cpu() for o in outputs)
+            done = time.perf_counter()
+        phases = {"to_device_s": moved - started, "compute_s": computed - moved, "to_cpu_s": done - computed}
+        return (cpu if self._tuple_out else cpu[0]), phases

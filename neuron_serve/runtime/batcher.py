@@ -153,6 +153,19 @@ class DynamicBatcher:
 
     # -- requests --------------------------------------------------------------------
 
+    def admit(self) -> None:
+        """Raise Overloaded now if ``submit`` would refuse for lack of room.
+
+        Lets a server refuse before it reads and decodes a request body, so a burst
+        past the queue bound costs next to nothing.
+        """
+        if self._loop_task is not None and not self._accepting:
+            self._counts["rejected"] += 1
+            raise Overloaded("server shutting down; not accepting new requests")
+        if len(self._queue) >= self.max_queue_size:
+            self._counts["rejected"] += 1
+            raise Overloaded(f"queue full ({len(self._queue)} requests waiting); retry later")
+
     async def submit(self, item: Any, rows: int = 1) -> Any:
         """Queue ``item`` (``rows`` rows) for the next batch and return its result.
 

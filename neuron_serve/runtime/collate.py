@@ -89,15 +89,3 @@ def split(outputs: Any, sizes: list[int]) -> list[Any]:
         per_leaf.append(leaf[:total].split(sizes))
     return [pytree.tree_unflatten([parts[k] for parts in per_leaf], spec) for k in range(len(sizes))]
 
-
-def choose_batch_size(rows: int, compiled_sizes: list[int] | None, max_batch_size: int) -> int:
-    """The batch size to pad ``rows`` to: the smallest compiled size >= rows, else ``rows``.
-
-    Compiled sizes above ``max_batch_size`` are not chosen: padding never grows a batch past
-    the configured limit, which also bounds memory. A batch that fits no compiled size runs
-    at its own size (``dynamic_batch`` chunks it onto the compiled shapes).
-    """
-    if rows < 1:
-        raise ValueError(f"a batch needs at least 1 row, got {rows}.")
-    fitting = [s for s in (compiled_sizes or []) if rows <= s <= max_batch_size]
-    return min(fitting) if fitting else rows

@@ -17,13 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-import torch.utils._pytree as pytree
 
 from .. import batching
-from ..api import dynamic_batch, trace, trace_buckets
 from ..bucketing import BucketSpec
-from ..config import DTYPES, ModelConfig, build_model
-from ..errors import ConfigError, NeuronServeError
+from ..build import build, trace_batch
+from ..config import DTYPES, ModelConfig
+from ..errors import NeuronServeError
 from ..traced import TracedModule
 from . import collate
 from .cores import CorePool
@@ -32,53 +31,17 @@ from .pipeline import Pipeline, StageTimer
 logger = logging.getLogger("neuron_serve")
 
 
-def output_names(traced: TracedModule, example_outputs: object, configured: list[str] | None) -> list[str]:
-    """Names of the flattened outputs: configured, else the model's own keys."""
-    paths = [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(example_outputs)[0]]
-    if configured is not None:
-        if len(configured) != len(paths):
-            raise ConfigError(f"outputs: the model has {len(paths)} outputs {paths}, but {len(configured)} names are given.")
-        return list(configured)
-    names = []
-    for i, path in enumerate(paths):
-        name = path.strip(".[]'\"").replace("'][", ".").replace("][", ".")
-        names.append(name if name and not name.isdigit() else f"output_{i}")
-    return names
-
-
 class ModelRunner:
     """The compiled model of one deployment, on every core of this replica."""
 
     def __init__(self, config: ModelConfig, base_dir: str | Path | None = None, on_stage: StageTimer | None = None):
         started = time.perf_counter()
         self.config = config
-        model = build_model(config, base_dir)
-        example = config.example_inputs()
-        names = [i.name for i in config.inputs]
-        partitioner = config.partitioner_config()
-        self.spec: BucketSpec | None = None
-        if config.buckets is not None:
-            self.spec = BucketSpec.build(
-                sizes=config.buckets.sizes, inputs=config.buckets.inputs, pad_values=config.buckets.pad_values,
-                input_names=names,
-            )
-            bucketed = trace_buckets(model, example, self.spec, partitioner_config=partitioner, target=config.target)
-            self.buckets: list[TracedModule] = list(bucketed.buckets)
-        else:
-            self.buckets = [trace(model, example, partitioner_config=partitioner, target=config.target)]
-        if config.dynamic_batch:
-            for traced in self.buckets:
-                dynamic_batch(traced)
-        with torch.no_grad():
-            reference = model(*example)
-        self.output_names = output_names(self.buckets[0], reference, config.outputs)
-        if self.spec is not None and config.buckets.outputs:
-            unknown = sorted(set(config.buckets.outputs) - set(self.output_names))
-            if unknown:
-                raise ConfigError(f"buckets.outputs: unknown outputs {unknown}; outputs are {self.output_names}.")
-            self.spec.outputs = {self.output_names.index(k): BucketSpec.build([1], {0: v}).inputs[0]
-                                 for k, v in config.buckets.outputs.items()}
-        self.trace_batch = example[0].shape[0] if example[0].dim() else 1
+        built = build(config, base_dir)
+        self.spec: BucketSpec | None = built.spec
+        self.buckets: list[TracedModule] = built.buckets
+        self.output_names = built.output_names
+        self.trace_batch = trace_batch(config)
         self.cores = CorePool(config.cores_per_replica)
         self.cpu_pool = ThreadPoolExecutor(max(2, os.cpu_count() or 2), thread_name_prefix="cpu-subgraph")
         self.pipelines = [Pipeline(traced, self.cores, self.cpu_pool, on_stage) for traced in self.buckets]
@@ -119,7 +82,19 @@ class ModelRunner:
 
     async def _run_group(self, bucket, members, requests, padded, results) -> None:
         batch, sizes = collate.collate([padded[i] for i in members])
-        outputs = await self._run_rows(bucket, batch)
+        try:
+            outputs = await self._run_rows(bucket, batch)
+        except Exception as exc:
+            if len(members) == 1:
+                results[members[0]] = exc
+                return
+            # One request's rows can make a subgraph raise (a CPU op refusing a value);
+            # re-running each request alone confines the failure to the request that
+            # caused it, so its batch-mates still get their results.
+            logger.warning("batch of %d requests failed (%s: %s); re-running each alone",
+                           len(members), type(exc).__name__, exc)
+            await asyncio.gather(*(self._run_group(bucket, [i], requests, padded, results) for i in members))
+            return
         for i, out in zip(members, collate.split(outputs, sizes)):
             if self.spec is not None:
                 out = self.spec.unpad(out, self.spec.request_sizes(requests[i]))

@@ -17,6 +17,7 @@ import torch
 from .. import __version__, metrics
 from ..config import ModelConfig
 from ..errors import InvalidInput, NeuronServeError
+from ..compile import cache as compile_cache
 from ..runtime.batcher import DynamicBatcher
 from ..runtime.runner import ModelRunner
 from ..targets.runtime import emulated
@@ -39,6 +40,9 @@ class ModelDataPlane:
         started = time.perf_counter()
         self.runner = ModelRunner(config, base_dir, on_stage=self._on_stage)
         metrics.COMPILE_TIME.labels(**labels).observe(time.perf_counter() - started)
+        store = compile_cache.current()
+        for kind, stats in (store.stats.items() if store is not None else ()):
+            metrics.CACHE_HITS.labels(**labels, cache=kind).inc(stats.hits)
         self.inputs = [self._spec(i) for i in range(len(config.inputs))]
         self.output_datatypes: list[str] = []
         batching = config.batching

@@ -20,10 +20,12 @@ import ray
 from ray import serve
 
 from .. import metrics
+from ..compile.cache import CACHE_ENV
 from ..config import ModelConfig, parse_config
 from ..targets.runtime import neuron_devices_present
+from ..errors import ConfigError
 from .dataplane import ModelDataPlane
-from . import dataplane
+from . import auth, dataplane
 from .http import model_app, server_app
 
 logger = logging.getLogger("neuron_serve")
@@ -31,6 +33,7 @@ logger = logging.getLogger("neuron_serve")
 SERVER_APP = "neuron-serve"
 NEURON_CORES = "neuron_cores"  # the Ray resource each replica asks for on Neuron clusters
 STATUS_TTL_S = 1.0
+ONGOING_PER_CAPACITY = 8
 
 _MODEL_API = model_app()
 
@@ -43,6 +46,7 @@ class ModelServer:
     async def __init__(self, config: dict, base_dir: str | None) -> None:
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
         parsed = parse_config(config)
+        auth.configure(auth.resolve_token(parsed))  # before anything can be served
         replica = serve.get_replica_context().replica_id.unique_id
         loop = asyncio.get_running_loop()
         # Building compiles for seconds to minutes; run it off the event loop.
@@ -52,7 +56,9 @@ class ModelServer:
 
     async def __del__(self) -> None:
         dataplane.set_current(None)
-        await self.plane.stop()
+        plane = getattr(self, "plane", None)  # absent when building failed
+        if plane is not None:
+            await plane.stop()
 
 
 _status_cache: tuple[float, dict[str, str]] = (0.0, {})
@@ -80,12 +86,30 @@ async def model_states() -> dict[str, str]:
 class Server:
     """Health, server metadata, metrics and fallbacks; holds no model."""
 
+    def __init__(self) -> None:
+        auth.configure(auth.resolve_token(None))
+
 
 def replica_env(config: ModelConfig) -> dict[str, str]:
     env = {metrics.MULTIPROC_ENV: metrics.multiproc_dir()}
+    if os.environ.get(CACHE_ENV):
+        env[CACHE_ENV] = os.environ[CACHE_ENV]
     if not neuron_devices_present():
         env.update({"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(config.cores_per_replica)})
     return env
+
+
+def max_ongoing_requests(config: ModelConfig) -> int:
+    """How many requests Ray Serve hands one replica at once.
+
+    Several times what the replica's batcher holds (its queue plus the batches running
+    on every core), so that in a burst the batcher answers 503 at once with a JSON error,
+    rather than Ray holding requests in its own queue with no deadline. Refused requests
+    cost the replica little: it refuses before reading their bodies.
+    """
+    batching = config.batching
+    running = 2 * config.cores_per_replica * batching.max_batch_size
+    return ONGOING_PER_CAPACITY * (batching.max_queue_size + running)
 
 
 def model_application(config: ModelConfig, base_dir: str | None):
@@ -93,15 +117,33 @@ def model_application(config: ModelConfig, base_dir: str | None):
     resources = {}
     if ray.cluster_resources().get(NEURON_CORES):
         resources[NEURON_CORES] = config.cores_per_replica
+    env = {**replica_env(config), **auth.token_env_vars(config, auth.resolve_token(config))}
     options = {
-        "ray_actor_options": {"num_cpus": 0, "resources": resources, "runtime_env": {"env_vars": replica_env(config)}},
-        "max_ongoing_requests": config.batching.max_queue_size + config.batching.max_batch_size,
+        "ray_actor_options": {"num_cpus": 0, "resources": resources, "runtime_env": {"env_vars": env}},
+        "max_ongoing_requests": max_ongoing_requests(config),
     }
     if config.autoscaling is not None:
         options["autoscaling_config"] = config.autoscaling.model_dump()
     else:
         options["num_replicas"] = config.replicas
     return ModelServer.options(**options).bind(config.model_dump(), base_dir)
+
+
+def _token_auth_if_available() -> None:
+    """Send Ray's cluster token when joining by address, as Ray does for "auto".
+
+    A local cluster started by ``ray.init()`` (as `neuron-serve deploy` does) requires
+    Ray's token (~/.ray/auth_token) since Ray 2.5x, but Ray only sends it by itself when
+    it finds the cluster with ``address="auto"``, so `status`/`shutdown --address`
+    would be refused. An explicit RAY_AUTH_MODE is respected.
+    """
+    try:  # the function Ray itself runs for address="auto"; absent in older Rays
+        from ray._private.authentication.authentication_token_setup import (  # noqa: PLC0415
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def connect(address: str | None) -> bool:
@@ -112,6 +154,7 @@ def connect(address: str | None) -> bool:
     address = address or os.environ.get("RAY_ADDRESS")
     if not ray.is_initialized():
         if address:
+            _token_auth_if_available()
             ray.init(address=address, namespace=SERVER_APP, logging_level=logging.WARNING)
             return False
         os.environ[metrics.MULTIPROC_ENV] = tempfile.mkdtemp(prefix="neuron-serve-metrics-")
@@ -123,11 +166,12 @@ def connect(address: str | None) -> bool:
 
 def deploy(configs: list[tuple[ModelConfig, str | None]], host: str, port: int, timeout_s: float = 1800) -> dict[str, str]:
     """Deploy every model and the server app; wait until all are ready or one fails."""
+    server = server_application([c for c, _ in configs])  # refuses bad auth before starting anything
     serve.start(http_options={"host": host, "port": port})
     for config, base_dir in configs:
         serve.run(model_application(config, base_dir), name=config.name,
                   route_prefix=f"/v2/models/{config.name}", blocking=False)
-    serve.run(Server.bind(), name=SERVER_APP, route_prefix="/", blocking=False)
+    serve.run(server, name=SERVER_APP, route_prefix="/", blocking=False)
     deadline = time.monotonic() + timeout_s
     names = {c.name for c, _ in configs}
     while True:
@@ -143,17 +187,43 @@ def deploy(configs: list[tuple[ModelConfig, str | None]], host: str, port: int, 
         time.sleep(1)
 
 
+def server_application(configs: list[ModelConfig]):
+    """The server app, requiring the models' token when any of them has one."""
+    tokens = {t for t in (auth.resolve_token(c) for c in configs) if t is not None}
+    if len(tokens) > 1:
+        raise ConfigError("http.auth: models served together must use the same token; "
+                          "point their token_env or token_file at one secret.")
+    env = {metrics.MULTIPROC_ENV: metrics.multiproc_dir()}
+    env.update(auth.token_env_vars(None, tokens.pop()) if tokens else {})
+    return Server.options(ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}}).bind()
+
+
+def ray_address() -> str:
+    """The address of the Ray cluster this process is connected to (for --address)."""
+    return ray.get_runtime_context().gcs_address
+
+
 def status() -> dict[str, dict]:
     apps = serve.status().applications
     return {name: {"status": str(app.status), "message": app.message} for name, app in apps.items()}
 
 
 def shutdown(names: list[str] | None = None) -> None:
+    """Stop the named models, or every model and then the server.
+
+    Models go first, one ``serve.delete`` each: Serve stops routing to their replicas
+    and waits for the requests they hold to finish (graceful_shutdown_timeout_s), while
+    new requests get a JSON 404/503 from the server app. Only then does
+    ``serve.shutdown`` stop the proxy, which Ray ends abruptly.
+    """
     if names:
         for name in names:
             serve.delete(name)
-    else:
-        serve.shutdown()
+        return
+    for name in serve.status().applications:
+        if name != SERVER_APP:
+            serve.delete(name)
+    serve.shutdown()
 
 
 # Builders for Serve config files (KubeRay RayService `import_path`s), which run the
@@ -162,10 +232,9 @@ def shutdown(names: list[str] | None = None) -> None:
 
 def build_model_app(args: dict):
     """``neuron_serve.serve.deployment:build_model_app`` with ``{"config": "model.yaml"}``."""
-    from ..config import load_config  # noqa: PLC0415
+    from ..config import load_deployment  # noqa: PLC0415
 
-    path = Path(args["config"])
-    return model_application(load_config(path), str(path.resolve().parent))
+    return model_application(*load_deployment(args["config"]))
 
 
 def build_server_app(args: dict | None = None):

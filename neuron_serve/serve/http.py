@@ -19,7 +19,7 @@ from .. import __version__, metrics
 from ..errors import ModelNotFound, ModelNotReady, NeuronServeError, PayloadTooLarge
 from ..targets.runtime import emulated
 from ..config import DEFAULT_MAX_REQUEST_BYTES
-from . import dataplane
+from . import auth, dataplane
 from .dataplane import ModelDataPlane
 
 OPENAPI_PATH = "/openapi.json"
@@ -69,6 +69,7 @@ def model_app() -> FastAPI:
     """
     app = FastAPI(title="neuron-serve model", openapi_url=None, docs_url=None, redoc_url=None)
     _install_error_handlers(app)
+    auth.install(app)
 
     def plane() -> ModelDataPlane:
         found = dataplane.current()
@@ -88,6 +89,7 @@ def model_app() -> FastAPI:
     @app.post("/infer")
     async def infer(request: Request) -> Response:
         served = plane()
+        served.batcher.admit()  # refuse before reading the body when the queue is full
         body = await read_body(request, served.config.http.max_request_bytes)
         content, headers = await served.infer(body, request.headers)
         return Response(content, headers=headers)
@@ -107,6 +109,7 @@ def server_app(model_states: ModelStates) -> FastAPI:
         openapi_url=OPENAPI_PATH,
     )
     _install_error_handlers(app)
+    auth.install(app)
 
     async def missing(name: str) -> NeuronServeError:
         state = (await model_states()).get(name)

@@ -349,7 +349,8 @@ def _shape(raw: Any, label: str, max_elements: int) -> tuple[int, ...]:
         if span > max_elements:
             raise InvalidInput(
                 f"{label}: shape {format_shape(raw)} has more than max_elements="
-                f"{max_elements} elements"
+                f"{max_elements} elements, the most one input of this model holds; "
+                "send fewer rows per request"
             )
     return tuple(raw)
 

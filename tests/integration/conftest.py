@@ -1,6 +1,7 @@
 """A real `neuron-serve deploy` on loopback, shared by the serving tests of a module."""
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,16 +23,21 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, configs: list[str], tmp: Path):
+    """`neuron-serve deploy` of ``configs`` in its own process group, ready on return."""
+
+    def __init__(self, configs: list[str], tmp: Path, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / "deploy.log"
+        env_overrides = env
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # always an embedded Ray
         env["PYTHONWARNINGS"] = "ignore"
+        env.update(env_overrides or {})
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "neuron_serve.cli", "deploy", *configs, "--port", str(self.port)],
-            cwd=ROOT, env=env, stdout=self.log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=ROOT, env=env, stdout=(log := self.log.open("wb")), stderr=subprocess.STDOUT, start_new_session=True,
         )
+        log.close()  # the child holds its own copy
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -46,8 +52,46 @@ class Server:
         self.stop()
         raise RuntimeError(f"not ready after {READY_TIMEOUT_S}s:\n{self.tail()}")
 
+    def ray_address(self) -> str:
+        """The embedded Ray's address, as `neuron-serve deploy` logs it."""
+        match = re.search(r"Ray at ([\w.:-]+)\)", self.log.read_text(errors="replace"))
+        assert match, self.tail()
+        return match.group(1)
+
     def tail(self) -> str:
         return self.log.read_bytes()[-4000:].decode(errors="replace")
+
+    def session_pids(self) -> list[int]:
+        """Every live process of this server: Ray gives its workers their own process
+        groups, but they stay in the session `deploy` was started in."""
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    stat = (entry / "stat").read_text()
+                except OSError:
+                    continue
+                fields = stat.rsplit(")", 1)[1].split()
+                if int(fields[3]) == self.proc.pid and fields[0] != "Z":  # session id, state
+                    pids.append(int(entry.name))
+        return pids
+
+    def replica_pids(self, model: str) -> list[int]:
+        """PIDs of the Ray Serve replicas of ``model``."""
+        found = []
+        for pid in self.session_pids():
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if cmdline.startswith(f"ray::ServeReplica:{model}:".encode()):
+                found.append(pid)
+        return found
+
+    def kill_pid(self, pid: int) -> None:
+        """SIGKILL one process of this server (a replica, to test recovery)."""
+        assert pid in self.session_pids(), f"{pid} is not a process of this server"
+        os.kill(pid, signal.SIGKILL)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -56,11 +100,39 @@ class Server:
                 self.proc.wait(timeout=90)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
+        self.kill_leftovers()
+
+    def kill_leftovers(self) -> None:
+        """SIGKILL whatever of this server outlived `deploy` (Ray workers in other groups)."""
+        for pid in self.session_pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+@pytest.fixture(scope="session")
+def server_factory():
+    """Start another real server: ``server_factory([model.yaml or artifact dir, ...], tmp_dir)``."""
+    return Server
 
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     """mlp (sort on CPU, 2 cores) and encoder (sequence buckets) served side by side."""
     srv = Server(["deployments/mlp.yaml", "deployments/encoder.yaml"], tmp_path_factory.mktemp("serve"))
+    yield srv
+    srv.stop()
+
+
+GUARDED_TOKEN = "guarded-test-token-0123456789"
+
+
+@pytest.fixture(scope="session")
+def guarded(tmp_path_factory):
+    """tests/integration/models/guarded.yaml: the faulty test model behind a bearer token."""
+    srv = Server(["tests/integration/models/guarded.yaml"], tmp_path_factory.mktemp("guarded"),
+                 env={"GUARDED_TOKEN": GUARDED_TOKEN})
+    srv.token = GUARDED_TOKEN
     yield srv
     srv.stop()

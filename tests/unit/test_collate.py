@@ -1,10 +1,10 @@
-"""collate / split / choose_batch_size: batching arithmetic, no server."""
+"""collate / split: batching arithmetic, no server."""
 
 import pytest
 import torch
 
 from neuron_serve.errors import InvalidInput
-from neuron_serve.runtime.collate import choose_batch_size, collate, split
+from neuron_serve.runtime.collate import collate, split
 
 
 def test_collate_concatenates_each_input_and_reports_rows():
@@ -88,20 +88,3 @@ def test_collate_then_split_round_trip():
     parts = split(batched[0] * 2, sizes)
     for req, part in zip(requests, parts):
         torch.testing.assert_close(part, req[0] * 2)
-
-
-@pytest.mark.parametrize(
-    ("rows", "compiled", "expected"),
-    [
-        (3, [1, 4, 8], 4),
-        (4, [8, 1, 4], 4),
-        (1, [1, 4, 8], 1),
-        (5, [1, 4, 8], 8),
-        (9, [1, 4, 8], 9),  # bigger than every compiled size: runs at its own size
-        (5, None, 5),
-        (5, [], 5),
-        (5, [16], 5),  # 16 is above max_batch_size: never padded past the limit
-    ],
-)
-def test_choose_batch_size(rows, compiled, expected):
-    assert choose_batch_size(rows, compiled, max_batch_size=8) == expected

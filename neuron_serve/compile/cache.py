@@ -1,0 +1,142 @@
+"""The persistent compile cache: what a second start of the same model reuses.
+
+One directory (``NEURON_SERVE_CACHE_DIR``, else the user's cache dir) holds:
+
+- ``support/``: operator-support decisions, keyed by operator, argument shapes and
+  dtypes, target and versions. Each decision costs a real torch-xla compile of a
+  one-op graph, so a warm start skips all of them.
+- ``neuronx-cc/``: on Neuron, the Neuron compiler's own cache of NEFFs, keyed by the
+  HLO graph hash and compiler version and flags (``NEURON_COMPILE_CACHE_URL``), so a
+  warm start loads NEFFs instead of running neuronx-cc.
+
+torch-xla's own persistent cache is not used: in torch-xla 2.9 no PJRT client here
+can load the executables it writes ("Deserializing serialized executable not
+supported", pytorch/xla#9094). So in emulation each accelerator subgraph is compiled
+by XLA:CPU again on every start; the cache skips everything else.
+
+Every entry carries the SHA-256 of its key and payload; an entry that is truncated,
+edited or unreadable is logged, removed and recomputed, never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("neuron_serve")
+
+CACHE_ENV = "NEURON_SERVE_CACHE_DIR"
+DISABLE_VALUES = {"off", "none", "0", "false", "disabled"}
+APP_NAME = "neuron-serve"
+
+
+def default_dir() -> Path | None:
+    """``NEURON_SERVE_CACHE_DIR`` (``off`` disables the cache), else the user cache dir."""
+    configured = os.environ.get(CACHE_ENV)
+    if configured is not None:
+        return None if configured.strip().lower() in DISABLE_VALUES else Path(configured).expanduser()
+    import platformdirs  # noqa: PLC0415
+
+    return Path(platformdirs.user_cache_dir(APP_NAME))
+
+
+def key_digest(fields: Any) -> str:
+    """The SHA-256 of a JSON-able key (sorted, so equal keys hash equally)."""
+    return hashlib.sha256(_canonical(fields)).hexdigest()
+
+
+def _canonical(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str).encode()
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+
+
+@dataclass
+class CompileCache:
+    """A directory of hash-checked JSON entries, grouped by kind."""
+
+    root: Path
+    stats: dict[str, CacheStats] = field(default_factory=dict)
+
+    def _path(self, kind: str, digest: str) -> Path:
+        return self.root / kind / digest[:2] / f"{digest}.json"
+
+    def _stats(self, kind: str) -> CacheStats:
+        return self.stats.setdefault(kind, CacheStats())
+
+    def get(self, kind: str, key: Any) -> Any | None:
+        """The payload stored under ``key``, or None (missing or corrupt)."""
+        digest = key_digest(key)
+        path = self._path(kind, digest)
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            self._stats(kind).misses += 1
+            return None
+        try:
+            entry = json.loads(raw)
+            intact = entry["sha256"] == hashlib.sha256(_canonical([entry["key"], entry["payload"]])).hexdigest()
+            intact = intact and key_digest(entry["key"]) == digest
+        except (ValueError, KeyError, TypeError):
+            intact = False
+        if not intact:
+            self._stats(kind).corrupt += 1
+            self._stats(kind).misses += 1
+            logger.warning("compile cache: %s is corrupt (hash check failed); removing it and recomputing", path)
+            path.unlink(missing_ok=True)
+            return None
+        self._stats(kind).hits += 1
+        return entry["payload"]
+
+    def put(self, kind: str, key: Any, payload: Any) -> None:
+        """Store ``payload`` under ``key``; atomic, so readers never see half an entry."""
+        key = json.loads(_canonical(key))  # the form a reader will hash
+        entry = {"key": key, "payload": payload,
+                 "sha256": hashlib.sha256(_canonical([key, payload])).hexdigest()}
+        path = self._path(kind, key_digest(key))
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(_canonical(entry))
+            os.replace(tmp, path)
+        except OSError as exc:  # a read-only or full cache must not stop a build
+            logger.warning("compile cache: cannot write %s (%s); continuing without caching it", path, exc)
+
+
+_CACHE: CompileCache | None = None
+_CONFIGURED = False
+
+
+def configure(root: str | Path | None = None) -> CompileCache | None:
+    """Open the process's cache at ``root`` (default: :func:`default_dir`)."""
+    global _CACHE, _CONFIGURED
+    path = Path(root).expanduser() if root is not None else default_dir()
+    _CACHE = CompileCache(path) if path is not None else None
+    _CONFIGURED = True
+    if _CACHE is not None:
+        _open_executable_cache(_CACHE.root)
+    return _CACHE
+
+
+def current() -> CompileCache | None:
+    """The process's cache, opened from the environment on first use."""
+    if not _CONFIGURED:
+        configure()
+    return _CACHE
+
+
+def _open_executable_cache(root: Path) -> None:
+    """On Neuron, keep neuronx-cc's NEFF cache in ``root`` (unless already configured)."""
+    os.environ.setdefault("NEURON_COMPILE_CACHE_URL", str(root / "neuronx-cc"))
