@@ -110,12 +110,13 @@ def plot(rows: list[dict], labels: dict[str, str], path: Path) -> None:
     workloads = sorted({r["workload"] for r in rows})
     fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4.2), squeeze=False)
     for ax, workload in zip(axes[0], workloads):
-        for server in labels:
+        for color, server in enumerate(labels):
             points = sorted((r["concurrency"], r["rps"], r["p99_ms"]) for r in rows
                             if r["workload"] == workload and r["server"] == server and not r.get("skipped"))
             if not points:
                 continue
-            ax.plot([p[1] for p in points], [p[2] for p in points], marker="o", label=labels[server])
+            ax.plot([p[1] for p in points], [p[2] for p in points], marker="o", label=labels[server],
+                    color=f"C{color}")  # one colour per server in every panel
             for conc, x, y in points:
                 ax.annotate(f"c{conc}", (x, y), fontsize=7, textcoords="offset points", xytext=(3, 3))
         ax.set_title(workload)
