@@ -42,6 +42,7 @@ test: $(STAMP) $(KSERVE_STAMP)
 # Benchmarks against peer servers (needs wrk: apt-get install wrk). Results: bench/results/.
 $(VENV)/.bench: $(STAMP)
 	$(BIN)/pip install -e '.[test,bench]'
+	command -v wrk >/dev/null || { [ "$$(id -u)" = 0 ] && s= || s=sudo; $$s apt-get install -y -qq --no-install-recommends wrk; }
 	touch $(VENV)/.bench
 
 bench: $(VENV)/.bench
