@@ -3,12 +3,12 @@
 The public API is named like ``torch_neuronx`` so code ports by changing an import.
 """
 
-__version__ = "0.1.0"
-
+from .version import __version__
 from .api import analyze, bucket_model_trace, dynamic_batch, trace, trace_buckets
 from .artifact import load, save  # noqa: E402
-from .bucketing import BucketedModule, BucketModelConfig, BucketSpec  # noqa: E402  # noqa: E402
+from .bucketing import BucketModelConfig, BucketSpec  # noqa: E402
 from .errors import ConfigError, PartitionError, UnsupportedModelError  # noqa: E402
+from .model import CompiledModel  # noqa: E402
 from .partition.config import PartitionerConfig  # noqa: E402
 
 __all__ = [
@@ -19,7 +19,7 @@ __all__ = [
     "__version__",
     "BucketModelConfig",
     "BucketSpec",
-    "BucketedModule",
+    "CompiledModel",
     "analyze",
     "bucket_model_trace",
     "trace_buckets",

@@ -69,8 +69,8 @@ def _build(args: argparse.Namespace) -> int:
     # The artifact's own model.yaml serves it as is: its model source is the artifact.
     served = config.model_dump(mode="json", exclude_none=True)
     served["model"] = {"artifact": "."}
-    artifact.save(built.module, out, config=served, source=str(args.config))
-    print(f"built {config.name} in {built.seconds:.1f}s -> {out} (serve it: neuron-serve deploy {out})", file=sys.stderr)
+    artifact.save(built, out, config=served, source=str(args.config))
+    print(f"built {config.name} in {built.build_info.seconds:.1f}s -> {out} (serve it: neuron-serve deploy {out})", file=sys.stderr)
     return 0
 
 

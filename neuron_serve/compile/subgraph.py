@@ -18,19 +18,9 @@ from typing import Any, Sequence
 import torch
 import torch.fx
 
-from ..targets.runtime import xla
+from ..targets.pjrt import use_device, xla
 
 logger = logging.getLogger("neuron_serve")
-
-
-def use_device(device: Any) -> None:
-    """Make ``device`` this thread's default XLA device.
-
-    torch-xla replays a cached executable on the calling thread's default device, so
-    each core is driven from its own thread with its own default; without this, a
-    subgraph loaded on xla:1 would run against xla:0.
-    """
-    xla()._XLAC._xla_set_default_device(str(device))
 
 
 def _returns_tuple(gm: torch.fx.GraphModule) -> bool:

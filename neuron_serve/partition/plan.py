@@ -21,6 +21,7 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 from ..analyze.capture import is_compute_node, op_name
 from ..analyze.placement import GraphAnalysis
 from ..errors import PartitionError
+from ..model import Partition
 from .config import NO_LIMIT, PartitionerConfig
 
 logger = logging.getLogger("neuron_serve")
@@ -32,22 +33,6 @@ CPU = "cpu"
 # Why an operator runs on CPU; the HTML report and the partition summary use these.
 REASON_UNSUPPORTED = "unsupported"
 REASON_FORCED = "ops_to_partition"
-
-
-@dataclass
-class Partition:
-    index: int  # 1-based, in execution order, as the log numbers them
-    name: str  # submodule name in the split graph
-    device: str  # the target's name, or "cpu"
-    device_label: str  # "Device.NEURON" / "Device.CPU"
-    op_counts: dict[str, int]
-
-    @property
-    def size(self) -> int:
-        return sum(self.op_counts.values())
-
-    def describe(self) -> dict:
-        return {"index": self.index, "device": self.device, "op_counts": dict(self.op_counts), "size": self.size}
 
 
 @dataclass

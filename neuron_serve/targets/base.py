@@ -32,7 +32,7 @@ class Target:
 
     @property
     def emulated(self) -> bool:
-        from .runtime import emulated  # noqa: PLC0415
+        from .pjrt import emulated  # noqa: PLC0415
 
         return emulated()
 
