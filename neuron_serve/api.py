@@ -17,7 +17,7 @@ from .compile.subgraph import CompiledSubgraph
 from .errors import ConfigError, UnsupportedModelError
 from .model import Bucket, CompiledModel, graph
 from .partition.config import PartitionerConfig
-from .partition.plan import ACCEL_PREFIX, PartitionPlan, plan_partitions
+from .partition.plan import ACCEL_PREFIX, PartitionPlan, Placement, plan_partitions
 from .targets import get_target
 
 logger = logging.getLogger("neuron_serve")
@@ -32,6 +32,16 @@ def analyze(model: Callable, example_inputs: Any, target: str = "neuron") -> dic
     """
     captured = capture(model, example_inputs)
     return build_report(analyze_graph(captured, get_target(target)))
+
+
+def placement(analysis: GraphAnalysis) -> Placement:
+    """The analysis as the planner takes it: each arithmetic node's operator, and which are supported."""
+    return Placement(
+        ops={r.node: r.op for r in analysis.records},
+        supported=frozenset(r.node for r in analysis.records if r.supported),
+        target=analysis.target.name,
+        device_label=analysis.target.device_label,
+    )
 
 
 def _unsupported_error(analysis: GraphAnalysis) -> UnsupportedModelError:
@@ -112,7 +122,7 @@ def _trace_bucket(
         config = partitioner_config
         compiler_workdir = compiler_workdir or config.trace_kwargs.get("compiler_workdir")
     log_support(analysis)
-    plan = plan_partitions(captured.gm, analysis, config)
+    plan = plan_partitions(captured.gm, placement(analysis), config)
     outputs, stage_inputs = _compile_partitions(plan, captured.flat_inputs, compiler_workdir)
     return Bucket(
         plan.gm,
