@@ -35,6 +35,3 @@ class Target:
         from .pjrt import emulated  # noqa: PLC0415
 
         return emulated()
-
-    def describe(self) -> dict:
-        return {"target": self.name, "emulated": self.emulated}
