@@ -8,8 +8,6 @@ import torch
 from neuron_serve.runtime.cores import CorePool
 from neuron_serve.runtime.pipeline import Pipeline
 
-from conftest import TRACE_BATCH
-
 TOLERANCE = 1e-5  # XLA:CPU vs eager float sums
 
 
@@ -18,7 +16,7 @@ def test_a_chunk_runs_every_stage_where_its_partition_lives_and_equals_eager(bui
     stages = []
     try:
         pipeline = Pipeline(built.first, cores, cpu_pool, on_stage=lambda *stage: stages.append(stage[:3]))
-        x = torch.rand(TRACE_BATCH, 8)
+        x = torch.rand(built.first.batch_size, 8)
         [out] = asyncio.run(pipeline.run([x], cores.next()))
     finally:
         cpu_pool.shutdown()
