@@ -44,10 +44,11 @@ class Pipeline:
         on_core = self.modules[core.index]
 
         async def stage(name: str, args: tuple) -> Any:
-            module = on_core.get(name)
-            executor = core.executor if module is not None else self.cpu_pool
+            module, executor = on_core.get(name), core.executor
+            if module is None:
+                module, executor = self.cpu_modules[name], self.cpu_pool
             started = time.perf_counter()
-            result = await loop.run_in_executor(executor, _call, module or self.cpu_modules[name], args)
+            result = await loop.run_in_executor(executor, _call, module, args)
             if self.on_stage:
                 self.on_stage(name, self.devices[name], core.index, time.perf_counter() - started)
             return result
