@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 
 from . import batching, progress
 from .analyze.capture import as_args, capture
@@ -16,6 +17,7 @@ from .bucketing import BucketModelConfig, BucketSpec
 from .compile.subgraph import CompiledSubgraph
 from .errors import ConfigError, UnsupportedModelError
 from .model import Bucket, CompiledModel, graph
+from .model.sizes import check_batch_sizes, resize_rows
 from .partition.config import PartitionerConfig
 from .partition.plan import ACCEL_PREFIX, PartitionPlan, Placement, plan_partitions
 from .targets import get_target
@@ -91,14 +93,43 @@ def trace(
     compiler_args: str | list[str] | None = None,
     compiler_workdir: str | None = None,
     target: str = "neuron",
+    batch_sizes: Sequence[int] | None = None,
 ) -> CompiledModel:
     """Capture, partition and compile ``func`` for ``target``; returns a one-bucket CompiledModel.
 
     Without ``partitioner_config`` every operator must be supported; otherwise the
     error lists each unsupported operator with its call site. With one, unsupported
     operators (and ``ops_to_partition``) run in CPU subgraphs.
+
+    ``batch_sizes`` compiles the model once per size, each from the example inputs cut
+    or grown (repeating the last row) along dim 0 to that size; a call (with
+    ``dynamic_batch``) and the server then run a batch as the cheapest compiled sizes.
+    Without it the model is compiled at the example's batch only.
     """
-    return CompiledModel([_trace_bucket(func, example_inputs, partitioner_config, compiler_workdir, target)])
+    grid = _trace_sizes(lambda example: _trace_bucket(func, example, partitioner_config, compiler_workdir, target),
+                        as_args(example_inputs), batch_sizes)
+    return CompiledModel([grid[-1]], smaller=[grid[:-1]])
+
+
+def _trace_sizes(trace_one: Callable[[tuple], Bucket], example: tuple, batch_sizes: Sequence[int] | None) -> list[Bucket]:
+    """``trace_one`` at each batch size (the example resized along dim 0), smallest first."""
+    if batch_sizes is None:
+        return [trace_one(example)]
+    try:
+        sizes = check_batch_sizes(batch_sizes, field="trace(batch_sizes=...)")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    flat, spec = pytree.tree_flatten(example)
+    batching.trace_batch_size([t.shape if isinstance(t, torch.Tensor) else None for t in flat], "example input")
+    resized = [
+        pytree.tree_unflatten([resize_rows(t, n) if isinstance(t, torch.Tensor) else t for t in flat], spec)
+        for n in sizes
+    ]
+    grid = []
+    for n, example in zip(sizes, resized):
+        progress.batch_size(n)
+        grid.append(trace_one(example))
+    return grid
 
 
 def _trace_bucket(
@@ -149,8 +180,9 @@ def dynamic_batch(neuron_script: CompiledModel) -> CompiledModel:
     """
     if not isinstance(neuron_script, CompiledModel):
         raise ConfigError("dynamic_batch() takes the module returned by neuron_serve.trace() or bucket_model_trace().")
-    for bucket in neuron_script.buckets:
-        batching.enable(bucket)
+    for index in range(len(neuron_script.buckets)):
+        for bucket in neuron_script.grid(index):
+            batching.enable(bucket)
     return neuron_script
 
 
@@ -203,11 +235,13 @@ def trace_buckets(
     compiler_args: str | list[str] | None = None,
     compiler_workdir: str | None = None,
     target: str = "neuron",
+    batch_sizes: Sequence[int] | None = None,
 ) -> CompiledModel:
-    """The declarative form: trace ``model`` once per bucket of ``buckets``."""
+    """The declarative form: trace ``model`` once per bucket of ``buckets`` (and per batch size, see trace)."""
     example = as_args(example_inputs)
-    traced = [
-        _trace_bucket(model, buckets.example_inputs(example, i), partitioner_config, compiler_workdir, target)
+    grids = [
+        _trace_sizes(lambda args: _trace_bucket(model, args, partitioner_config, compiler_workdir, target),
+                     buckets.example_inputs(example, i), batch_sizes)
         for i in range(len(buckets.sizes))
     ]
-    return CompiledModel(traced, spec=buckets)
+    return CompiledModel([g[-1] for g in grids], smaller=[g[:-1] for g in grids], spec=buckets)

@@ -11,6 +11,8 @@ Layout::
     bucket_N/<part>.hlo.txt
                          each accelerator partition lowered by torch-xla (the HLO
                          that neuronx-cc or XLA:CPU compiles), for inspection
+    bucket_N_batch_B/    bucket N at each smaller compiled batch size B (bucket_N holds
+                         the largest), laid out as bucket_N
     bucket_kernel.pt     a torch.jit.script bucket kernel, when the model has one
 
 Loading reads only JSON, ExportedPrograms and TorchScript: no pickle of arbitrary
@@ -189,6 +191,9 @@ def save(module: CompiledModel, path: str | Path, *, config: dict | None = None,
         manifest["bucket_spec"] = _spec_to_json(module, root)
     manifest["target"] = module.target
     manifest["buckets"] = [_save_bucket(b, root / f"bucket_{i}", root) for i, b in enumerate(buckets)]
+    # Each shape bucket at its smaller compiled batch sizes (the bucket itself holds the largest).
+    manifest["smaller"] = [[_save_bucket(b, root / f"bucket_{i}_batch_{b.batch_size}", root) for b in smaller]
+                           for i, smaller in enumerate(module.smaller)]
     if config is not None:
         import yaml  # noqa: PLC0415
 
@@ -197,7 +202,8 @@ def save(module: CompiledModel, path: str | Path, *, config: dict | None = None,
     text = json.dumps(manifest, indent=1, sort_keys=True)
     (root / MANIFEST).write_text(text)
     (root / MANIFEST_HASH).write_text(hashlib.sha256(text.encode()).hexdigest() + "\n")
-    logger.info("saved %s model to %s (%d bucket(s))", manifest["target"], root, len(buckets))
+    logger.info("saved %s model to %s (%d bucket(s), batch sizes %s)", manifest["target"], root, len(buckets),
+                module.batch_sizes)
     return root
 
 
@@ -352,13 +358,15 @@ def load(path: str | Path) -> CompiledModel:
     manifest = read_manifest(root)
     xla()
     buckets = [_load_bucket(entry, root) for entry in manifest["buckets"]]
+    smaller = [[_load_bucket(entry, root) for entry in entries]
+               for entries in manifest.get("smaller", [[] for _ in buckets])]
     spec_json = manifest.get("bucket_spec")
     if spec_json is None:
-        return CompiledModel(buckets)
+        return CompiledModel(buckets, smaller=smaller)
     if "declarative" in spec_json:
         d = spec_json["declarative"]
         spec = BucketSpec(sizes=d["sizes"], inputs={int(k): v for k, v in d["inputs"].items()},
                           pad_values={int(k): v for k, v in d["pad_values"].items()},
                           outputs={int(k): v for k, v in d["outputs"].items()})
-        return CompiledModel(buckets, spec=spec)
-    return CompiledModel(buckets, kernel=torch.jit.load(str(root / spec_json["script_kernel"])))
+        return CompiledModel(buckets, smaller=smaller, spec=spec)
+    return CompiledModel(buckets, smaller=smaller, kernel=torch.jit.load(str(root / spec_json["script_kernel"])))

@@ -36,13 +36,16 @@ def _compile(config: ModelConfig, base_dir: str | Path | None) -> CompiledModel:
     model = build_model(config, base_dir)
     example = config.example_inputs()
     partitioner = config.partitioner_config()
+    sizes = config.compiled_batch_sizes()
+    steps = len(sizes) if sizes else 1
     if config.buckets is None:
-        with progress.reporting(progress.BuildProgress(config.name, 1)):
-            return trace(model, example, partitioner_config=partitioner, target=config.target)
+        with progress.reporting(progress.BuildProgress(config.name, 1, batch_sizes=steps)):
+            return trace(model, example, partitioner_config=partitioner, target=config.target, batch_sizes=sizes)
     spec = BucketSpec.build(sizes=config.buckets.sizes, inputs=config.buckets.inputs,
                             pad_values=config.buckets.pad_values, input_names=[i.name for i in config.inputs])
-    with progress.reporting(progress.BuildProgress(config.name, len(spec.sizes))):
-        return trace_buckets(model, example, spec, partitioner_config=partitioner, target=config.target)
+    with progress.reporting(progress.BuildProgress(config.name, len(spec.sizes), batch_sizes=steps)):
+        return trace_buckets(model, example, spec, partitioner_config=partitioner, target=config.target,
+                             batch_sizes=sizes)
 
 
 def _check_inputs(module: CompiledModel, config: ModelConfig, path: Path) -> None:
@@ -52,6 +55,11 @@ def _check_inputs(module: CompiledModel, config: ModelConfig, path: Path) -> Non
     fits = len(built) == len(declared) and all(
         b.dtype == d.torch_dtype() and b.accepts(d.shape) for b, d in zip(built, declared)
     )
+    if config.batch_sizes is not None and config.batch_sizes != module.batch_sizes:
+        raise ArtifactError(
+            f"batch_sizes: {path} was built for batch sizes {module.batch_sizes}, but this model.yaml asks for "
+            f"{config.batch_sizes}; rebuild the artifact from this model.yaml or remove batch_sizes."
+        )
     if not fits:
         raise ArtifactError(
             f"model.artifact: {path} was built for inputs {[(list(b.shape), str(b.dtype)) for b in built]} "

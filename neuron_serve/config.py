@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
+from .model.sizes import check_batch_sizes, default_batch_sizes
 from .partition.config import DEFAULT_SUPPORT_THRESHOLD, NO_LIMIT, PartitionerConfig
 
 DTYPES = {
@@ -177,7 +178,12 @@ class ModelConfig(_Strict):
     partitioner: PartitionerSettings | None = None
     outputs: list[str] | None = Field(default=None, description="names of the flattened outputs (default: from the model)")
     buckets: BucketSettings | None = None
-    dynamic_batch: bool = Field(True, description="accept any batch size, chunked into the trace-time batch")
+    dynamic_batch: bool = Field(True, description="accept any batch size, run as the cheapest compiled batch sizes")
+    batch_sizes: list[int] | None = Field(
+        default=None, min_length=1,
+        description="batch sizes to compile each bucket at (default: powers of 4 up to batching.max_batch_size, "
+                    "plus it); needs dynamic_batch",
+    )
     cores_per_replica: int = Field(1, ge=1)
     replicas: int = Field(1, ge=1)
     autoscaling: AutoscalingSettings | None = None
@@ -195,7 +201,23 @@ class ModelConfig(_Strict):
                 raise ValueError(f"buckets name unknown inputs {unknown}; inputs are {names}")
         if self.partitioner is not None:
             self.partitioner.to_config()  # PartitionerConfig's own checks, with its messages
+        if self.batch_sizes is not None:
+            if not self.dynamic_batch:
+                raise ValueError("batch_sizes needs dynamic_batch: true (without it a request must have the "
+                                 "trace-time batch); remove batch_sizes or enable dynamic_batch")
+            check_batch_sizes(self.batch_sizes, limit=self.batching.max_batch_size)
         return self
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _sorted_sizes(cls, sizes: list[int] | None) -> list[int] | None:
+        return None if sizes is None else check_batch_sizes(sizes)
+
+    def compiled_batch_sizes(self) -> list[int] | None:
+        """The batch sizes to compile: as given, else derived from batching.max_batch_size (None: the trace batch)."""
+        if not self.dynamic_batch:
+            return None
+        return self.batch_sizes or default_batch_sizes(self.batching.max_batch_size)
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         return tuple(spec.example() for spec in self.inputs)

@@ -49,8 +49,16 @@ PARTITION_TIME = Histogram(
     ["model", "replica", "partition", "device", "core"], buckets=LATENCY_BUCKETS,
 )
 CORE_BATCHES = Counter(
-    "neuron_serve_core_chunks_total", "Chunks (trace-size batches) run per core",
+    "neuron_serve_core_chunks_total", "Chunks (compiled-size calls of the whole model) run per core",
     ["model", "replica", "core"],
+)
+SIZE_CHUNKS = Counter(
+    "neuron_serve_batch_size_chunks_total", "Chunks run per compiled batch size",
+    ["model", "replica", "batch_size"],
+)
+BATCH_PADDING = Histogram(
+    "neuron_serve_batch_padding_rows", "Padded rows per batch (dynamic-batch remainder, per shape bucket)",
+    ["model", "replica"], buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256),
 )
 REQUESTS = Counter(
     "neuron_serve_requests_total", "Infer requests by outcome (HTTP status code)",

@@ -20,26 +20,32 @@ logger = logging.getLogger("neuron_serve")
 class BuildProgress:
     """Progress of one model build over its buckets and their subgraphs."""
 
-    def __init__(self, model: str, buckets: int, *, tty: bool | None = None) -> None:
+    def __init__(self, model: str, buckets: int, *, batch_sizes: int = 1, tty: bool | None = None) -> None:
         self.model = model
-        self.buckets = buckets
-        self.bucket = 0
+        self.shape_buckets = buckets
+        self.batch_sizes = batch_sizes
+        self.buckets = buckets * batch_sizes  # one step per shape bucket and compiled batch size
+        self.bucket = 0  # steps done
+        self.batch: int | None = None  # the batch size being compiled, when several are
         self.tty = sys.stderr.isatty() if tty is None else tty
         self._bar = None
         if self.tty:
             from tqdm import tqdm  # noqa: PLC0415
 
-            self._bar = tqdm(total=buckets, desc=f"compiling {model}", unit="bucket", file=sys.stderr, leave=True)
+            self._bar = tqdm(total=self.buckets, desc=f"compiling {model}", unit="bucket", file=sys.stderr, leave=True)
 
     def bucket_label(self) -> str:
-        return f"bucket {self.bucket + 1}/{self.buckets}" if self.buckets > 1 else "model"
+        label = (f"bucket {self.bucket // self.batch_sizes + 1}/{self.shape_buckets}"
+                 if self.shape_buckets > 1 else "model")
+        return label if self.batch is None else f"{label} (batch {self.batch})"
 
     @contextlib.contextmanager
     def subgraph(self, name: str, index: int, total: int) -> Iterator[None]:
         """Time one accelerator subgraph's compile and report it."""
         where = f"{self.model} {self.bucket_label()}: subgraph {name} ({index}/{total})"
         if self._bar is not None:
-            self._bar.set_postfix_str(f"{name} {index}/{total}")
+            batch = f" batch {self.batch}" if self.batch is not None else ""
+            self._bar.set_postfix_str(f"{name} {index}/{total}{batch}")
         else:
             logger.info("compiling %s", where)
         started = time.perf_counter()
@@ -80,6 +86,13 @@ def subgraph(name: str, index: int, total: int) -> Iterator[None]:
         return
     with progress.subgraph(name, index, total):
         yield
+
+
+def batch_size(rows: int) -> None:
+    """Say which compiled batch size the next bucket is compiled at."""
+    progress = _CURRENT.get()
+    if progress is not None:
+        progress.batch = rows
 
 
 def bucket_done() -> None:

@@ -3,7 +3,8 @@
 ``trace`` (one bucket), ``trace_buckets``, ``bucket_model_trace`` and ``load`` return
 it; ``save``, ``dynamic_batch``, the runtime and the server take it. It carries all a
 consumer needs to know about what was compiled: its buckets (each with the batch size
-it was compiled for), the bucket kernel that picks one per call (a
+it was compiled for, and the same shape compiled at every other batch size: a grid of
+shape bucket x batch size), the bucket kernel that picks one per call (a
 :class:`~neuron_serve.bucketing.BucketSpec`'s, or the user's, plain or
 ``torch.jit.script``), whether dynamic batching is on, and its input/output
 signature.
@@ -19,6 +20,7 @@ import torch
 from .. import batching
 from ..bucketing import BucketSpec
 from ..errors import InvalidInput
+from . import sizes as batch_sizes
 from .bucket import Bucket, Partition
 from .signature import Signature, TensorSig, merge_shapes, output_names
 
@@ -50,11 +52,23 @@ class CompiledModel(torch.nn.Module):
         input_names: Sequence[str] | None = None,
         output_names: Sequence[str] | None = None,
         num_inputs: int | None = None,
+        smaller: Sequence[Sequence[Bucket]] | None = None,
     ) -> None:
         super().__init__()
         if not buckets:
             raise ValueError("a compiled model needs at least one bucket")
         self.buckets = torch.nn.ModuleList(buckets)
+        # Per shape bucket, the same shape compiled at the smaller batch sizes (the
+        # bucket itself holds the largest); every shape bucket has the same sizes.
+        self.smaller = torch.nn.ModuleList(torch.nn.ModuleList(s) for s in (smaller or [[] for _ in buckets]))
+        if len(self.smaller) != len(self.buckets):
+            raise ValueError("a compiled model needs the smaller batch sizes of every bucket, or none")
+        grids = {tuple(b.batch_size for b in self.grid(i)) for i in range(len(self.buckets))}
+        if len(grids) != 1:
+            raise ValueError(f"every bucket must be compiled at the same batch sizes, got {sorted(grids)}")
+        # Seconds per call of each compiled size; the runner measures them when it loads,
+        # a plain call without them counts rows (the least padding).
+        self.costs: dict[int, float] | None = None
         self.spec = spec
         self.kernel = spec.kernel if spec is not None and kernel is None else kernel
         self.state = state
@@ -72,6 +86,15 @@ class CompiledModel(torch.nn.Module):
     @property
     def first(self) -> Bucket:
         return self.buckets[0]
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        """The batch sizes every shape bucket is compiled at, smallest first."""
+        return [b.batch_size for b in self.grid(0)]
+
+    def grid(self, bucket: int) -> list[Bucket]:
+        """Shape bucket ``bucket`` at each compiled batch size, smallest first."""
+        return sorted([*self.smaller[bucket], self.buckets[bucket]], key=lambda b: b.batch_size)
 
     @property
     def partitions(self) -> list[Partition] | list[list[Partition]]:
@@ -95,11 +118,11 @@ class CompiledModel(torch.nn.Module):
 
     @property
     def dynamic_batch_enabled(self) -> bool:
-        return all(b.dynamic_batch_enabled for b in self.buckets)
+        return all(b.dynamic_batch_enabled for i in range(len(self.buckets)) for b in self.grid(i))
 
     def signature(self) -> Signature:
         """Names, shapes (-1 where a dim varies: batch, bucketed dims) and dtypes."""
-        dynamic_batch = [0] if self.dynamic_batch_enabled else []
+        dynamic_batch = [0] if self.dynamic_batch_enabled or len(self.batch_sizes) > 1 else []
         inputs = []
         for i, name in zip(self._tensor_inputs, self.input_names):
             shapes = [b.input_shapes[i][0] for b in self.buckets]
@@ -151,9 +174,30 @@ class CompiledModel(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.kernel is None:
-            return self.first(*args, **kwargs)
+            if len(self.batch_sizes) == 1:
+                return self.first(*args, **kwargs)
+            return self.run_sizes(0, self.first.flatten(args, kwargs))
         bucket, padded = self.place(args)
-        return self.unpad(self.buckets[bucket](*padded), args)
+        if len(self.batch_sizes) == 1:
+            return self.unpad(self.buckets[bucket](*padded), args)
+        return self.unpad(self.run_sizes(bucket, padded), args)
+
+    def run_sizes(self, bucket: int, flat: list[Any]) -> Any:
+        """Run rows ``flat`` on shape bucket ``bucket`` as the cheapest compiled sizes (one after another).
+
+        Without dynamic batching a call must have exactly one compiled size's rows.
+        """
+        grid = {b.batch_size: b for b in self.grid(bucket)}
+        shapes = [shape for shape, _ in self.buckets[bucket].input_shapes]
+        rows = batching.check_batch(flat, shapes)
+        if not self.dynamic_batch_enabled:
+            if rows not in grid:
+                raise InvalidInput(f"the call has {rows} rows; the model is compiled for batch sizes "
+                                   f"{sorted(grid)}. Enable dynamic_batch to accept any number of rows.")
+            return grid[rows].run_flat(flat)
+        costs = self.costs or {size: float(size) for size in grid}
+        chunks = batch_sizes.split(flat, rows, batch_sizes.plan(rows, costs))
+        return batching.join_chunks([grid[size].run_flat(chunk) for size, chunk, _ in chunks], rows)
 
 
 def _output_names(bucket: Bucket) -> list[str]:

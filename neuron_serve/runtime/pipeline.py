@@ -55,6 +55,18 @@ class Pipeline:
 
         return await graph.run_async(self.bucket.graph_module, flat, stage)
 
+    def run_blocking(self, flat: list[torch.Tensor], core: Core) -> list[torch.Tensor]:
+        """:meth:`run` from a thread without an event loop (the runner's load-time timing)."""
+        on_core = self.modules[core.index]
+
+        def stage(name: str, args: tuple) -> Any:
+            module, executor = on_core.get(name), core.executor
+            if module is None:
+                module, executor = self.cpu_modules[name], self.cpu_pool
+            return executor.submit(_call, module, args).result()
+
+        return graph.run(self.bucket.graph_module, flat, stage)
+
 
 def _call(module: torch.nn.Module, args: tuple) -> Any:
     with torch.no_grad():

@@ -14,33 +14,81 @@ import asyncio
 import logging
 import os
 import time
-from collections import defaultdict
+import statistics
+from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import torch
 
 from .. import batching
 from ..errors import NeuronServeError
-from ..model import CompiledModel
+from ..model import CompiledModel, sizes
 from . import collate
 from .cores import CorePool
 from .pipeline import Pipeline, StageTimer
 
 logger = logging.getLogger("neuron_serve")
 
+ChunkHook = Callable[[int, int, int], None]  # (core, compiled batch size, padded rows) per chunk
+PaddingHook = Callable[[int], None]  # padded rows of one batch (all its chunks, every shape bucket)
+TIMED_CALLS = 3  # calls timed per compiled size at load (after one warm-up); their median is its cost
+
 
 class ModelRunner:
     """A compiled model, loaded on every core of this replica."""
 
-    def __init__(self, model: CompiledModel, *, cores: int, name: str = "model", on_stage: StageTimer | None = None):
+    def __init__(self, model: CompiledModel, *, cores: int, name: str = "model", on_stage: StageTimer | None = None,
+                 on_chunk: ChunkHook | None = None, on_padding: PaddingHook | None = None):
         started = time.perf_counter()
         self.model = model
         self.name = name
+        self.on_chunk = on_chunk
+        self.on_padding = on_padding
         self.cores = CorePool(cores)
         self.cpu_pool = ThreadPoolExecutor(max(2, os.cpu_count() or 2), thread_name_prefix="cpu-subgraph")
-        self.pipelines = [Pipeline(bucket, self.cores, self.cpu_pool, on_stage) for bucket in model.buckets]
+        # Per shape bucket, compiled batch size -> that bucket at that size, loaded on every core.
+        self.pipelines = [
+            {b.batch_size: Pipeline(b, self.cores, self.cpu_pool, on_stage) for b in model.grid(i)}
+            for i in range(len(model.buckets))
+        ]
+        # Per shape bucket, seconds per call of each compiled size, measured here.
+        self.costs = [self._measure(grid) for grid in self.pipelines]
+        self._plans: list[dict[int, list[int]]] = [{} for _ in self.pipelines]
+        self.chunks = Counter()  # (shape bucket, compiled batch size) -> chunks run
         self.load_seconds = time.perf_counter() - started
-        logger.info("model %s ready on %d core(s) in %.1fs", name, len(self.cores), self.load_seconds)
+        logger.info("model %s ready on %d core(s) in %.1fs; batch sizes %s cost %s ms per call", name,
+                    len(self.cores), self.load_seconds, model.batch_sizes,
+                    [round(self.costs[0][n] * 1000, 2) for n in model.batch_sizes])
+
+    def _measure(self, grid: dict[int, Pipeline]) -> dict[int, float]:
+        """Seconds per call of each compiled size on core 0: the median of a few timed calls after a warm-up."""
+        if len(grid) == 1:
+            return {n: 1.0 for n in grid}  # nothing to choose between
+        core = self.cores.cores[0]
+        costs = {}
+        for size, pipeline in grid.items():
+            example = [torch.zeros(shape, dtype=dtype) if shape is not None else None
+                       for shape, dtype in pipeline.bucket.input_shapes]
+            times = []
+            try:
+                for _ in range(1 + TIMED_CALLS):
+                    started = time.perf_counter()
+                    pipeline.run_blocking(example, core)
+                    times.append(time.perf_counter() - started)
+            except Exception as exc:  # a CPU op may refuse all-zero inputs; then rows stand in for time
+                logger.warning("model %s: cannot time batch size %d on zeros (%s: %s); choosing sizes by rows",
+                               self.name, size, type(exc).__name__, exc)
+                return {n: float(n) for n in grid}
+            costs[size] = statistics.median(times[1:])
+        return costs
+
+    def plan(self, bucket: int, rows: int) -> list[int]:
+        """The compiled sizes (largest first) that run ``rows`` rows of shape bucket ``bucket``."""
+        plans = self._plans[bucket]
+        if rows not in plans:
+            plans[rows] = sizes.plan(rows, self.costs[bucket])
+        return plans[rows]
 
     @property
     def partitions(self) -> list[dict]:
@@ -62,8 +110,14 @@ class ModelRunner:
                 results[i] = exc
                 continue
             groups[bucket].append(i)
+        if self.on_padding:
+            self.on_padding(sum(self._padding(b, [placed[i] for i in members]) for b, members in groups.items()))
         await asyncio.gather(*(self._run_group(b, members, requests, placed, results) for b, members in groups.items()))
         return results
+
+    def _padding(self, bucket: int, inputs: list[list[torch.Tensor]]) -> int:
+        rows = sum(x[0].shape[0] for x in inputs)
+        return sum(self.plan(bucket, rows)) - rows
 
     async def _run_group(self, bucket, members, requests, placed, results) -> None:
         batch, sizes = collate.collate([placed[i] for i in members])
@@ -84,11 +138,17 @@ class ModelRunner:
             results[i] = self.model.unpad(out, requests[i])
 
     async def _run_rows(self, bucket: int, batch: list[torch.Tensor]) -> list[torch.Tensor]:
-        pipeline = self.pipelines[bucket]
         rows = batch[0].shape[0]
-        chunks = batching.split_chunks(batch, rows, self.model.buckets[bucket].batch_size)
-        outputs = await asyncio.gather(*(pipeline.run(chunk, self.cores.next()) for chunk in chunks))
+        chunks = sizes.split(batch, rows, self.plan(bucket, rows))
+        outputs = await asyncio.gather(*(self._run_chunk(bucket, *chunk) for chunk in chunks))
         return batching.join_chunks(list(outputs), rows)
+
+    async def _run_chunk(self, bucket: int, size: int, flat: list[torch.Tensor], padded: int) -> list[torch.Tensor]:
+        core = self.cores.next()
+        self.chunks[bucket, size] += 1
+        if self.on_chunk:
+            self.on_chunk(core.index, size, padded)
+        return await self.pipelines[bucket][size].run(flat, core)
 
     def close(self) -> None:
         self.cpu_pool.shutdown(wait=False)

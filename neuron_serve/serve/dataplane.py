@@ -37,7 +37,8 @@ class ModelDataPlane:
         self.replica = replica or str(os.getpid())
         labels = {"model": self.name, "replica": self.replica}
         self._labels = labels
-        self.runner = ModelRunner(model, cores=config.cores_per_replica, name=self.name, on_stage=self._on_stage)
+        self.runner = ModelRunner(model, cores=config.cores_per_replica, name=self.name, on_stage=self._on_stage,
+                                  on_chunk=self._on_chunk, on_padding=self._on_padding)
         metrics.COMPILE_TIME.labels(**labels).observe(model.build_info.seconds + self.runner.load_seconds)
         for kind, hits in model.build_info.cache_hits.items():
             metrics.CACHE_HITS.labels(**labels, cache=kind).inc(hits)
@@ -45,7 +46,6 @@ class ModelDataPlane:
         self.inputs = [TensorSpec(s.name, TORCH_TO_DATATYPE[s.dtype], s.shape) for s in signature.inputs]
         self.outputs = [{"name": s.name, "datatype": TORCH_TO_DATATYPE.get(s.dtype, "FP32"), "shape": list(s.shape)}
                         for s in signature.outputs]
-        self.chunk_rows = model.first.batch_size  # rows of one compiled call
         batching = config.batching
         self.batcher = DynamicBatcher(
             self._run_batch,
@@ -53,7 +53,7 @@ class ModelDataPlane:
             max_queue_delay_s=batching.max_queue_delay_ms / 1000,
             max_queue_size=batching.max_queue_size,
             request_timeout_s=batching.request_timeout_s,
-            preferred_batch_sizes=[self.chunk_rows] if model.dynamic_batch_enabled else None,
+            preferred_batch_sizes=model.batch_sizes if model.dynamic_batch_enabled else None,
             max_concurrent_batches=2 * len(self.runner.cores),
             on_batch=self._on_batch,
         )
@@ -66,15 +66,20 @@ class ModelDataPlane:
 
     def _on_stage(self, partition: str, device: str, core: int, seconds: float) -> None:
         metrics.PARTITION_TIME.labels(**self._labels, partition=partition, device=device, core=str(core)).observe(seconds)
-        if device != "cpu":
-            metrics.CORE_BATCHES.labels(**self._labels, core=str(core)).inc()
+
+    def _on_chunk(self, core: int, batch_size: int, padded: int) -> None:
+        # One per chunk, however many accelerator partitions the chunk runs through.
+        metrics.CORE_BATCHES.labels(**self._labels, core=str(core)).inc()
+        metrics.SIZE_CHUNKS.labels(**self._labels, batch_size=str(batch_size)).inc()
+        metrics.PADDING_ROWS.labels(**self._labels).inc(padded)
+
+    def _on_padding(self, padded: int) -> None:
+        metrics.BATCH_PADDING.labels(**self._labels).observe(padded)
 
     def _on_batch(self, rows: int, waits: list[float]) -> None:
         metrics.BATCH_SIZE.labels(**self._labels).observe(rows)
         for wait in waits:
             metrics.QUEUE_TIME.labels(**self._labels).observe(wait)
-        if self.runner.model.dynamic_batch_enabled:
-            metrics.PADDING_ROWS.labels(**self._labels).inc(-rows % self.chunk_rows)
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -103,6 +108,7 @@ class ModelDataPlane:
                 "emulated": emulated(),
                 "cores": len(self.runner.cores),
                 "partitions": self.runner.partitions,
+                "batch_sizes": self.runner.model.batch_sizes,
                 "neuron_serve_version": __version__,
             },
         }

@@ -1,4 +1,4 @@
-"""ModelRunner: takes a built model and learns its chunking and bucket choice from it."""
+"""ModelRunner: takes a built model and learns its compiled sizes and bucket choice from it."""
 
 import asyncio
 
@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from neuron_serve.errors import InvalidInput
+from neuron_serve.model import sizes
 from neuron_serve.runtime.runner import ModelRunner
 
 TOLERANCE = 1e-5
@@ -13,19 +14,60 @@ TOLERANCE = 1e-5
 
 @pytest.fixture(scope="module")
 def runner(built):
-    runner = ModelRunner(built, cores=1, name="scores")
+    chunks = []
+    runner = ModelRunner(built, cores=1, name="scores", on_chunk=lambda *chunk: chunks.append(chunk))
+    runner.recorded = chunks
     yield runner
     runner.close()
 
 
-def test_requests_of_any_row_count_are_chunked_by_the_compiled_batch_size(runner, eager):
-    assert runner.model.first.batch_size == 4
-    requests = [[torch.rand(rows, 8)] for rows in (1, 3, 4, 9)]
-    results = asyncio.run(runner.infer(requests))
-    for (x,), (out,) in zip(requests, results):
-        assert out.shape == (x.shape[0], 4)
+def test_every_compiled_size_is_loaded_on_every_core_and_timed(runner):
+    # model.yaml has no batch_sizes: powers of 4 up to batching.max_batch_size (16), from the trace batch 4.
+    assert runner.model.batch_sizes == [1, 4, 16]
+    assert [b.batch_size for b in runner.model.grid(0)] == [1, 4, 16]
+    [grid] = runner.pipelines
+    assert sorted(grid) == [1, 4, 16]
+    assert all(len(pipeline.modules) == 1 for pipeline in grid.values())  # one copy per core (one here)
+    [costs] = runner.costs
+    assert sorted(costs) == [1, 4, 16] and all(seconds > 0 for seconds in costs.values())
+
+
+def test_rows_run_as_the_cheapest_measured_sizes_and_equal_eager(runner, eager):
+    for rows in (1, 3, 4, 9, 16):
+        runner.recorded.clear()
+        x = torch.rand(rows, 8)
+        [[out]] = asyncio.run(runner.infer([[x]]))
+        assert out.shape == (rows, 4)
         torch.testing.assert_close(out, eager(x), atol=TOLERANCE, rtol=TOLERANCE)
+        planned = sizes.plan(rows, runner.costs[0])
+        assert sorted(size for _, size, _ in runner.recorded) == sorted(planned)
+        assert sum(padded for *_, padded in runner.recorded) == sum(planned) - rows
     assert [p["device"] for p in runner.partitions] == ["neuron", "cpu"]
+
+
+def test_given_costs_decide_which_sizes_run(built, eager):
+    runner = ModelRunner(built, cores=1, name="scores")
+    chunks = []
+    runner.on_chunk = lambda *chunk: chunks.append(chunk)
+    try:
+        # Costs of another machine: one 16-row call dearer than three 4-row calls and a 1-row call.
+        runner.costs = [{1: 1.0, 4: 1.5, 16: 10.0}]
+        runner._plans = [{}]
+        x = torch.rand(13, 8)
+        [[out]] = asyncio.run(runner.infer([[x]]))
+        torch.testing.assert_close(out, eager(x), atol=TOLERANCE, rtol=TOLERANCE)
+        assert sorted(size for _, size, _ in chunks) == [1, 4, 4, 4]
+        assert [padded for *_, padded in chunks] == [0, 0, 0, 0]
+        assert runner.chunks == {(0, 4): 3, (0, 1): 1}
+
+        runner.costs = [{1: 1.0, 4: 1.5, 16: 2.0}]  # now one padded 16-row call is cheapest
+        runner._plans = [{}]
+        chunks.clear()
+        [[out]] = asyncio.run(runner.infer([[x]]))
+        torch.testing.assert_close(out, eager(x), atol=TOLERANCE, rtol=TOLERANCE)
+        assert [(size, padded) for _, size, padded in chunks] == [(16, 3)]
+    finally:
+        runner.close()
 
 
 def test_a_request_that_cannot_run_gets_its_error_and_the_others_their_results(runner, eager):
@@ -34,4 +76,4 @@ def test_a_request_that_cannot_run_gets_its_error_and_the_others_their_results(r
     torch.testing.assert_close(results[0][0], eager(good), atol=TOLERANCE, rtol=TOLERANCE)
     assert isinstance(results[1], InvalidInput)
     assert str(results[1]) == ("input 0 has shape (2, 5); with dynamic batching only dim 0 may differ from the "
-                               "trace-time shape (4, 8).")
+                               "trace-time shape (16, 8).")

@@ -1,0 +1,113 @@
+"""Where rows went: chunks per core (one per chunk), chunks per compiled size, padded rows."""
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from neuron_serve import metrics
+from neuron_serve.build import build
+from neuron_serve.config import build_model, parse_config
+from neuron_serve.serve.dataplane import ModelDataPlane
+
+HERE = Path(__file__).resolve().parent
+
+TOLERANCE = 1e-5
+LABELS = {"model": "two-stage", "replica": "chunk-metrics"}
+CONFIG = {
+    "name": "two-stage", "model": {"factory": "two_stage_model:build"}, "inputs": [{"name": "x", "shape": [4, 8]}],
+    "partitioner": {"model_support_percentage_threshold": 0.5}, "batch_sizes": [2, 8],
+    "batching": {"max_batch_size": 8, "max_queue_delay_ms": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def two_stage():
+    config = parse_config(CONFIG)
+    return config, build(config, HERE), build_model(config, HERE)
+
+
+def body(x: torch.Tensor) -> bytes:
+    return json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": list(x.shape),
+                                   "data": x.flatten().tolist()}]}).encode()
+
+
+def counts() -> dict:
+    return {
+        "core": metrics.CORE_BATCHES.labels(**LABELS, core="0")._value.get(),
+        "size 2": metrics.SIZE_CHUNKS.labels(**LABELS, batch_size="2")._value.get(),
+        "size 8": metrics.SIZE_CHUNKS.labels(**LABELS, batch_size="8")._value.get(),
+        "padding": metrics.PADDING_ROWS.labels(**LABELS)._value.get(),
+        "batch padding": metrics.BATCH_PADDING.labels(**LABELS)._sum.get(),
+    }
+
+
+def test_a_chunk_through_two_accelerator_partitions_counts_once_and_padding_is_counted(two_stage):
+    config, built, eager = two_stage
+    assert [p.device for p in built.first.partitions] == ["neuron", "cpu", "neuron"]
+    assert built.batch_sizes == [2, 8]
+
+    async def calls():
+        plane = ModelDataPlane(config, built, replica=LABELS["replica"])
+        # Given costs, so the plan is known: 3 rows run as 2 + 2 (2.0 < 3.0), 7 rows as one 8 (3.0 < 4.0).
+        plane.runner.costs = [{2: 1.0, 8: 3.0}]
+        plane.runner._plans = [{}]
+        plane.start()
+        try:
+            before = counts()
+            outputs = []
+            for rows in (3, 7):
+                x = torch.rand(rows, 8)
+                content, _ = await plane.infer(body(x), {})
+                out = torch.tensor(json.loads(content)["outputs"][0]["data"]).reshape(rows, 4)
+                outputs.append((out, eager(x)))
+            return before, counts(), outputs
+        finally:
+            await plane.stop()
+
+    before, after, outputs = asyncio.run(calls())
+    for out, expected in outputs:
+        torch.testing.assert_close(out, expected, atol=TOLERANCE, rtol=TOLERANCE)
+    delta = {k: after[k] - before[k] for k in after}
+    # Three chunks (2, 2 and 8 rows), each through both accelerator partitions: three, not six.
+    assert delta == {"core": 3, "size 2": 2, "size 8": 1, "padding": 2, "batch padding": 2}
+
+
+BUCKETED = {
+    "name": "row-sums", "model": {"factory": "two_stage_model:row_sums"}, "inputs": [{"name": "x", "shape": [2, 8]}],
+    "buckets": {"sizes": [4, 8], "inputs": {"x": 1}}, "batch_sizes": [2, 4],
+    "batching": {"max_batch_size": 4, "max_queue_delay_ms": 500},
+}
+
+
+def test_each_shape_bucket_pads_its_own_rows_and_the_padding_is_counted():
+    config = parse_config(BUCKETED)
+    built, eager = build(config, HERE), build_model(config, HERE)
+    labels = {"model": "row-sums", "replica": "chunk-metrics"}
+    assert built.batch_sizes == [2, 4] and len(built.buckets) == 2
+
+    def padding():
+        return metrics.PADDING_ROWS.labels(**labels)._value.get(), metrics.BATCH_PADDING.labels(**labels)._sum.get()
+
+    async def calls():
+        plane = ModelDataPlane(config, built, replica=labels["replica"])
+        plane.runner.costs = [{2: 1.0, 4: 3.0}, {2: 1.0, 4: 3.0}]
+        plane.runner._plans = [{}, {}]
+        plane.start()
+        try:
+            before = padding()
+            short, long = torch.rand(1, 3), torch.rand(1, 6)  # one row for each shape bucket, in one batch
+            replies = await asyncio.gather(plane.infer(body(short), {}), plane.infer(body(long), {}))
+            outs = [torch.tensor(json.loads(c)["outputs"][0]["data"]).reshape(1, 2) for c, _ in replies]
+            return before, padding(), list(zip(outs, (eager(short), eager(long)))), dict(plane.runner.chunks)
+        finally:
+            await plane.stop()
+
+    before, after, outputs, chunks = asyncio.run(calls())
+    for out, expected in outputs:
+        torch.testing.assert_close(out, expected, atol=TOLERANCE, rtol=TOLERANCE)
+    assert chunks == {(0, 2): 1, (1, 2): 1}  # each bucket's one row ran padded to 2
+    # Two rows in the batch, but each shape bucket padded its one row to a 2-row chunk.
+    assert (after[0] - before[0], after[1] - before[1]) == (2, 2)
