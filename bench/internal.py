@@ -5,8 +5,8 @@
 - pipeline efficiency: chunks/s through ModelRunner's pipelines over the bound
   min(cores / accelerator time, CPU workers / CPU time), both stage times measured
   alone on an idle runner;
-- dynamic batch scaling: time of a batch of b rows against ceil(b / trace batch) /
-  cores x the time of one chunk;
+- dynamic batch scaling: time of a batch of b rows against the summed measured cost
+  of the compiled sizes the runner chose for it, over the cores;
 - a compiled accelerator subgraph against the same FX subgraph in eager PyTorch.
 """
 
@@ -77,7 +77,7 @@ async def _timed(coro_factory, repeats: int) -> float:
 
 
 async def pipeline_efficiency(runner: ModelRunner, timer: StageTimes, bucket: int, quick: bool) -> dict:
-    pipeline = runner.pipelines[bucket]
+    pipeline = runner.pipelines[bucket][runner.model.first.batch_size]  # the largest compiled size
     chunk = _chunk(runner, bucket, runner.model.first.batch_size)
     core = runner.cores.cores[0]
     for _ in range(3):
@@ -106,17 +106,15 @@ async def pipeline_efficiency(runner: ModelRunner, timer: StageTimes, bucket: in
 
 
 async def batch_scaling(runner: ModelRunner, bucket: int, sizes: list[int], quick: bool) -> list[dict]:
-    pipeline = runner.pipelines[bucket]
-    tb, cores = runner.model.first.batch_size, len(runner.cores)
-    chunk = _chunk(runner, bucket, tb)
-    one = await _timed(lambda: pipeline.run(chunk, runner.cores.cores[0]), 5 if quick else 15)
+    cores = len(runner.cores)
     rows = []
     for b in sizes:
         batch = _chunk(runner, bucket, b)
         await runner._run_rows(bucket, batch)
         measured = await _timed(lambda: runner._run_rows(bucket, batch), 3 if quick else 8)
-        formula = math.ceil(b / tb) / cores * one
-        rows.append({"batch": b, "chunks": math.ceil(b / tb), "measured_s": measured, "formula_s": formula,
+        plan = runner.plan(bucket, b)
+        formula = sum(runner.costs[bucket][size] for size in plan) / min(cores, len(plan))
+        rows.append({"batch": b, "plan": plan, "measured_s": measured, "formula_s": formula,
                      "ratio": measured / formula})
     return rows
 
@@ -126,7 +124,7 @@ def compiled_vs_eager(runner: ModelRunner, bucket: int, quick: bool) -> list[dic
     core = runner.cores.cores[0]
     repeats = 10 if quick else 30
     rows = []
-    for name, module in runner.pipelines[bucket].modules[0].items():
+    for name, module in runner.pipelines[bucket][runner.model.first.batch_size].modules[0].items():
         assert isinstance(module, CompiledSubgraph)
         args = module.example_args
         eager = module.source
@@ -164,7 +162,8 @@ async def measure(config_path: Path, quick: bool, sizes: list[int]) -> dict:
     bucket = len(runner.model.buckets) - 1  # the largest bucket: the most work per chunk
     try:
         return {
-            "model": config.name, "build_s": build_s, "trace_batch": runner.model.first.batch_size,
+            "model": config.name, "build_s": build_s, "batch_sizes": runner.model.batch_sizes,
+            "costs_s": runner.costs[bucket],
             "partitions": [p.device for p in runner.model.buckets[bucket].partitions],
             "pipeline": await pipeline_efficiency(runner, timer, bucket, quick),
             "batch_scaling": await batch_scaling(runner, bucket, sizes, quick),

@@ -74,14 +74,15 @@ def internal_tables(internal: list[dict]) -> str:
            "|---|---|---|---|---|---|---|---|---|"]
     for m in internal:
         p = m["pipeline"]
-        out.append(f"| {m['model']} (trace batch {m['trace_batch']}) | {'+'.join(m['partitions'])} | {p['accel_s'] * 1e3:.2f} ms | "
+        out.append(f"| {m['model']} (largest batch {max(m['batch_sizes'])}) | {'+'.join(m['partitions'])} | {p['accel_s'] * 1e3:.2f} ms | "
                    f"{p['cpu_s'] * 1e3:.2f} ms | {p['cores']} | {p['cpu_workers']} | {p['bound_chunks_per_s']:.1f} | "
                    f"{p['measured_chunks_per_s']:.1f} | {p['efficiency']:.2f} |")
-    out += ["", "### Dynamic batch scaling (target: within 15% of ceil(b / trace batch) / cores x one chunk)", "",
-            "| model | batch | chunks | measured ms | formula ms | measured / formula |", "|---|---|---|---|---|---|"]
+    out += ["", "### Dynamic batch scaling (target: within 15% of the chosen sizes' measured costs / cores)", "",
+            "| model | batch | compiled sizes run | measured ms | formula ms | measured / formula |",
+            "|---|---|---|---|---|---|"]
     for m in internal:
         for r in m["batch_scaling"]:
-            out.append(f"| {m['model']} | {r['batch']} | {r['chunks']} | {r['measured_s'] * 1e3:.1f} | "
+            out.append(f"| {m['model']} | {r['batch']} | {'+'.join(map(str, r['plan']))} | {r['measured_s'] * 1e3:.1f} | "
                        f"{r['formula_s'] * 1e3:.1f} | {r['ratio']:.2f} |")
     out += ["", "### Compiled subgraph against the same subgraph in eager PyTorch", "",
             "| model | subgraph | compiled ms | eager ms | eager / compiled |", "|---|---|---|---|---|"]

@@ -59,12 +59,13 @@ class CompiledModel(torch.nn.Module):
             raise ValueError("a compiled model needs at least one bucket")
         self.buckets = torch.nn.ModuleList(buckets)
         # Per shape bucket, the same shape compiled at the smaller batch sizes (the
-        # bucket itself holds the largest); every shape bucket has the same sizes.
+        # bucket itself holds the largest); every shape bucket has the same sizes. (Buckets
+        # of bucket_model_trace may differ in dim 0, each compiled at its one size.)
         self.smaller = torch.nn.ModuleList(torch.nn.ModuleList(s) for s in (smaller or [[] for _ in buckets]))
         if len(self.smaller) != len(self.buckets):
             raise ValueError("a compiled model needs the smaller batch sizes of every bucket, or none")
         grids = {tuple(b.batch_size for b in self.grid(i)) for i in range(len(self.buckets))}
-        if len(grids) != 1:
+        if len(grids) != 1 and any(len(s) for s in self.smaller):
             raise ValueError(f"every bucket must be compiled at the same batch sizes, got {sorted(grids)}")
         # Seconds per call of each compiled size; the runner measures them when it loads,
         # a plain call without them counts rows (the least padding).
@@ -89,7 +90,7 @@ class CompiledModel(torch.nn.Module):
 
     @property
     def batch_sizes(self) -> list[int]:
-        """The batch sizes every shape bucket is compiled at, smallest first."""
+        """The batch sizes every shape bucket is compiled at (the first's, if they differ), smallest first."""
         return [b.batch_size for b in self.grid(0)]
 
     def grid(self, bucket: int) -> list[Bucket]:

@@ -36,7 +36,8 @@ def built(tmp_path_factory):
 
 def test_build_logs_progress_per_subgraph_and_writes_a_deployable_artifact(built):
     tmp, result = built
-    assert "compiling mlp model: subgraph accel_0 (1/1)" in result.stderr
+    for size in (1, 4, 16, 32, 64):  # deployments/mlp.yaml's batch_sizes
+        assert f"compiling mlp model (batch {size}): subgraph accel_0 (1/1)" in result.stderr
     assert f"-> {tmp / 'mlp'} (serve it: neuron-serve deploy {tmp / 'mlp'})" in result.stderr
     served = yaml.safe_load((tmp / "mlp" / "model.yaml").read_text())
     assert served["model"] == {"artifact": "."} and served["name"] == "mlp" and served["cores_per_replica"] == 2
