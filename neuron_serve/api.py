@@ -10,6 +10,7 @@ import torch.fx
 
 from . import batching, progress
 from .analyze.capture import as_args, capture
+from .analyze.explain_failure import compile_error
 from .analyze.placement import GraphAnalysis, analyze_graph
 from .analyze.report import build_report, log_support
 from .bucketing import BucketedModule, BucketModelConfig, BucketSpec
@@ -63,10 +64,12 @@ def _compile_partitions(plan: PartitionPlan, flat_inputs: list, compiler_workdir
             stage_inputs[target] = [(tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else None for a in args]
             if target.startswith(ACCEL_PREFIX):
                 index = sum(1 for name in stage_inputs if name.startswith(ACCEL_PREFIX))
+                source = gm.get_submodule(target)
                 with progress.subgraph(target, index, accel_total):
-                    compiled = CompiledSubgraph(
-                        gm.get_submodule(target), args, name=target, compiler_workdir=compiler_workdir
-                    )
+                    try:
+                        compiled = CompiledSubgraph(source, args, name=target, compiler_workdir=compiler_workdir)
+                    except Exception as exc:  # torch-xla raises many types; name the operator and its line
+                        raise compile_error(exc, source, target) from None
                 setattr(gm, target, compiled)
             return super().call_module(target, args, kwargs)
 

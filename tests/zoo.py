@@ -23,6 +23,7 @@ class Entry:
     name: str  # the matrix's id, e.g. "transformers/gpt2"
     kind: str  # encoder, decoder, vision, ... (the README table's column)
     build: Callable[[], tuple[torch.nn.Module, tuple]]
+    fails_at: str | None = None  # for models that cannot be captured: the construct trace() must name
 
 
 def _ids(seq: int = 8, batch: int = BATCH) -> torch.Tensor:
@@ -107,8 +108,15 @@ def gpt2():
 
 
 def gpt2_kv_cache():
-    """GPT-2 with its LM head returning logits and the KV cache (past_key_values)."""
+    """GPT-2 with its LM head returning logits and the KV cache (past_key_values).
+
+    transformers' own export support registers DynamicCache as a pytree node; without
+    it trace() refuses the model, naming DynamicCache and this call.
+    """
     t = _tf()
+    from transformers.integrations.executorch import register_dynamic_cache_export_support  # noqa: PLC0415
+
+    register_dynamic_cache_export_support()
     return _decoder(t.GPT2LMHeadModel(t.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64,
                                                    use_cache=True)))
 
@@ -187,7 +195,8 @@ def whisper():
     model = t.WhisperModel(t.WhisperConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
                                            decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
                                            num_mel_bins=16, max_source_positions=16, max_target_positions=16,
-                                           vocab_size=VOCAB, use_cache=False))
+                                           vocab_size=VOCAB, use_cache=False, pad_token_id=1, bos_token_id=1,
+                                           eos_token_id=2, decoder_start_token_id=1))
     return KeywordInputs(model.eval(), ["input_features", "decoder_input_ids"]), (torch.rand(BATCH, 16, 32), _ids(4))
 
 
@@ -250,6 +259,25 @@ def tv_lraspp():
     return model.eval(), _images(64)
 
 
+def _detection(builder: str):
+    models = _tv().detection
+    model = getattr(models, builder)(weights=None, weights_backbone=None, num_classes=3)
+    return model.eval(), (torch.rand(BATCH, 3, 64, 64),)
+
+
+def tv_ssdlite():
+    return _detection("ssdlite320_mobilenet_v3_large")
+
+
+def tv_fasterrcnn():
+    return _detection("fasterrcnn_mobilenet_v3_large_320_fpn")
+
+
+# Every torchvision detector ends in batched_nms, whose `if boxes.numel() == 0:` branches
+# on how many boxes passed the score threshold: a size only the input's values decide.
+NMS_BRANCH = "boxes.py(97): if boxes.numel() == 0:"
+
+
 def _timm(name: str, **kwargs):
     import timm  # noqa: PLC0415
 
@@ -299,6 +327,8 @@ ZOO = [
     Entry("torchvision/swin", "vision", tv_swin),
     Entry("torchvision/vit", "vision", tv_vit),
     Entry("torchvision/lraspp_mobilenet_v3_large", "segmentation", tv_lraspp),
+    Entry("torchvision/ssdlite320_mobilenet_v3_large", "detection", tv_ssdlite, fails_at=NMS_BRANCH),
+    Entry("torchvision/fasterrcnn_mobilenet_v3_large_320_fpn", "detection", tv_fasterrcnn, fails_at=NMS_BRANCH),
     Entry("timm/resnet10t", "vision", timm_resnet10t),
     Entry("timm/vit_tiny", "vision", timm_vit_tiny),
     Entry("timm/convnext_atto", "vision", timm_convnext_atto),
