@@ -162,6 +162,32 @@ def _images(size: int = 32, channels: int = 3) -> tuple:
     return (torch.rand(BATCH, channels, size, size),)
 
 
+def _vision(model: torch.nn.Module, size: int = 32) -> tuple[torch.nn.Module, tuple]:
+    """The model with weights that give outputs of ordinary size, and its example images.
+
+    Freshly initialised torchvision and timm models give near-zero outputs (zero-initialised
+    heads, batch-norm statistics of 0 and 1 after dozens of layers: 1e-14 for
+    EfficientNet-B0), which would make any comparison pass. As a trained model would,
+    these get batch-norm statistics from a few training-mode passes over random images,
+    and zero-initialised weight matrices get small random values.
+    """
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2 and not param.any():
+                param.normal_(0, 0.05)
+        norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+        momenta = [m.momentum for m in norms]
+        for norm in norms:  # a plain average over the passes, whatever momentum the model uses
+            norm.reset_running_stats()
+            norm.momentum = None
+        model.train()
+        for _ in range(3):
+            model(torch.rand(8, 3, size, size))
+        for norm, momentum in zip(norms, momenta):
+            norm.momentum = momentum
+    return model.eval(), _images(size)
+
+
 def vit():
     t = _tf()
     model = t.ViTModel(t.ViTConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2,
@@ -216,26 +242,26 @@ def _tv():
 
 
 def tv_resnet18():
-    return _tv().resnet18(weights=None, num_classes=10).eval(), _images()
+    return _vision(_tv().resnet18(weights=None, num_classes=10))
 
 
 def tv_mobilenet_v3_small():
-    return _tv().mobilenet_v3_small(weights=None, num_classes=10).eval(), _images()
+    return _vision(_tv().mobilenet_v3_small(weights=None, num_classes=10))
 
 
 def tv_efficientnet_b0():
-    return _tv().efficientnet_b0(weights=None, num_classes=10).eval(), _images()
+    return _vision(_tv().efficientnet_b0(weights=None, num_classes=10))
 
 
 def tv_convnext():
     from torchvision.models.convnext import CNBlockConfig, ConvNeXt  # noqa: PLC0415
 
     model = ConvNeXt([CNBlockConfig(16, 32, 1), CNBlockConfig(32, None, 1)], num_classes=10)
-    return model.eval(), _images()
+    return _vision(model)
 
 
 def tv_regnet():
-    return _tv().regnet_y_400mf(weights=None, num_classes=10).eval(), _images()
+    return _vision(_tv().regnet_y_400mf(weights=None, num_classes=10))
 
 
 def tv_swin():
@@ -243,7 +269,7 @@ def tv_swin():
 
     model = SwinTransformer(patch_size=[4, 4], embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=[4, 4],
                             num_classes=10)
-    return model.eval(), _images()
+    return _vision(model)
 
 
 def tv_vit():
@@ -251,12 +277,12 @@ def tv_vit():
 
     model = VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64,
                               num_classes=10)
-    return model.eval(), _images()
+    return _vision(model)
 
 
 def tv_lraspp():
     model = _tv().segmentation.lraspp_mobilenet_v3_large(weights=None, weights_backbone=None, num_classes=3)
-    return model.eval(), _images(64)
+    return _vision(model, 64)
 
 
 def _detection(builder: str):
@@ -285,19 +311,19 @@ def _timm(name: str, **kwargs):
 
 
 def timm_resnet10t():
-    return _timm("resnet10t"), _images()
+    return _vision(_timm("resnet10t"))
 
 
 def timm_vit_tiny():
-    return _timm("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2), _images()
+    return _vision(_timm("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2))
 
 
 def timm_convnext_atto():
-    return _timm("convnext_atto"), _images()
+    return _vision(_timm("convnext_atto"))
 
 
 def timm_mobilenetv3():
-    return _timm("mobilenetv3_small_050"), _images()
+    return _vision(_timm("mobilenetv3_small_050"))
 
 
 ZOO = [

@@ -72,13 +72,13 @@ def capture_error(exc: BaseException, model: object) -> UnsupportedModelError:
     unknown = _UNKNOWN_OUTPUT.search(text)
     if unknown:
         cls = unknown["cls"]
-        hint = ("for transformers caches call transformers.integrations.executorch."
+        hint = ("; for transformers caches call transformers.integrations.executorch."
                 "register_dynamic_cache_export_support() before tracing, or call the model with use_cache=False"
-                if cls.startswith("transformers.") else "or return plain tensors, tuples, lists or dicts")
+                if cls.startswith("transformers.") else ", or return plain tensors, tuples, lists or dicts")
         error = UnsupportedModelError(
             f"torch.export cannot capture the model: {type(model).__name__}.forward returns a {cls}, which it cannot "
             f"flatten into tensors. Register {cls.rsplit('.', 1)[-1]} as a pytree node "
-            f"(torch.utils._pytree.register_pytree_node); {hint}."
+            f"(torch.utils._pytree.register_pytree_node){hint}."
         )
     elif (dependent := _DATA_DEPENDENT.search(text)) is not None:
         error = UnsupportedModelError(

@@ -66,3 +66,25 @@ def test_compile_failure_names_the_operator_its_line_and_the_fix():
         "Expected XLA tensor. Got: torch.LongTensor. Run it on CPU: PartitionerConfig(ops_to_partition="
         "{'aten::embedding'})."
     )
+
+
+class Holder:
+    """A result type torch.export does not know how to flatten."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+class ReturnsHolder(torch.nn.Module):
+    def forward(self, x):
+        return Holder(x * 2)
+
+
+def test_unknown_output_type_names_the_type_and_how_to_register_it():
+    with pytest.raises(neuron_serve.UnsupportedModelError) as info:
+        neuron_serve.trace(ReturnsHolder(), torch.rand(2, 3))
+    assert str(info.value) == (
+        f"torch.export cannot capture the model: ReturnsHolder.forward returns a {Holder.__module__}.Holder, which "
+        "it cannot flatten into tensors. Register Holder as a pytree node (torch.utils._pytree.register_pytree_node)"
+        ", or return plain tensors, tuples, lists or dicts."
+    )

@@ -24,6 +24,7 @@ from zoo import BATCH, ZOO
 
 TOLERANCE = 1e-4  # absolute and relative, on float32 outputs
 DYNAMIC_BATCHES = (1, 3)
+MIN_OUTPUT_SCALE = 0.05  # largest |eager output| of every model: well above TOLERANCE
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = Path(os.environ.get("NEURON_SERVE_ZOO_RESULTS", ROOT / "build" / "zoo-results.json"))
 
@@ -82,6 +83,8 @@ def test_model(entry, zoo_dir, results):
         return
     with torch.no_grad():
         expected = model(*example)
+    # Outputs near zero would make the comparison below pass whatever the model computed.
+    assert max(float(t.abs().max()) for t in _leaves(expected)) >= MIN_OUTPUT_SCALE
     report = neuron_serve.analyze(model, example)
     started = time.perf_counter()
     traced = neuron_serve.trace(model, example, partitioner_config=neuron_serve.PartitionerConfig())
