@@ -79,7 +79,7 @@ def _deploy(args: argparse.Namespace) -> int:
 
     # Before Ray is imported: Ray Serve reads its ingress settings at import.
     chosen = ingress.configure(args.ingress)
-    from .serve import auth, deployment  # noqa: PLC0415 - Ray is only needed to serve
+    from .serve import auth, deployment, failure  # noqa: PLC0415 - Ray is only needed to serve
 
     configs = [load_deployment(path) for path in args.configs]
     for config, _ in configs:
@@ -92,11 +92,20 @@ def _deploy(args: argparse.Namespace) -> int:
     port = args.port or configs[0][0].http.port
     started_here = deployment.connect(args.address)
     states = deployment.deploy(configs, host, port)
+    codes = []
     for name, state in states.items():
-        print(f"{name}: {state}", file=sys.stderr)
-    if any(s != "ready" for s in states.values()):
+        if state == "ready":
+            print(f"{name}: ready", file=sys.stderr)
+        elif state.startswith("failed: "):
+            error = state.removeprefix("failed: ")
+            print(f"error: model {name!r} failed to start: {error}", file=sys.stderr)
+            codes.append(failure.exit_code(error))
+        else:
+            print(f"error: model {name!r} is not ready: {state}", file=sys.stderr)
+            codes.append(1)
+    if codes:
         deployment.shutdown(names if not started_here else None)
-        return 1
+        return max(codes)
     print(f"serving {', '.join(names)} on http://{host}:{port}/v2 (metrics: /metrics; ingress: {chosen}; "
           f"Ray at {deployment.ray_address()})", file=sys.stderr, flush=True)
     if started_here:

@@ -25,7 +25,7 @@ from ..config import ModelConfig, parse_config
 from ..targets.runtime import neuron_devices_present
 from ..errors import ConfigError
 from .dataplane import ModelDataPlane
-from . import auth, dataplane
+from . import auth, dataplane, failure
 from .http import model_app, server_app
 
 logger = logging.getLogger("neuron_serve")
@@ -38,7 +38,12 @@ ONGOING_PER_CAPACITY = 8
 _MODEL_API = model_app()
 
 
-@serve.deployment(name="model", graceful_shutdown_timeout_s=30, health_check_period_s=5)
+# max_constructor_retry_count=1: building is deterministic (the same model.yaml, the same
+# compiler), so a replica that cannot be built fails the deployment at once with its
+# error instead of Serve rebuilding it again and again. Replicas that die after the
+# deployment has started are still restarted.
+@serve.deployment(name="model", graceful_shutdown_timeout_s=30, health_check_period_s=5,
+                  max_constructor_retry_count=1)
 @serve.ingress(_MODEL_API)
 class ModelServer:
     """One replica of one model: builds it on construction, then serves OIP v2."""
@@ -169,8 +174,13 @@ def deploy(configs: list[tuple[ModelConfig, str | None]], host: str, port: int, 
     server = server_application([c for c, _ in configs])  # refuses bad auth before starting anything
     serve.start(http_options={"host": host, "port": port})
     for config, base_dir in configs:
-        serve.run(model_application(config, base_dir), name=config.name,
-                  route_prefix=f"/v2/models/{config.name}", blocking=False)
+        try:
+            serve.run(model_application(config, base_dir), name=config.name,
+                      route_prefix=f"/v2/models/{config.name}", blocking=False)
+        except RuntimeError:
+            # serve.run waits for the application and raises a generic message when
+            # its replicas cannot start; the replicas' own error is in the status.
+            return {config.name: f"failed: {build_failure(config.name)}"}
     serve.run(server, name=SERVER_APP, route_prefix="/", blocking=False)
     deadline = time.monotonic() + timeout_s
     names = {c.name for c, _ in configs}
@@ -185,6 +195,17 @@ def deploy(configs: list[tuple[ModelConfig, str | None]], host: str, port: int, 
         if time.monotonic() > deadline:
             return {n: s for n, s in states.items()}
         time.sleep(1)
+
+
+def build_failure(name: str) -> str:
+    """Why application ``name`` failed to start: the model's own error when a replica
+    raised it, else Serve's messages."""
+    app = serve.status().applications.get(name)
+    if app is None:
+        return "the application is gone"
+    messages = [app.message, *(d.message for d in app.deployments.values())]
+    logger.debug("%s failed to start: %s", name, messages)
+    return failure.model_error(messages)
 
 
 def server_application(configs: list[ModelConfig]):
