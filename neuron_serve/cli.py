@@ -7,9 +7,7 @@ import copy
 import json
 import logging
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 
 from .analyze.capture import capture
@@ -79,7 +77,7 @@ def _deploy(args: argparse.Namespace) -> int:
 
     # Before Ray is imported: Ray Serve reads its ingress settings at import.
     chosen = ingress.configure(args.ingress)
-    from .serve import auth, deployment, failure  # noqa: PLC0415 - Ray is only needed to serve
+    from .serve import auth, deployment, failure, lifecycle  # noqa: PLC0415 - Ray is only needed to serve
 
     configs = [load_deployment(path) for path in args.configs]
     for config, _ in configs:
@@ -91,7 +89,13 @@ def _deploy(args: argparse.Namespace) -> int:
     host = args.host or configs[0][0].http.host
     port = args.port or configs[0][0].http.port
     started_here = deployment.connect(args.address)
-    states = deployment.deploy(configs, host, port)
+    life = lifecycle.Lifecycle(deployment, drain_s=deployment.DRAIN_S)
+    if started_here:
+        life.install()  # from here on a signal stops the start-up too
+    try:
+        states = deployment.deploy(configs, host, port)
+    except lifecycle.Interrupted as exc:
+        return life.shutdown(f"{exc} while starting")
     codes = []
     for name, state in states.items():
         if state == "ready":
@@ -109,13 +113,8 @@ def _deploy(args: argparse.Namespace) -> int:
     print(f"serving {', '.join(names)} on http://{host}:{port}/v2 (metrics: /metrics; ingress: {chosen}; "
           f"Ray at {deployment.ray_address()})", file=sys.stderr, flush=True)
     if started_here:
-        # This process owns the Ray instance: serve until interrupted, then drain.
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
-        stop.wait()
-        print("shutting down: draining in-flight requests", file=sys.stderr, flush=True)
-        deployment.shutdown()
+        # This process owns the Ray instance: serve until stopped, then drain.
+        return life.serve_forever()
     return 0
 
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import ray
 from ray import serve
+from ray._private import ray_constants
 
 from .. import metrics
 from ..compile.cache import CACHE_ENV
@@ -25,7 +27,7 @@ from ..config import ModelConfig, parse_config
 from ..targets.runtime import neuron_devices_present
 from ..errors import ConfigError
 from .dataplane import ModelDataPlane
-from . import auth, dataplane, failure
+from . import auth, dataplane, failure, ingress
 from .http import model_app, server_app
 
 logger = logging.getLogger("neuron_serve")
@@ -33,6 +35,8 @@ logger = logging.getLogger("neuron_serve")
 SERVER_APP = "neuron-serve"
 NEURON_CORES = "neuron_cores"  # the Ray resource each replica asks for on Neuron clusters
 STATUS_TTL_S = 1.0
+# How long a stopping replica waits for the requests it holds (Serve's graceful shutdown).
+DRAIN_S = 30
 ONGOING_PER_CAPACITY = 8
 
 _MODEL_API = model_app()
@@ -42,7 +46,7 @@ _MODEL_API = model_app()
 # compiler), so a replica that cannot be built fails the deployment at once with its
 # error instead of Serve rebuilding it again and again. Replicas that die after the
 # deployment has started are still restarted.
-@serve.deployment(name="model", graceful_shutdown_timeout_s=30, health_check_period_s=5,
+@serve.deployment(name="model", graceful_shutdown_timeout_s=DRAIN_S, health_check_period_s=5,
                   max_constructor_retry_count=1)
 @serve.ingress(_MODEL_API)
 class ModelServer:
@@ -173,6 +177,8 @@ def deploy(configs: list[tuple[ModelConfig, str | None]], host: str, port: int, 
     """Deploy every model and the server app; wait until all are ready or one fails."""
     server = server_application([c for c, _ in configs])  # refuses bad auth before starting anything
     serve.start(http_options={"host": host, "port": port})
+    if head_processes() and ingress.json_error_page():  # only the HAProxy of a Ray started here
+        logger.debug("HAProxy's error page is JSON")
     for config, base_dir in configs:
         try:
             serve.run(model_application(config, base_dir), name=config.name,
@@ -229,22 +235,55 @@ def status() -> dict[str, dict]:
     return {name: {"status": str(app.status), "message": app.message} for name, app in apps.items()}
 
 
-def shutdown(names: list[str] | None = None) -> None:
+def shutdown(names: list[str] | None = None, progress=lambda message: None) -> None:
     """Stop the named models, or every model and then the server.
 
     Models go first, one ``serve.delete`` each: Serve stops routing to their replicas
     and waits for the requests they hold to finish (graceful_shutdown_timeout_s), while
     new requests get a JSON 404/503 from the server app. Only then does
-    ``serve.shutdown`` stop the proxy, which Ray ends abruptly.
+    ``serve.shutdown`` stop the ingress. ``progress`` is told what each step waits for.
     """
     if names:
         for name in names:
+            progress(f"stopping model {name!r}: waiting for its in-flight requests (at most {DRAIN_S} s)")
             serve.delete(name)
         return
-    for name in serve.status().applications:
-        if name != SERVER_APP:
-            serve.delete(name)
+    try:
+        apps = [name for name in serve.status().applications if name != SERVER_APP]
+    except serve.exceptions.RayServeException:
+        progress("Ray Serve is not running (already shut down)")
+        return
+    if apps:
+        # All at once: each drains on its own replicas, so the wait is the longest drain.
+        progress(f"stopping {', '.join(map(repr, apps))}: waiting for in-flight requests (at most {DRAIN_S} s)")
+        for name in apps:
+            serve.delete(name, _blocking=False)
+        while set(apps) & set(serve.status().applications):
+            time.sleep(0.2)
+    progress("stopping Ray Serve (its controller and HTTP ingress)")
     serve.shutdown()
+
+
+def stop_ray() -> None:
+    """Stop the Ray instance this process started (or leave the one it joined)."""
+    ray.shutdown()
+
+
+def head_processes() -> list[tuple[str, subprocess.Popen]]:
+    """The GCS and raylet of the Ray instance this process started (none when it joined one)."""
+    node = ray._private.worker._global_node  # noqa: SLF001 - Ray keeps its node processes only here
+    if node is None or not node.head:
+        return []
+    wanted = (ray_constants.PROCESS_TYPE_GCS_SERVER, ray_constants.PROCESS_TYPE_RAYLET)
+    return [(kind, info.process) for kind in wanted for info in node.all_processes.get(kind, [])]
+
+
+def kill_head() -> None:
+    """Kill the processes of the Ray instance this process started, without asking the
+    GCS anything: it may be gone, and every call to it would wait for it (60 s)."""
+    node = ray._private.worker._global_node  # noqa: SLF001
+    if node is not None and node.head:
+        node.kill_all_processes(check_alive=False, allow_graceful=False, wait=False)
 
 
 # Builders for Serve config files (KubeRay RayService `import_path`s), which run the

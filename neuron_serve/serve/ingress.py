@@ -15,10 +15,14 @@ so :func:`configure` runs before anything imports Ray. A cluster joined with
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 from ..errors import ConfigError
 
@@ -28,6 +32,34 @@ HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED
 # so a second deployment on the same machine would fail to start; each gets free ones
 # unless these are set.
 HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
+# A stopping replica behind direct ingress stays reachable this long before it refuses
+# new connections, so that load balancers can deregister it. Serve's default (30 s) is
+# for balancers Serve does not run; the HAProxy here is Serve's own, reconfigured as
+# soon as a replica stops, so a few seconds suffice, and stopping `deploy` (which drains
+# every model) no longer takes 30 s per model when idle. Set it to keep another value.
+DRAINING_PERIOD_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+DRAINING_PERIOD_S = "3"
+# Where Serve's HAProxy keeps its config and error page (one directory per node under
+# it): a directory of this deployment's own, so that deployments side by side on one
+# machine never share one, and so that the error page can be found (json_error_page).
+CONFIG_FILE_ENV = "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"
+# HAProxy answers with this page when it has no answer from a replica: one died or
+# stopped mid-request (502), none is up (503), or one timed out (504). Serve writes a
+# text/plain "Internal Server Error" there; every other error of the server is JSON.
+ERROR_PAGE_BODY = json.dumps({
+    "error": "no replica answered this request: the replica serving it stopped or failed before it "
+             "answered, or none is running; retry it"
+})
+ERROR_PAGE = (
+    "HTTP/1.1 503 Service Unavailable\r\n"
+    "Content-Type: application/json\r\n"
+    "Retry-After: 1\r\n"
+    "Cache-Control: no-cache\r\n"
+    "Connection: close\r\n"
+    f"Content-Length: {len(ERROR_PAGE_BODY)}\r\n"
+    "\r\n"
+    f"{ERROR_PAGE_BODY}"
+)
 
 
 def free_port() -> int:
@@ -69,4 +101,29 @@ def configure(kind: str = "auto") -> str:
     if kind == "haproxy":
         for name in HAPROXY_PORT_ENV:
             os.environ.setdefault(name, str(free_port()))
+        os.environ.setdefault(DRAINING_PERIOD_ENV, DRAINING_PERIOD_S)
+        os.environ.setdefault(CONFIG_FILE_ENV, str(Path(tempfile.mkdtemp(prefix="neuron-serve-haproxy-")) / "haproxy.cfg"))
     return kind
+
+
+def json_error_page(timeout_s: float = 30.0) -> bool:
+    """Replace Serve's plain-text HAProxy error page with the JSON one (`ERROR_PAGE`).
+
+    Call after ``serve.start`` and before the models deploy: Serve writes its page when
+    its HAProxy manager starts, and HAProxy reads it on each reload, the first of which
+    adds the models' replicas. Returns False when there is no page to replace (Serve's
+    proxy, or a cluster joined with its own HAProxy settings).
+    """
+    location = os.environ.get(CONFIG_FILE_ENV)
+    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1" or not location:
+        return False
+    root = Path(location).parent
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pages = list(root.glob("*/500.http"))
+        if pages:
+            for page in pages:
+                page.write_text(ERROR_PAGE, newline="")
+            return True
+        time.sleep(0.2)
+    return False
