@@ -20,6 +20,7 @@ from pathlib import Path
 import ray
 from ray import serve
 from ray._private import ray_constants
+from ray.experimental import internal_kv
 
 from .. import metrics
 from ..compile.cache import CACHE_ENV
@@ -35,6 +36,7 @@ logger = logging.getLogger("neuron_serve")
 SERVER_APP = "neuron-serve"
 NEURON_CORES = "neuron_cores"  # the Ray resource each replica asks for on Neuron clusters
 STATUS_TTL_S = 1.0
+HAPROXY_ADMIN_KEY = "haproxy-admin-socket"
 # How long a stopping replica waits for the requests it holds (Serve's graceful shutdown).
 DRAIN_S = 30
 ONGOING_PER_CAPACITY = 8
@@ -179,6 +181,9 @@ def deploy(configs: list[tuple[ModelConfig, str | None]], host: str, port: int, 
     serve.start(http_options={"host": host, "port": port})
     if head_processes() and ingress.json_error_page():  # only the HAProxy of a Ray started here
         logger.debug("HAProxy's error page is JSON")
+        # For `neuron-serve shutdown` (another process) to drain HAProxy as deploy does.
+        if ingress.admin_location():
+            internal_kv._internal_kv_put(HAPROXY_ADMIN_KEY, ingress.admin_location(), namespace=SERVER_APP)  # noqa: SLF001
     for config, base_dir in configs:
         try:
             serve.run(model_application(config, base_dir), name=config.name,
@@ -241,7 +246,11 @@ def shutdown(names: list[str] | None = None, progress=lambda message: None) -> N
     Models go first, one ``serve.delete`` each: Serve stops routing to their replicas
     and waits for the requests they hold to finish (graceful_shutdown_timeout_s), while
     new requests get a JSON 404/503 from the server app. Only then does
-    ``serve.shutdown`` stop the ingress. ``progress`` is told what each step waits for.
+    ``serve.shutdown`` stop the ingress. When `deploy` started this Ray with HAProxy in
+    front (on this machine; it records where in Ray's KV store), HAProxy answers new
+    requests itself (JSON 503, Retry-After) from the start and closes its port before
+    Serve stops it (`ingress.close_http`), so no connection it accepted is dropped.
+    ``progress`` is told what each step waits for.
     """
     if names:
         for name in names:
@@ -253,6 +262,9 @@ def shutdown(names: list[str] | None = None, progress=lambda message: None) -> N
     except serve.exceptions.RayServeException:
         progress("Ray Serve is not running (already shut down)")
         return
+    haproxy = _haproxy_admin()
+    if haproxy and _haproxy(lambda: ingress.refuse_new_requests(haproxy), progress):
+        progress(f"new requests are answered 503 with Retry-After: {ingress.RETRY_AFTER_S}")
     if apps:
         # All at once: each drains on its own replicas, so the wait is the longest drain.
         progress(f"stopping {', '.join(map(repr, apps))}: waiting for in-flight requests (at most {DRAIN_S} s)")
@@ -260,8 +272,24 @@ def shutdown(names: list[str] | None = None, progress=lambda message: None) -> N
             serve.delete(name, _blocking=False)
         while set(apps) & set(serve.status().applications):
             time.sleep(0.2)
+    if haproxy:
+        _haproxy(lambda: ingress.close_http(haproxy, progress), progress)
     progress("stopping Ray Serve (its controller and HTTP ingress)")
     serve.shutdown()
+
+
+def _haproxy_admin() -> str | None:
+    """The HAProxy admin socket location that `deploy` recorded in Ray, if any."""
+    value = internal_kv._internal_kv_get(HAPROXY_ADMIN_KEY, namespace=SERVER_APP)  # noqa: SLF001
+    return value.decode() if value else None
+
+
+def _haproxy(step, progress) -> bool:
+    try:
+        return step()
+    except OSError as exc:  # HAProxy is gone already: nothing to drain there
+        progress(f"HAProxy's admin socket did not answer ({exc})")
+        return False
 
 
 def stop_ray() -> None:

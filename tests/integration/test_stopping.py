@@ -7,12 +7,15 @@ plus 15 s; when its Ray head's GCS dies, within 10 s with a non-zero code; and
 supervisor's stop) does not wait 60 s for the GCS that the signal also stopped.
 """
 
+import http.client
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -88,6 +91,81 @@ def test_busy_sigterm_exits_after_the_drain(server):
     assert code == 0, server.tail()
     # Each in-flight request got its answer: a result, or the JSON 504 of its timeout.
     assert len(answers) == 8 and set(answers) <= {200, 504}, answers
+
+
+def steady_load(server: Server, stop_serving) -> tuple[Counter, list[str], float]:
+    """Six clients that honour Retry-After, each request on a new connection, while
+    ``stop_serving()`` runs; returns the outcomes, those of the requests in flight
+    when it began, and how long it took."""
+    client = Client(server.url, timeout=DRAIN_S + GRACE_S, keep_alive=False)
+    results: list[tuple[float, float, str]] = []
+    stop = threading.Event()
+
+    def loop(worker: int) -> None:
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                answer = client.infer("faulty", infer_body([[0.1 * worker] * 8]))
+            except ConnectionRefusedError:  # the port is closed: nothing was accepted
+                results.append((started, time.monotonic() - started, "refused"))
+                time.sleep(0.05)
+                continue
+            except (OSError, http.client.HTTPException) as exc:
+                results.append((started, time.monotonic() - started, f"dropped: {type(exc).__name__}"))
+                continue
+            kind = str(answer.status)
+            if answer.status != 200:
+                assert answer.headers.get("content-type") == "application/json", answer.body
+                kind += f" Retry-After: {answer.headers.get('retry-after')} {json.loads(answer.body)['error'][:40]}"
+            results.append((started, time.monotonic() - started, kind))
+            time.sleep(float(answer.headers.get("retry-after") or 0))
+
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    time.sleep(2.0)
+    began = time.monotonic()
+    stop_serving()
+    took = time.monotonic() - began
+    time.sleep(1.0)
+    stop.set()
+    for t in threads:
+        t.join(timeout=30)
+    client.close()
+    in_flight = [kind for start, spent, kind in results if start < began < start + spent]
+    return Counter(kind for _, _, kind in results), in_flight, took
+
+
+def assert_nothing_dropped(outcomes: Counter, in_flight: list[str]) -> None:
+    assert not [k for k in outcomes if k.startswith("dropped") or k.startswith("5") and not k.startswith("503")], outcomes
+    # Requests in flight when the stop began were answered by the model.
+    assert in_flight and set(in_flight) == {"200"}, in_flight
+    # New requests get the JSON 503 with Retry-After until the port closes.
+    refusals = [k for k in outcomes if k.startswith("503")]
+    assert refusals and all(k.startswith("503 Retry-After: 1 no replica answered") for k in refusals), outcomes
+    assert outcomes["refused"] > 0
+
+
+def test_sigterm_under_load_drops_no_connection(server):
+    """Clients that honour Retry-After see answers or refused connections, never a drop."""
+    def sigterm():
+        server.proc.send_signal(signal.SIGTERM)
+        assert wait_exit(server, DRAIN_S + GRACE_S)[0] == 0
+
+    outcomes, in_flight, took = steady_load(server, sigterm)
+    print(f"\nSIGTERM under load: exit after {took:.1f} s; {dict(outcomes)}")
+    assert_nothing_dropped(outcomes, in_flight)
+
+
+def test_neuron_serve_shutdown_under_load_drops_no_connection(server):
+    def shutdown():
+        done = subprocess.run([sys.executable, "-m", "neuron_serve.cli", "shutdown", "--address",
+                               server.ray_address()], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+
+    outcomes, in_flight, took = steady_load(server, shutdown)
+    print(f"\nneuron-serve shutdown under load: {took:.1f} s; {dict(outcomes)}")
+    assert_nothing_dropped(outcomes, in_flight)
 
 
 def test_losing_the_gcs_ends_deploy_with_a_message(server):
