@@ -100,6 +100,7 @@ class Server:
                 self.proc.wait(timeout=90)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()  # reaped, so no "subprocess is still running" warning
         self.kill_leftovers()
 
     def kill_leftovers(self) -> None:
