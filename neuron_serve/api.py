@@ -11,6 +11,7 @@ import torch.utils._pytree as pytree
 
 from . import batching, progress
 from .analyze.capture import as_args, capture
+from .analyze.explain_failure import compile_error
 from .analyze.placement import GraphAnalysis, analyze_graph
 from .analyze.report import build_report, log_support
 from .bucketing import BucketModelConfig, BucketSpec
@@ -74,8 +75,12 @@ def _compile_partitions(plan: PartitionPlan, flat_inputs: list, compiler_workdir
         stage_inputs[name] = [(tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else None for a in args]
         if name.startswith(ACCEL_PREFIX):
             index = sum(1 for n in stage_inputs if n.startswith(ACCEL_PREFIX))
+            source = gm.get_submodule(name)
             with progress.subgraph(name, index, accel_total):
-                compiled = CompiledSubgraph(gm.get_submodule(name), args, name=name, compiler_workdir=compiler_workdir)
+                try:
+                    compiled = CompiledSubgraph(source, args, name=name, compiler_workdir=compiler_workdir)
+                except Exception as exc:  # torch-xla raises many types; name the operator and its line
+                    raise compile_error(exc, source, name) from None
             setattr(gm, name, compiled)
         return gm.get_submodule(name)(*args)
 
