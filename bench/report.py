@@ -12,6 +12,9 @@ TARGETS = [
     ("W2", 16, "fastest-eager", 2.0),
 ]
 
+# Peers that run neuron_serve's compiled module (Ray Serve's NeuronCore tutorial pattern), not eager PyTorch.
+COMPILED_PEERS = {"ray-neuron", "ray-neuron-batch"}
+
 
 def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x" if a and b else "n/a"
@@ -47,7 +50,8 @@ def target_rows(rows: list[dict]) -> list[dict]:
         ours = find(workload, conc, "neuron-serve")
         if peer == "fastest-eager":
             peers = [r for r in rows if r["workload"] == workload and r["concurrency"] == conc
-                     and r["server"] != "neuron-serve" and not r.get("skipped")]
+                     and r["server"] != "neuron-serve" and r["server"] not in COMPILED_PEERS
+                     and not r.get("skipped")]
             theirs = max(peers, key=lambda r: r["rps"], default=None)
         else:
             theirs = find(workload, conc, peer)

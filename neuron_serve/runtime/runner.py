@@ -83,6 +83,14 @@ class ModelRunner:
             costs[size] = statistics.median(times[1:])
         return costs
 
+    def use_costs(self, costs: list[dict[int, float]]) -> None:
+        """Choose sizes by ``costs`` (per shape bucket, seconds per call of each size) instead of those measured."""
+        if len(costs) != len(self.pipelines) or any(set(c) != set(g) for c, g in zip(costs, self.pipelines)):
+            raise ValueError(f"use_costs: give a cost for every compiled size of every bucket: "
+                             f"{[sorted(g) for g in self.pipelines]}")
+        self.costs = [dict(c) for c in costs]
+        self._plans = [{} for _ in self.pipelines]
+
     def plan(self, bucket: int, rows: int) -> list[int]:
         """The compiled sizes (largest first) that run ``rows`` rows of shape bucket ``bucket``."""
         plans = self._plans[bucket]

@@ -32,6 +32,10 @@ class Server:
         env_overrides = env
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # always an embedded Ray
         env["PYTHONWARNINGS"] = "ignore"
+        # Its own metrics directory: servers of other test runs on this machine serve
+        # models of the same names, and would be merged into this one's /metrics.
+        (metrics_dir := tmp / "metrics").mkdir(exist_ok=True)
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
         env.update(env_overrides or {})
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "neuron_serve.cli", "deploy", *configs, "--port", str(self.port)],

@@ -58,6 +58,7 @@ def test_health_and_metadata(server):
     assert model["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 784]}]
     assert model["outputs"] == MLP_OUTPUTS
     assert [p["device"] for p in model["parameters"]["partitions"]] == ["neuron", "cpu"]
+    assert model["parameters"]["batch_sizes"] == [1, 4, 16, 32, 64]  # deployments/mlp.yaml
     assert model["parameters"]["cores"] == 2
 
 
@@ -145,8 +146,11 @@ def test_metrics_count_requests_and_cores_share_the_work(server):
     before = http(server, "GET", "/metrics")[1].decode()
     ok_before = sum(v for l, v in _series(before, "neuron_serve_requests_total") if l["model"] == "mlp" and l["code"] == "200")
     chunks_before = {l["core"]: v for l, v in _series(before, "neuron_serve_core_chunks_total") if l["model"] == "mlp"}
+    sizes_before = {int(l["batch_size"]): v for l, v in _series(before, "neuron_serve_batch_size_chunks_total")
+                    if l["model"] == "mlp"}
+    padding_before = sum(v for l, v in _series(before, "neuron_serve_padding_rows_total") if l["model"] == "mlp")
     sent = 120
-    x = np.random.rand(32, 784).astype(np.float32)  # one trace-size chunk per request
+    x = np.random.rand(32, 784).astype(np.float32)
 
     def send(_):
         inp = triton.InferInput("x", [32, 784], "FP32")
@@ -159,8 +163,14 @@ def test_metrics_count_requests_and_cores_share_the_work(server):
     ok_after = sum(v for l, v in _series(after, "neuron_serve_requests_total") if l["model"] == "mlp" and l["code"] == "200")
     assert ok_after - ok_before == sent
     chunks = {l["core"]: v - chunks_before.get(l["core"], 0) for l, v in _series(after, "neuron_serve_core_chunks_total") if l["model"] == "mlp"}
+    sizes = {int(l["batch_size"]): v - sizes_before.get(int(l["batch_size"]), 0)
+             for l, v in _series(after, "neuron_serve_batch_size_chunks_total") if l["model"] == "mlp"}
+    padding = sum(v for l, v in _series(after, "neuron_serve_padding_rows_total") if l["model"] == "mlp") - padding_before
+    # Every row sent ran in a compiled size, and what the sizes ran beyond them is the padding counted.
+    assert sum(size * n for size, n in sizes.items()) - padding == sent * 32
+    assert set(sizes) <= {1, 4, 16, 32, 64}
     assert set(chunks) == {"0", "1"}
-    assert sum(chunks.values()) >= sent
+    assert sum(chunks.values()) == sum(sizes.values())  # one per chunk, on whichever core ran it
     assert abs(chunks["0"] - chunks["1"]) <= 0.1 * max(chunks.values())
     assert "neuron_serve_partition_seconds_bucket" in after and 'device="cpu"' in after
 

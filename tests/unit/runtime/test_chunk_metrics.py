@@ -52,8 +52,7 @@ def test_a_chunk_through_two_accelerator_partitions_counts_once_and_padding_is_c
     async def calls():
         plane = ModelDataPlane(config, built, replica=LABELS["replica"])
         # Given costs, so the plan is known: 3 rows run as 2 + 2 (2.0 < 3.0), 7 rows as one 8 (3.0 < 4.0).
-        plane.runner.costs = [{2: 1.0, 8: 3.0}]
-        plane.runner._plans = [{}]
+        plane.runner.use_costs([{2: 1.0, 8: 3.0}])
         plane.start()
         try:
             before = counts()
@@ -93,8 +92,7 @@ def test_each_shape_bucket_pads_its_own_rows_and_the_padding_is_counted():
 
     async def calls():
         plane = ModelDataPlane(config, built, replica=labels["replica"])
-        plane.runner.costs = [{2: 1.0, 4: 3.0}, {2: 1.0, 4: 3.0}]
-        plane.runner._plans = [{}, {}]
+        plane.runner.use_costs([{2: 1.0, 4: 3.0}, {2: 1.0, 4: 3.0}])
         plane.start()
         try:
             before = padding()

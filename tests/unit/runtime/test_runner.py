@@ -51,8 +51,7 @@ def test_given_costs_decide_which_sizes_run(built, eager):
     runner.on_chunk = lambda *chunk: chunks.append(chunk)
     try:
         # Costs of another machine: one 16-row call dearer than three 4-row calls and a 1-row call.
-        runner.costs = [{1: 1.0, 4: 1.5, 16: 10.0}]
-        runner._plans = [{}]
+        runner.use_costs([{1: 1.0, 4: 1.5, 16: 10.0}])
         x = torch.rand(13, 8)
         [[out]] = asyncio.run(runner.infer([[x]]))
         torch.testing.assert_close(out, eager(x), atol=TOLERANCE, rtol=TOLERANCE)
@@ -60,8 +59,7 @@ def test_given_costs_decide_which_sizes_run(built, eager):
         assert [padded for *_, padded in chunks] == [0, 0, 0, 0]
         assert runner.chunks == {(0, 4): 3, (0, 1): 1}
 
-        runner.costs = [{1: 1.0, 4: 1.5, 16: 2.0}]  # now one padded 16-row call is cheapest
-        runner._plans = [{}]
+        runner.use_costs([{1: 1.0, 4: 1.5, 16: 2.0}])  # now one padded 16-row call is cheapest
         chunks.clear()
         [[out]] = asyncio.run(runner.infer([[x]]))
         torch.testing.assert_close(out, eager(x), atol=TOLERANCE, rtol=TOLERANCE)
@@ -77,3 +75,8 @@ def test_a_request_that_cannot_run_gets_its_error_and_the_others_their_results(r
     assert isinstance(results[1], InvalidInput)
     assert str(results[1]) == ("input 0 has shape (2, 5); with dynamic batching only dim 0 may differ from the "
                                "trace-time shape (16, 8).")
+
+
+def test_costs_must_name_every_compiled_size(runner):
+    with pytest.raises(ValueError, match=r"use_costs: give a cost for every compiled size of every bucket: \[\[1, 4, 16\]\]"):
+        runner.use_costs([{1: 1.0, 4: 2.0}])
