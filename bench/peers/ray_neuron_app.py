@@ -58,7 +58,6 @@ def main() -> None:
     from starlette.requests import Request  # noqa: PLC0415
     from starlette.responses import Response  # noqa: PLC0415
 
-    @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
     class Compiled:
         def __init__(self, name: str) -> None:
             self.name = name
@@ -82,7 +81,6 @@ def main() -> None:
             body, headers = codec.encode(self.name, self.run(inputs), wanted, binary)
             return Response(body, headers=headers)
 
-    @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
     class Batched(Compiled):
         def __init__(self, name: str) -> None:
             self.name = name
@@ -111,7 +109,7 @@ def main() -> None:
              runtime_env={"env_vars": {"PYTHONPATH": f"{root}:{os.environ.get('PYTHONPATH', '')}",
                                        "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1"}})
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    deployment = Batched if args.batch else Compiled
+    deployment = serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})(Batched if args.batch else Compiled)
     for name in ("mlp", "encoder"):
         serve.run(deployment.options(name=name).bind(name), name=name, route_prefix=f"/v2/models/{name}/infer")
     print("ready", flush=True)
