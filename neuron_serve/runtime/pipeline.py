@@ -57,10 +57,11 @@ class Pipeline:
             elif node.op == "call_module":
                 args = torch.fx.node.map_arg(node.args, env.__getitem__)
                 module = self.modules[core.index].get(node.target)
-                executor = core.executor if module is not None else self.cpu_pool
-                module = module if module is not None else self.cpu_modules[node.target]
                 started = time.perf_counter()
-                env[node] = await loop.run_in_executor(executor, _call, module, args)
+                if module is not None:  # an execution on the core, counted in its activity
+                    env[node] = await loop.run_in_executor(core.executor, core.execute, _call, module, args)
+                else:
+                    env[node] = await loop.run_in_executor(self.cpu_pool, _call, self.cpu_modules[node.target], args)
                 if self.on_stage:
                     self.on_stage(node.target, self.devices[node.target], core.index, time.perf_counter() - started)
             elif node.op == "call_function" and node.target is operator.getitem:

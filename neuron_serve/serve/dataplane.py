@@ -23,6 +23,8 @@ from ..runtime.runner import ModelRunner
 from ..targets.runtime import emulated
 from .oip import check_inputs, encode_infer_response, parse_infer_request
 from .oip_types import TORCH_TO_DATATYPE, TensorSpec
+from . import triton_ext
+from .neuron_monitor import CoreMonitor
 
 logger = logging.getLogger("neuron_serve")
 
@@ -89,11 +91,15 @@ class ModelDataPlane:
 
     def start(self) -> None:
         self.batcher.start()
+        self.monitor = CoreMonitor(self.runner.cores.cores, self.name, self.replica, emulated())
+        self.monitor.start()
         self._ready = True
 
     async def stop(self) -> None:
         self._ready = False
         await self.batcher.stop(drain=True)
+        if getattr(self, "monitor", None) is not None:
+            self.monitor.stop()
         self.runner.close()
 
     def ready(self) -> bool:
@@ -117,13 +123,45 @@ class ModelDataPlane:
             },
         }
 
-    async def _run_batch(self, items: list[list[torch.Tensor]]) -> list:
-        return await self.runner.infer(items)
+    async def _run_batch(self, items: list[tuple[list[torch.Tensor], triton_ext.RequestTimes]]) -> list:
+        started = time.perf_counter()
+        results = await self.runner.infer([tensors for tensors, _ in items])
+        ran = time.perf_counter()
+        for _, times in items:
+            times.started, times.ran = started, ran
+        if any(not isinstance(r, Exception) for r in results):
+            metrics.EXECUTIONS.labels(**self._labels).inc()
+        return results
+
+    def triton_config(self) -> dict:
+        """This model's configuration in Triton's ModelConfig JSON."""
+        meta = self.metadata()
+        return triton_ext.model_config(self.config, meta["inputs"], self._output_specs(), self.runner.trace_batch,
+                                       emulated())
+
+    def _output_specs(self) -> list[dict]:
+        """Output tensors with their traced shapes (batch dim and bucketed dims -1)."""
+        traced = self.runner.buckets[0]
+        bucketed = self.config.buckets.outputs if self.config.buckets else {}
+        specs = []
+        for i, (name, datatype) in enumerate(zip(self.runner.output_names, self.output_datatypes or
+                                                 ["FP32"] * len(self.runner.output_names))):
+            shape = traced.output_shapes[i] if i < len(traced.output_shapes) else None
+            dims = [-1] if shape is None else list(shape)
+            if shape is not None and self.config.dynamic_batch and dims:
+                dims[0] = -1
+            cut = bucketed.get(name, [])
+            for d in [cut] if isinstance(cut, int) else cut:
+                if d < len(dims):
+                    dims[d] = -1
+            specs.append({"name": name, "datatype": datatype, "shape": dims})
+        return specs
 
     async def infer(self, body: bytes, headers: Mapping[str, str]) -> tuple[bytes, dict[str, str]]:
         """Decode, batch, run and encode one OIP v2 infer request."""
         started = time.perf_counter()
-        code = "500"
+        times = triton_ext.RequestTimes(received=started)
+        code, rows = "500", 0
         try:
             request = parse_infer_request(body, headers, max_elements=self.max_elements)
             tensors = check_inputs(request.inputs, self.inputs)
@@ -133,7 +171,8 @@ class ModelDataPlane:
                     f"the request has {rows} rows; this model accepts at most "
                     f"{self.config.batching.max_batch_size} (batching.max_batch_size)."
                 )
-            outputs = await self.batcher.submit(tensors, rows=rows)
+            times.decoded = time.perf_counter()
+            outputs = await self.batcher.submit((tensors, times), rows=rows)
             named = list(zip(self.runner.output_names, outputs))
             if not self.output_datatypes:
                 self.output_datatypes = [TORCH_TO_DATATYPE.get(t.dtype, "FP32") for _, t in named]
@@ -141,11 +180,13 @@ class ModelDataPlane:
                 model_name=self.name, model_version="1", request_id=request.id, outputs=named, request=request
             )
             code = "200"
+            times.answered = time.perf_counter()
             return response
         except NeuronServeError as exc:
             code = str(exc.http_status)
             raise
         finally:
+            triton_ext.record(self.name, self.replica, times, code == "200", rows)
             metrics.REQUESTS.labels(**self._labels, code=code).inc()
             metrics.REQUEST_LATENCY.labels(**self._labels).observe(time.perf_counter() - started)
 
