@@ -35,7 +35,7 @@ def specs(python: str = sys.executable) -> dict[str, ServerSpec]:
     cli = str(Path(python).with_name("neuron-serve"))
     deploy = [cli, "deploy", "deployments/mlp.yaml", "deployments/encoder.yaml", "--host", "127.0.0.1"]
     return {s.key: s for s in [
-        ServerSpec("neuron-serve", "neuron-serve", deploy + ["--port", "18400"], 18400,
+        ServerSpec("neuron-serve", "neuron-serve", deploy + ["--port", "18400", "--grpc-port", "18401"], 18400,
                    replica_marker="ray::ServeReplica:"),
         ServerSpec("ray-proxy", "Ray Serve, default HTTP proxy",
                    [python, "-m", "bench.peers.ray_app", "--port", "18200"], 18200,

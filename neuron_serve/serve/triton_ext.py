@@ -78,11 +78,11 @@ def model_config(config: ModelConfig, inputs: list[dict], outputs: list[dict], t
             "name": config.name,
             "kind": "KIND_MODEL",
             "count": config.cores_per_replica * replicas,
-            "parameters": {"cores_per_replica": {"string_value": str(config.cores_per_replica)},
-                           "replicas": {"string_value": str(replicas)}},
         }],
         "parameters": {"target": {"string_value": config.target},
-                       "emulated": {"string_value": str(emulated).lower()}},
+                       "emulated": {"string_value": str(emulated).lower()},
+                       "cores_per_replica": {"string_value": str(config.cores_per_replica)},
+                       "replicas": {"string_value": str(replicas)}},
     }
 
 

@@ -28,13 +28,16 @@ class Server:
     def __init__(self, configs: list[str], tmp: Path, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.grpc_port = free_port()  # gRPC is on by default; never its fixed 8001 here
+        self.grpc_url = f"127.0.0.1:{self.grpc_port}"
         self.log = tmp / "deploy.log"
         env_overrides = env
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # always an embedded Ray
         env["PYTHONWARNINGS"] = "ignore"
         env.update(env_overrides or {})
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "neuron_serve.cli", "deploy", *configs, "--port", str(self.port)],
+            [sys.executable, "-m", "neuron_serve.cli", "deploy", *configs, "--port", str(self.port),
+             "--grpc-port", str(self.grpc_port)],
             cwd=ROOT, env=env, stdout=(log := self.log.open("wb")), stderr=subprocess.STDOUT, start_new_session=True,
         )
         log.close()  # the child holds its own copy
