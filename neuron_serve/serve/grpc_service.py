@@ -7,6 +7,10 @@ them unchanged; this server reads the name and forwards the call to that model's
 replicas through a Serve handle (``call_model``), where the model's data plane runs it
 through the same checks, limits, batcher and statistics as HTTP (see oip_grpc).
 
+Beside it, ``grpc.health.v1.Health`` answers Kubernetes' gRPC probes: service ``live``
+(or ``""``) is SERVING while the server runs, ``ready`` (or
+``inference.GRPCInferenceService``) once every model is ready.
+
 Errors carry the HTTP answer's message with the matching status code; authentication,
 when on, wants ``authorization: Bearer <token>`` metadata on every call but ServerLive
 and ServerReady (left open for probes, as the HTTP health routes are).
@@ -19,6 +23,7 @@ from typing import Any, Awaitable, Callable
 
 import grpc
 from google.protobuf import json_format
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import model_config_pb2, service_pb2 as pb, service_pb2_grpc
 
 from .. import __version__
@@ -173,6 +178,26 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return await self._guard(context, work)
 
 
+class HealthServicer(health_pb2_grpc.HealthServicer):
+    """grpc.health.v1 for probes: ``live``/``""`` always, ``ready`` when every model is."""
+
+    LIVE = ("", "live")
+    READY = ("ready", "inference.GRPCInferenceService")
+
+    def __init__(self, model_states: ModelStates) -> None:
+        self.model_states = model_states
+
+    async def Check(self, request, context):
+        status = health_pb2.HealthCheckResponse
+        if request.service in self.LIVE:
+            return status(status=status.SERVING)
+        if request.service in self.READY:
+            states = await self.model_states()
+            ready = bool(states) and all(s == "ready" for s in states.values())
+            return status(status=status.SERVING if ready else status.NOT_SERVING)
+        await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}; ask for 'live' or 'ready'")
+
+
 async def start(host: str, port: int, max_message_bytes: int, model_states: ModelStates,
                 call_model: CallModel) -> grpc.aio.Server:
     """Start the gRPC server on ``host:port`` in the running event loop; returns it."""
@@ -181,6 +206,7 @@ async def start(host: str, port: int, max_message_bytes: int, model_states: Mode
         ("grpc.max_send_message_length", -1),
     ])
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(model_states, call_model), server)
+    health_pb2_grpc.add_HealthServicer_to_server(HealthServicer(model_states), server)
     address = f"{host}:{port}"
     if server.add_insecure_port(address) == 0:
         raise RuntimeError(f"gRPC: cannot listen on {address} (port in use?); choose another with --grpc-port")

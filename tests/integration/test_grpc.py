@@ -174,3 +174,16 @@ def test_burst_past_the_queue_is_unavailable_then_recovers(client, auth, eager):
     data = rows(2)
     np.testing.assert_allclose(triton_infer(client, auth, data).as_numpy("output_0"), eager_out(eager, data),
                                rtol=TOLERANCE, atol=TOLERANCE)
+
+
+def test_health_service_answers_probes(guarded):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(guarded.grpc_url) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "live", "ready"):  # open, as the HTTP probes
+            assert health.Check(health_pb2.HealthCheckRequest(service=service), timeout=30).status == \
+                health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as err:
+            health.Check(health_pb2.HealthCheckRequest(service="other"), timeout=30)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
