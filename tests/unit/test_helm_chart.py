@@ -184,8 +184,13 @@ def render(values: dict | None = None) -> list[dict]:
     return copy.deepcopy(list(_render(json.dumps(values or {}, sort_keys=True))))
 
 
+def is_dashboard(doc: dict) -> bool:
+    return doc["kind"] == "ConfigMap" and doc["metadata"]["name"].endswith("-dashboard")
+
+
 def one(docs: list[dict], kind: str) -> dict:
-    found = [d for d in docs if d["kind"] == kind]
+    """The one manifest of ``kind`` (ConfigMap: the model's, not the Grafana dashboard's)."""
+    found = [d for d in docs if d["kind"] == kind and not is_dashboard(d)]
     assert len(found) == 1, f"expected one {kind}, got {len(found)}"
     return found[0]
 
@@ -228,7 +233,8 @@ def test_chart_lints_without_warnings(scenario):
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_renders_the_documented_resources(scenario):
     docs = render(SCENARIOS[scenario])
-    assert {d["kind"] for d in docs} == EXPECTED_KINDS[scenario]
+    assert sum(map(is_dashboard, docs)) == 1  # shipped by default
+    assert {d["kind"] for d in docs if not is_dashboard(d)} == EXPECTED_KINDS[scenario]
     names = [(d["kind"], d["metadata"]["name"]) for d in docs]
     assert len(names) == len(set(names))
     for kind, name in names:
@@ -326,7 +332,7 @@ def test_inline_model_change_rolls_the_pods():
 
 def test_existing_configmap_is_mounted_as_model_yaml():
     docs = render(SCENARIOS["existing-configmap"])
-    assert not [d for d in docs if d["kind"] == "ConfigMap"]
+    assert not [d for d in docs if d["kind"] == "ConfigMap" and not is_dashboard(d)]
     volume = {v["name"]: v for v in one(docs, "Deployment")["spec"]["template"]["spec"]["volumes"]}["model-config"]
     assert volume["configMap"] == {"name": "my-model", "items": [{"key": "encoder.yaml", "path": "model.yaml"}]}
 
@@ -801,3 +807,37 @@ def test_grpc_probes_ask_the_health_service():
 def test_grpc_settings_that_cannot_work_are_refused(values, error):
     with pytest.raises(helm.HelmRenderError, match=re.escape(error)):
         render(values)
+
+
+# --- Grafana dashboard ------------------------------------------------------------------
+
+DASHBOARD = CHART / "dashboards" / "neuron-serve.json"
+
+
+def test_dashboard_configmap_carries_the_dashboard_for_the_grafana_sidecar():
+    docs = render()
+    maps = [d for d in docs if is_dashboard(d)]
+    assert len(maps) == 1
+    assert maps[0]["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(maps[0]["data"]["neuron-serve.json"]) == json.loads(DASHBOARD.read_text())
+    for kube_version in KUBE_VERSIONS:
+        kubernetes_validate.validate(maps[0], kube_version, strict=True)
+    assert not [d for d in render({"grafanaDashboard": {"enabled": False, "labels": {"grafana_dashboard": "1"}}})
+                if is_dashboard(d)]
+
+
+def test_dashboard_panels_cover_the_serving_metrics():
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+    for metric in ("neuron_serve_requests_total", "neuron_serve_request_latency_seconds_bucket",
+                   "neuron_serve_queue_time_seconds_bucket", "neuron_serve_batch_size_rows",
+                   "neuron_serve_padding_rows_total", "neuroncore_utilization_ratio",
+                   "neuron_serve_partition_seconds", "neuron_serve_compile_cache_hits_total"):
+        assert metric in exprs, metric
+    # Every metric a panel reads is one neuron-serve declares.
+    from neuron_serve import metrics
+
+    declared = {m._name for m in vars(metrics).values() if hasattr(m, "_name") and hasattr(m, "_type")}
+    used = set(re.findall(r"\b(neuron_serve_\w+|neuroncore_\w+|execution_\w+)\{", exprs))
+    suffixes = ("_bucket", "_sum", "_count", "_total")
+    assert {next((u[: -len(s)] for s in suffixes if u.endswith(s)), u) for u in used} <= declared
