@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 EXAMPLE ?= deployments/mlp.yaml
 # The KServe Python client lives in its own venv: kserve pins protobuf<7, which the
 # Ray in .venv needs. tests/integration/test_kserve_client.py runs its python.
@@ -14,11 +15,16 @@ KSERVE_REQS  := tests/integration/kserve-requirements.txt
 
 .PHONY: install serve analyze test kserve-client bench bench-quick
 
+# Serving needs only the base dependencies; the tests add their own extra.
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
-	$(BIN)/pip install -e '.[test]'
+	$(BIN)/pip install -e .
 	touch $(STAMP)
+
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/pip install -e '.[test]'
+	touch $(TEST_STAMP)
 
 install: $(STAMP)
 
@@ -36,11 +42,11 @@ serve: $(STAMP)
 analyze: $(STAMP)
 	$(BIN)/neuron-serve analyze $(EXAMPLE)
 
-test: $(STAMP) $(KSERVE_STAMP)
+test: $(TEST_STAMP) $(KSERVE_STAMP)
 	$(BIN)/pytest
 
 # Benchmarks against peer servers (needs wrk: apt-get install wrk). Results: bench/results/.
-$(VENV)/.bench: $(STAMP)
+$(VENV)/.bench: $(TEST_STAMP)
 	$(BIN)/pip install -e '.[test,bench]'
 	command -v wrk >/dev/null || { [ "$$(id -u)" = 0 ] && s= || s=sudo; $$s apt-get install -y -qq --no-install-recommends wrk; }
 	touch $(VENV)/.bench

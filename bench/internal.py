@@ -29,7 +29,10 @@ import torch  # noqa: E402
 
 from neuron_serve.compile.subgraph import CompiledSubgraph  # noqa: E402
 from neuron_serve.config import load_config  # noqa: E402
+from neuron_serve.build import build  # noqa: E402
 from neuron_serve.runtime.runner import ModelRunner  # noqa: E402
+
+CONFIG_INPUTS: dict[str, list] = {}  # model name -> its model.yaml inputs (value ranges of integer inputs)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,7 +57,7 @@ class StageTimes:
 def _chunk(runner: ModelRunner, bucket: int, rows: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(rows)
     chunk = []
-    for spec, example in zip(runner.config.inputs, runner.buckets[bucket].input_shapes):
+    for spec, example in zip(CONFIG_INPUTS[runner.name], runner.model.buckets[bucket].input_shapes):
         shape = (rows, *example[0][1:])
         if example[1].is_floating_point:
             chunk.append(torch.randn(shape, generator=generator, dtype=example[1]))
@@ -75,16 +78,16 @@ async def _timed(coro_factory, repeats: int) -> float:
 
 async def pipeline_efficiency(runner: ModelRunner, timer: StageTimes, bucket: int, quick: bool) -> dict:
     pipeline = runner.pipelines[bucket]
-    chunk = _chunk(runner, bucket, runner.trace_batch)
+    chunk = _chunk(runner, bucket, runner.model.first.batch_size)
     core = runner.cores.cores[0]
     for _ in range(3):
         await pipeline.run(chunk, core)
     timer.reset()
     one_chunk = await _timed(lambda: pipeline.run(chunk, core), 5 if quick else 15)
     accel, cpu = timer.median("accel"), timer.median("cpu")
-    stages = len([p for p in runner.buckets[bucket].partitions])
-    accel_total = accel * sum(1 for p in runner.buckets[bucket].partitions if p.device != "cpu")
-    cpu_total = cpu * sum(1 for p in runner.buckets[bucket].partitions if p.device == "cpu")
+    stages = len([p for p in runner.model.buckets[bucket].partitions])
+    accel_total = accel * sum(1 for p in runner.model.buckets[bucket].partitions if p.device != "cpu")
+    cpu_total = cpu * sum(1 for p in runner.model.buckets[bucket].partitions if p.device == "cpu")
     cores, workers = len(runner.cores), runner.cpu_pool._max_workers
     bound = min(cores / accel_total if accel_total else math.inf, workers / cpu_total if cpu_total else math.inf)
     inflight = 4 * cores
@@ -104,7 +107,7 @@ async def pipeline_efficiency(runner: ModelRunner, timer: StageTimes, bucket: in
 
 async def batch_scaling(runner: ModelRunner, bucket: int, sizes: list[int], quick: bool) -> list[dict]:
     pipeline = runner.pipelines[bucket]
-    tb, cores = runner.trace_batch, len(runner.cores)
+    tb, cores = runner.model.first.batch_size, len(runner.cores)
     chunk = _chunk(runner, bucket, tb)
     one = await _timed(lambda: pipeline.run(chunk, runner.cores.cores[0]), 5 if quick else 15)
     rows = []
@@ -154,13 +157,15 @@ async def measure(config_path: Path, quick: bool, sizes: list[int]) -> dict:
     timer = StageTimes()
     config = load_config(config_path)
     started = time.perf_counter()
-    runner = ModelRunner(config, config_path.resolve().parent, on_stage=timer)
+    model = build(config, config_path.resolve().parent)
+    runner = ModelRunner(model, cores=config.cores_per_replica, name=config.name, on_stage=timer)
+    CONFIG_INPUTS[config.name] = config.inputs
     build_s = time.perf_counter() - started
-    bucket = len(runner.buckets) - 1  # the largest bucket: the most work per chunk
+    bucket = len(runner.model.buckets) - 1  # the largest bucket: the most work per chunk
     try:
         return {
-            "model": config.name, "build_s": build_s, "trace_batch": runner.trace_batch,
-            "partitions": [p.device for p in runner.buckets[bucket].partitions],
+            "model": config.name, "build_s": build_s, "trace_batch": runner.model.first.batch_size,
+            "partitions": [p.device for p in runner.model.buckets[bucket].partitions],
             "pipeline": await pipeline_efficiency(runner, timer, bucket, quick),
             "batch_scaling": await batch_scaling(runner, bucket, sizes, quick),
             "compiled_vs_eager": compiled_vs_eager(runner, bucket, quick),

@@ -1,30 +1,65 @@
 """neuron-serve: torch-neuronx's compile pipeline on torch.fx and torch-xla, and a server.
 
 The public API is named like ``torch_neuronx`` so code ports by changing an import.
+Names are imported on first use, so a process that only serves a built model (the
+runtime, the data plane) never loads the compiler through this package.
 """
 
-__version__ = "0.1.0"
+from __future__ import annotations
 
-from .api import analyze, bucket_model_trace, dynamic_batch, trace, trace_buckets
-from .artifact import load, save  # noqa: E402
-from .bucketing import BucketedModule, BucketModelConfig, BucketSpec  # noqa: E402  # noqa: E402
-from .errors import ConfigError, PartitionError, UnsupportedModelError  # noqa: E402
-from .partition.config import PartitionerConfig  # noqa: E402
+import importlib
+import sys
+import types
+from typing import Any
 
-__all__ = [
-    "ConfigError",
-    "PartitionError",
-    "PartitionerConfig",
-    "UnsupportedModelError",
-    "__version__",
-    "BucketModelConfig",
-    "BucketSpec",
-    "BucketedModule",
-    "analyze",
-    "bucket_model_trace",
-    "trace_buckets",
-    "dynamic_batch",
-    "trace",
-    "save",
-    "load",
-]
+from .version import __version__
+
+_PUBLIC = {
+    "analyze": ".api",
+    "trace": ".api",
+    "trace_buckets": ".api",
+    "bucket_model_trace": ".api",
+    "dynamic_batch": ".api",
+    "save": ".artifact",
+    "load": ".artifact",
+    "BucketModelConfig": ".bucketing",
+    "BucketSpec": ".bucketing",
+    "CompiledModel": ".model",
+    "ConfigError": ".errors",
+    "PartitionError": ".errors",
+    "UnsupportedModelError": ".errors",
+    "PartitionerConfig": ".partition.config",
+}
+
+__all__ = ["__version__", *_PUBLIC]
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'neuron_serve' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))
+
+
+class _Package(types.ModuleType):
+    """``neuron_serve.analyze`` is the API function, as in torch_neuronx, though a subpackage
+    has the same name: importing the subpackage binds it here, and the function stays."""
+
+    @property
+    def analyze(self) -> Any:
+        from .api import analyze  # noqa: PLC0415
+
+        return analyze
+
+    @analyze.setter
+    def analyze(self, _subpackage: types.ModuleType) -> None:
+        pass
+
+
+sys.modules[__name__].__class__ = _Package

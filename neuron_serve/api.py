@@ -10,15 +10,16 @@ import torch.fx
 
 from . import batching, progress
 from .analyze.capture import as_args, capture
+from .analyze.explain_failure import compile_error
 from .analyze.placement import GraphAnalysis, analyze_graph
 from .analyze.report import build_report, log_support
-from .bucketing import BucketedModule, BucketModelConfig, BucketSpec
+from .bucketing import BucketModelConfig, BucketSpec
 from .compile.subgraph import CompiledSubgraph
 from .errors import ConfigError, UnsupportedModelError
+from .model import Bucket, CompiledModel, graph
 from .partition.config import PartitionerConfig
-from .partition.plan import ACCEL_PREFIX, PartitionPlan, plan_partitions
+from .partition.plan import ACCEL_PREFIX, PartitionPlan, Placement, plan_partitions
 from .targets import get_target
-from .traced import TracedModule
 
 logger = logging.getLogger("neuron_serve")
 
@@ -32,6 +33,16 @@ def analyze(model: Callable, example_inputs: Any, target: str = "neuron") -> dic
     """
     captured = capture(model, example_inputs)
     return build_report(analyze_graph(captured, get_target(target)))
+
+
+def placement(analysis: GraphAnalysis) -> Placement:
+    """The analysis as the planner takes it: each arithmetic node's operator, and which are supported."""
+    return Placement(
+        ops={r.node: r.op for r in analysis.records},
+        supported=frozenset(r.node for r in analysis.records if r.supported),
+        target=analysis.target.name,
+        device_label=analysis.target.device_label,
+    )
 
 
 def _unsupported_error(analysis: GraphAnalysis) -> UnsupportedModelError:
@@ -58,20 +69,21 @@ def _compile_partitions(plan: PartitionPlan, flat_inputs: list, compiler_workdir
     accel_total = sum(1 for p in plan.partitions if p.name.startswith(ACCEL_PREFIX))
     stage_inputs: dict[str, list] = {}
 
-    class _Compiler(torch.fx.Interpreter):
-        def call_module(self, target, args, kwargs):
-            stage_inputs[target] = [(tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else None for a in args]
-            if target.startswith(ACCEL_PREFIX):
-                index = sum(1 for name in stage_inputs if name.startswith(ACCEL_PREFIX))
-                with progress.subgraph(target, index, accel_total):
-                    compiled = CompiledSubgraph(
-                        gm.get_submodule(target), args, name=target, compiler_workdir=compiler_workdir
-                    )
-                setattr(gm, target, compiled)
-            return super().call_module(target, args, kwargs)
+    def compile_then_call(name: str, args: tuple) -> Any:
+        stage_inputs[name] = [(tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else None for a in args]
+        if name.startswith(ACCEL_PREFIX):
+            index = sum(1 for n in stage_inputs if n.startswith(ACCEL_PREFIX))
+            source = gm.get_submodule(name)
+            with progress.subgraph(name, index, accel_total):
+                try:
+                    compiled = CompiledSubgraph(source, args, name=name, compiler_workdir=compiler_workdir)
+                except Exception as exc:  # torch-xla raises many types; name the operator and its line
+                    raise compile_error(exc, source, name) from None
+            setattr(gm, name, compiled)
+        return gm.get_submodule(name)(*args)
 
     with torch.no_grad():
-        outputs = list(_Compiler(gm).run(*flat_inputs))
+        outputs = graph.run(gm, flat_inputs, compile_then_call)
     progress.bucket_done()
     return outputs, stage_inputs
 
@@ -84,13 +96,23 @@ def trace(
     compiler_args: str | list[str] | None = None,
     compiler_workdir: str | None = None,
     target: str = "neuron",
-) -> TracedModule:
-    """Capture, partition and compile ``func`` for ``target``; returns a TracedModule.
+) -> CompiledModel:
+    """Capture, partition and compile ``func`` for ``target``; returns a one-bucket CompiledModel.
 
     Without ``partitioner_config`` every operator must be supported; otherwise the
     error lists each unsupported operator with its call site. With one, unsupported
     operators (and ``ops_to_partition``) run in CPU subgraphs.
     """
+    return CompiledModel([_trace_bucket(func, example_inputs, partitioner_config, compiler_workdir, target)])
+
+
+def _trace_bucket(
+    func: Callable,
+    example_inputs: Any,
+    partitioner_config: PartitionerConfig | None,
+    compiler_workdir: str | None,
+    target: str,
+) -> Bucket:
     if partitioner_config is not None and not isinstance(partitioner_config, PartitionerConfig):
         raise ConfigError("trace(partitioner_config=...) must be a neuron_serve.PartitionerConfig.")
     tgt = get_target(target)
@@ -105,23 +127,23 @@ def trace(
         config = partitioner_config
         compiler_workdir = compiler_workdir or config.trace_kwargs.get("compiler_workdir")
     log_support(analysis)
-    plan = plan_partitions(captured.gm, analysis, config)
+    plan = plan_partitions(captured.gm, placement(analysis), config)
     outputs, stage_inputs = _compile_partitions(plan, captured.flat_inputs, compiler_workdir)
-    traced = TracedModule(
+    return Bucket(
         plan.gm,
         in_spec=captured.in_spec,
         out_spec=captured.out_spec,
         input_shapes=[(t.shape, t.dtype) if isinstance(t, torch.Tensor) else (None, None) for t in captured.flat_inputs],
         output_shapes=[t.shape if isinstance(t, torch.Tensor) else None for t in outputs],
+        output_dtypes=[t.dtype if isinstance(t, torch.Tensor) else None for t in outputs],
         partitions=plan.partitions,
         report=build_report(analysis),
         target=tgt.name,
+        stage_inputs=stage_inputs,
     )
-    traced.stage_inputs = stage_inputs
-    return traced
 
 
-def dynamic_batch(neuron_script: TracedModule) -> TracedModule:
+def dynamic_batch(neuron_script: CompiledModel) -> CompiledModel:
     """Let a traced model take any batch size; modifies it in place and returns it.
 
     Inputs are split along dim 0 into chunks of the trace-time batch size, the last
@@ -130,13 +152,11 @@ def dynamic_batch(neuron_script: TracedModule) -> TracedModule:
     naming the input and both shapes. Models that cannot be chunked (inputs with
     different dim 0 at trace time, outputs without the batch in dim 0) are refused here.
     """
-    if isinstance(neuron_script, BucketedModule):
-        for bucket in neuron_script.buckets:
-            batching.enable(bucket)
-        return neuron_script
-    if not isinstance(neuron_script, TracedModule):
+    if not isinstance(neuron_script, CompiledModel):
         raise ConfigError("dynamic_batch() takes the module returned by neuron_serve.trace() or bucket_model_trace().")
-    return batching.enable(neuron_script)
+    for bucket in neuron_script.buckets:
+        batching.enable(bucket)
+    return neuron_script
 
 
 def bucket_model_trace(
@@ -148,7 +168,7 @@ def bucket_model_trace(
     *,
     partitioner_config: PartitionerConfig | None = None,
     target: str = "neuron",
-) -> BucketedModule:
+) -> CompiledModel:
     """Compile one model per example input; the bucket kernel picks one per call.
 
     As in torch-neuronx, ``func(**func_kwargs)`` returns ``(model, input_output_aliases)``
@@ -174,11 +194,9 @@ def bucket_model_trace(
             shapes = [list(t.shape) for t in args]
             extra = preprocess(shapes, state, torch.tensor(index)) if preprocess else state
             args = (*args, *extra)
-        buckets.append(
-            trace(model, args, partitioner_config=partitioner_config, compiler_args=compiler_args,
-                  compiler_workdir=compiler_workdir, target=target)
-        )
-    return BucketedModule(buckets, bucket_config.bucket_kernel(), state=state, state_preprocessor=preprocess)
+        buckets.append(_trace_bucket(model, args, partitioner_config, compiler_workdir, target))
+    return CompiledModel(buckets, kernel=bucket_config.bucket_kernel(), state=state, state_preprocessor=preprocess,
+                         num_inputs=len(as_args(example_inputs[0])))
 
 
 def trace_buckets(
@@ -190,12 +208,11 @@ def trace_buckets(
     compiler_args: str | list[str] | None = None,
     compiler_workdir: str | None = None,
     target: str = "neuron",
-) -> BucketedModule:
+) -> CompiledModel:
     """The declarative form: trace ``model`` once per bucket of ``buckets``."""
     example = as_args(example_inputs)
     traced = [
-        trace(model, buckets.example_inputs(example, i), partitioner_config=partitioner_config,
-              compiler_args=compiler_args, compiler_workdir=compiler_workdir, target=target)
+        _trace_bucket(model, buckets.example_inputs(example, i), partitioner_config, compiler_workdir, target)
         for i in range(len(buckets.sizes))
     ]
-    return BucketedModule(traced, buckets.kernel, spec=buckets)
+    return CompiledModel(traced, spec=buckets)

@@ -34,12 +34,11 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from .bucketing import BucketedModule, BucketSpec
+from .bucketing import BucketSpec
 from .compile.subgraph import CompiledSubgraph
 from .errors import ArtifactError
-from .partition.plan import ACCEL_PREFIX, Partition
-from .targets.runtime import emulated, versions, xla
-from .traced import TracedModule
+from .model import Bucket, CompiledModel, Partition
+from .targets.pjrt import emulated, versions, xla
 
 logger = logging.getLogger("neuron_serve")
 
@@ -126,7 +125,7 @@ def _example_args(specs: list) -> tuple:
     return tuple(torch.zeros(shape, dtype=dtype) for shape, dtype in specs)
 
 
-def _save_bucket(traced: TracedModule, folder: Path, root: Path) -> dict:
+def _save_bucket(traced: Bucket, folder: Path, root: Path) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     parts = {}
     for partition in traced.partitions:
@@ -159,6 +158,7 @@ def _save_bucket(traced: TracedModule, folder: Path, root: Path) -> dict:
         "out_spec_portable": pytree.treespec_dumps(_portable(traced.out_spec)),
         "input_shapes": [None if s is None else [list(s), str(d).removeprefix("torch.")] for s, d in traced.input_shapes],
         "output_shapes": [None if s is None else list(s) for s in traced.output_shapes],
+        "output_dtypes": [None if d is None else str(d).removeprefix("torch.") for d in traced.output_dtypes],
         "dynamic_batch": traced.dynamic_batch_enabled,
         "batch_size": traced.batch_size,
         "report": traced.report,
@@ -166,12 +166,15 @@ def _save_bucket(traced: TracedModule, folder: Path, root: Path) -> dict:
     }
 
 
-def save(module: torch.nn.Module, path: str | Path, *, config: dict | None = None, source: str | None = None) -> Path:
+def save(module: CompiledModel, path: str | Path, *, config: dict | None = None, source: str | None = None) -> Path:
     """Write ``module`` (from trace, trace_buckets or bucket_model_trace) to directory ``path``.
 
     ``config`` (a model.yaml as a dict) and ``source`` (its path) are recorded so the
     artifact can be deployed directly and rebuilt when it is out of date.
     """
+    if not isinstance(module, CompiledModel):
+        raise ArtifactError("save() takes the module returned by neuron_serve.trace(), trace_buckets() or "
+                            f"bucket_model_trace(), not a {type(module).__name__}.")
     root = Path(path)
     if root.exists():
         if not (root / MANIFEST).exists() and any(root.iterdir()):
@@ -180,17 +183,11 @@ def save(module: torch.nn.Module, path: str | Path, *, config: dict | None = Non
     root.mkdir(parents=True)
     manifest: dict[str, Any] = {"format": FORMAT, "format_version": FORMAT_VERSION, "versions": versions(),
                                 "emulated": emulated(), "source": source}
-    if isinstance(module, BucketedModule):
-        buckets = list(module.buckets)
-        manifest["kind"] = "bucketed"
+    buckets = list(module.buckets)
+    manifest["kind"] = "traced" if module.kernel is None else "bucketed"
+    if module.kernel is not None:
         manifest["bucket_spec"] = _spec_to_json(module, root)
-    elif isinstance(module, TracedModule):
-        buckets = [module]
-        manifest["kind"] = "traced"
-    else:
-        raise ArtifactError("save() takes the module returned by neuron_serve.trace(), trace_buckets() or "
-                            f"bucket_model_trace(), not a {type(module).__name__}.")
-    manifest["target"] = buckets[0].target
+    manifest["target"] = module.target
     manifest["buckets"] = [_save_bucket(b, root / f"bucket_{i}", root) for i, b in enumerate(buckets)]
     if config is not None:
         import yaml  # noqa: PLC0415
@@ -204,7 +201,7 @@ def save(module: torch.nn.Module, path: str | Path, *, config: dict | None = Non
     return root
 
 
-def _spec_to_json(module: BucketedModule, root: Path) -> dict:
+def _spec_to_json(module: CompiledModel, root: Path) -> dict:
     if module.state is not None:
         raise ArtifactError("save: a bucketed model with shared_state_buffer cannot be saved; pass the state as "
                             "model inputs instead.")
@@ -311,7 +308,7 @@ def _drop_device_asserts(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _load_bucket(entry: dict, root: Path) -> TracedModule:
+def _load_bucket(entry: dict, root: Path) -> Bucket:
     modules: dict[str, torch.nn.Module] = {}
     for name, part in entry["modules"].items():
         _check_no_pickle(root / part["file"])
@@ -327,23 +324,25 @@ def _load_bucket(entry: dict, root: Path) -> TracedModule:
             modules[name] = compiled
         else:
             modules[name] = graph
-    traced = TracedModule(
+    output_dtypes = entry.get("output_dtypes") or [None] * len(entry["output_shapes"])
+    traced = Bucket(
         _graph_from_json(entry["graph"], modules),
         in_spec=pytree.treespec_loads(entry["in_spec"]),
         out_spec=_load_out_spec(entry),
         input_shapes=[(None, None) if s is None else (torch.Size(s[0]), _dtype(s[1])) for s in entry["input_shapes"]],
         output_shapes=[None if s is None else torch.Size(s) for s in entry["output_shapes"]],
+        output_dtypes=[None if d is None else _dtype(d) for d in output_dtypes],
         partitions=[Partition(**p) for p in entry["partitions"]],
         report=entry["report"],
         target=entry["target"],
+        stage_inputs={n: [(tuple(s), _dtype(d)) for s, d in p["inputs"]] for n, p in entry["modules"].items()},
+        batch_size=entry["batch_size"],
     )
-    traced.stage_inputs = {n: [(tuple(s), _dtype(d)) for s, d in p["inputs"]] for n, p in entry["modules"].items()}
     traced.dynamic_batch_enabled = entry["dynamic_batch"]
-    traced.batch_size = entry["batch_size"]
     return traced
 
 
-def load(path: str | Path) -> TracedModule | BucketedModule:
+def load(path: str | Path) -> CompiledModel:
     """Load an artifact written by :func:`save`; its outputs equal the saved module's.
 
     Refuses (ArtifactError) an artifact that is corrupt, edited, or built with other
@@ -353,13 +352,13 @@ def load(path: str | Path) -> TracedModule | BucketedModule:
     manifest = read_manifest(root)
     xla()
     buckets = [_load_bucket(entry, root) for entry in manifest["buckets"]]
-    if manifest["kind"] == "traced":
-        return buckets[0]
-    spec_json = manifest["bucket_spec"]
+    spec_json = manifest.get("bucket_spec")
+    if spec_json is None:
+        return CompiledModel(buckets)
     if "declarative" in spec_json:
         d = spec_json["declarative"]
         spec = BucketSpec(sizes=d["sizes"], inputs={int(k): v for k, v in d["inputs"].items()},
                           pad_values={int(k): v for k, v in d["pad_values"].items()},
                           outputs={int(k): v for k, v in d["outputs"].items()})
-        return BucketedModule(buckets, spec.kernel, spec=spec)
-    return BucketedModule(buckets, torch.jit.load(str(root / spec_json["script_kernel"])))
+        return CompiledModel(buckets, spec=spec)
+    return CompiledModel(buckets, kernel=torch.jit.load(str(root / spec_json["script_kernel"])))

@@ -87,21 +87,15 @@ def run_dynamic(
     flat: list[Any],
     traced_shapes: Sequence[torch.Size | None],
     chunk: int,
-    map_chunks: Callable[[Callable, list], list] | None = None,
 ) -> Any:
-    """Run ``flat`` of any batch size as ceil(batch / chunk) calls of ``run_chunk``.
-
-    ``map_chunks`` runs the chunks (for example on several cores at once); by default
-    they run one after another.
-    """
+    """Run ``flat`` of any batch size as ceil(batch / chunk) calls of ``run_chunk``, one after another."""
     batch = check_batch(flat, traced_shapes)
     chunks = split_chunks(flat, batch, chunk)
-    outputs = (map_chunks or (lambda f, xs: [f(x) for x in xs]))(run_chunk, chunks)
-    return join_chunks(outputs, batch)
+    return join_chunks([run_chunk(c) for c in chunks], batch)
 
 
 def enable(traced: Any) -> Any:
-    """Turn on dynamic batching for a TracedModule, in place (see :func:`dynamic_batch`)."""
+    """Turn on dynamic batching for one bucket of a compiled model, in place (see :func:`dynamic_batch`)."""
     inputs = [shape for shape, _ in traced.input_shapes]
     batch = trace_batch_size(inputs, "input")
     for i, shape in enumerate(traced.output_shapes):

@@ -1,6 +1,6 @@
 """Shape buckets: one compiled model per input-shape bucket, one bucket per request.
 
-Two forms share one runtime (:class:`BucketedModule`):
+Two forms share one runtime (:class:`neuron_serve.model.CompiledModel`):
 
 - torch-neuronx's ``BucketModelConfig`` + ``bucket_model_trace``: a user kernel maps
   the inputs to (padded inputs, bucket index);
@@ -57,7 +57,8 @@ class BucketModelConfig:
         return dict(self.func_kwargs[bucket])
 
 
-def _as_list(value: int | Sequence[int]) -> list[int]:
+def as_dims(value: int | Sequence[int]) -> list[int]:
+    """A dim (or size) given as "an int or a list of ints", as a list: the one place it is normalised."""
     return [value] if isinstance(value, int) else list(value)
 
 
@@ -94,8 +95,8 @@ class BucketSpec:
                 raise ConfigError(f"buckets.inputs: unknown input {key!r}; inputs are {list(input_names or [])}.")
             return list(input_names).index(key)
 
-        rows = [_as_list(s) for s in sizes]
-        dims = {index(k): _as_list(v) for k, v in inputs.items()}
+        rows = [as_dims(s) for s in sizes]
+        dims = {index(k): as_dims(v) for k, v in inputs.items()}
         if not rows:
             raise ConfigError("buckets.sizes: give at least one bucket.")
         width = {len(r) for r in rows} | {len(d) for d in dims.values()}
@@ -108,7 +109,7 @@ class BucketSpec:
             sizes=rows,
             inputs=dims,
             pad_values={index(k): v for k, v in (pad_values or {}).items()},
-            outputs={int(k): _as_list(v) for k, v in (outputs or {}).items()},
+            outputs={int(k): as_dims(v) for k, v in (outputs or {}).items()},
         )
 
     def example_inputs(self, example: Sequence[torch.Tensor], bucket: int) -> tuple[torch.Tensor, ...]:
@@ -168,34 +169,3 @@ def _pad(t: torch.Tensor, dim: int, size: int, value: float) -> torch.Tensor:
     shape = list(t.shape)
     shape[dim] = missing
     return torch.cat([t, torch.full(shape, value, dtype=t.dtype)], dim=dim)
-
-
-class BucketedModule(torch.nn.Module):
-    """One traced model per bucket; each call is padded into the bucket that fits."""
-
-    def __init__(self, buckets: list[torch.nn.Module], kernel: Callable, spec: BucketSpec | None = None,
-                 state: list[torch.Tensor] | None = None, state_preprocessor: Callable | None = None) -> None:
-        super().__init__()
-        self.buckets = torch.nn.ModuleList(buckets)
-        self.kernel = kernel
-        self.spec = spec
-        self.state = state
-        self.state_preprocessor = state_preprocessor
-
-    @property
-    def partitions(self):
-        return [b.partitions for b in self.buckets]
-
-    def forward(self, *inputs: torch.Tensor) -> Any:
-        padded, index = self.kernel(list(inputs))
-        bucket = int(index)
-        if not 0 <= bucket < len(self.buckets):
-            raise InvalidInput(f"the bucket kernel chose bucket {bucket}, but there are {len(self.buckets)}.")
-        extra: list[torch.Tensor] = []
-        if self.state is not None:
-            shapes = [list(t.shape) for t in padded]
-            extra = list(self.state_preprocessor(shapes, self.state, index) if self.state_preprocessor else self.state)
-        outputs = self.buckets[bucket](*padded, *extra)
-        if self.spec is not None:
-            outputs = self.spec.unpad(outputs, self.spec.request_sizes(inputs))
-        return outputs

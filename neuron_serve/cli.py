@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 from .analyze.capture import capture
+from .api import placement
 from .analyze.placement import analyze_graph
 from .analyze.report import build_report, log_support
 from .compile import cache as compile_cache
@@ -32,7 +33,7 @@ def _analyze(args: argparse.Namespace) -> int:
     log_support(analysis)
     if args.html or args.report_json:
         # Written before the plan below can refuse the config: a refused plan is what it helps to see.
-        from .analyze import partition_report  # noqa: PLC0415
+        from .report import partition_report  # noqa: PLC0415
 
         data = partition_report.build(config, model, captured, analysis, profile_runs=args.profile)
         for path in partition_report.write(data, html=args.html, json_path=args.report_json):
@@ -44,7 +45,7 @@ def _analyze(args: argparse.Namespace) -> int:
             "Unsupported operators and no 'partitioner' section: trace would refuse this model."
         )
     else:
-        plan = plan_partitions(copy.deepcopy(captured.gm), analysis, partitioner)
+        plan = plan_partitions(copy.deepcopy(captured.gm), placement(analysis), partitioner)
         report["partitions"] = plan.describe()
     text = json.dumps(report, indent=2)
     if args.json:
@@ -69,8 +70,8 @@ def _build(args: argparse.Namespace) -> int:
     # The artifact's own model.yaml serves it as is: its model source is the artifact.
     served = config.model_dump(mode="json", exclude_none=True)
     served["model"] = {"artifact": "."}
-    artifact.save(built.module, out, config=served, source=str(args.config))
-    print(f"built {config.name} in {built.seconds:.1f}s -> {out} (serve it: neuron-serve deploy {out})", file=sys.stderr)
+    artifact.save(built, out, config=served, source=str(args.config))
+    print(f"built {config.name} in {built.build_info.seconds:.1f}s -> {out} (serve it: neuron-serve deploy {out})", file=sys.stderr)
     return 0
 
 

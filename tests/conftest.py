@@ -28,3 +28,16 @@ def neuron_logs(caplog):
         return [r.getMessage() for r in caplog.records if r.name == "neuron_serve"]
 
     return lines
+
+
+@pytest.fixture
+def fresh_cache(tmp_path):
+    """An empty compile cache in tmp_path and new support oracles, as in a newly started process."""
+    from neuron_serve.analyze import placement  # noqa: PLC0415
+    from neuron_serve.compile import cache as compile_cache  # noqa: PLC0415
+
+    store = compile_cache.configure(tmp_path / "cache")
+    placement._ORACLES.clear()
+    yield store
+    placement._ORACLES.clear()
+    compile_cache.configure()

@@ -8,7 +8,10 @@ and the pytree specs restore the caller's structure (tuples, dicts, model output
 
 from __future__ import annotations
 
+import contextlib
+import io
 import operator
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -16,7 +19,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from ..errors import UnsupportedModelError
+from .explain_failure import capture_error
 
 # Nodes that are bookkeeping, not arithmetic: the reference counts neither them nor
 # getitem when it reports "N of M arithmetic operations".
@@ -71,17 +74,28 @@ def op_name(node: torch.fx.Node) -> str:
     return getattr(node.target, "__name__", str(node.target))
 
 
+@contextlib.contextmanager
+def _quiet_failures():
+    """Hold back what export writes to stderr; replay it unless export fails.
+
+    On failure torch.export prints the whole partial graph (thousands of lines) to
+    stderr before raising; the error raised instead names the construct and its line.
+    """
+    held = io.StringIO()
+    with contextlib.redirect_stderr(held):
+        yield
+    sys.stderr.write(held.getvalue())
+
+
 def capture(func: Callable, example_inputs: Any, example_kwargs: dict | None = None) -> CapturedGraph:
     """Export ``func`` on ``example_inputs`` into a :class:`CapturedGraph`."""
     module = func if isinstance(func, torch.nn.Module) else _FunctionModule(func)
     args = as_args(example_inputs)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _quiet_failures():
             exported = torch.export.export(module, args, kwargs=example_kwargs, strict=False)
-    except Exception as exc:  # torch raises many types; the user needs the cause
-        raise UnsupportedModelError(
-            f"torch.export could not capture the model: {type(exc).__name__}: {exc}"
-        ) from exc
+    except Exception as exc:  # torch raises many types; the user needs the construct and its line
+        raise capture_error(exc, module) from None
     gm = exported.module()
     in_spec, out_spec = gm._in_spec, gm._out_spec
     _strip_guards(gm)

@@ -40,10 +40,6 @@ class GraphAnalysis:
     records: list[OpRecord]
 
     @property
-    def by_node(self) -> dict[str, OpRecord]:
-        return {r.node: r for r in self.records}
-
-    @property
     def supported_count(self) -> int:
         return sum(r.supported for r in self.records)
 

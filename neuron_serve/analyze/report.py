@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from ..targets.runtime import versions
+from ..targets.pjrt import versions
 from .placement import GraphAnalysis
 
 logger = logging.getLogger("neuron_serve")

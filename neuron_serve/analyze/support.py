@@ -20,7 +20,7 @@ import torch.utils._pytree as pytree
 
 from ..compile import cache as compile_cache
 from ..targets import Decision, Target
-from ..targets.runtime import versions, xla
+from ..targets.pjrt import versions, xla
 
 logger = logging.getLogger("neuron_serve")
 

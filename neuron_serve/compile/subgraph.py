@@ -18,19 +18,15 @@ from typing import Any, Sequence
 import torch
 import torch.fx
 
-from ..targets.runtime import xla
+from ..targets.pjrt import use_device, xla
+from .passes.place_on_device import place_on_device
 
 logger = logging.getLogger("neuron_serve")
 
 
-def use_device(device: Any) -> None:
-    """Make ``device`` this thread's default XLA device.
-
-    torch-xla replays a cached executable on the calling thread's default device, so
-    each core is driven from its own thread with its own default; without this, a
-    subgraph loaded on xla:1 would run against xla:0.
-    """
-    xla()._XLAC._xla_set_default_device(str(device))
+def _copy_to(source: torch.fx.GraphModule, device: Any) -> torch.fx.GraphModule:
+    """A copy of ``source`` with its weights and every tensor it creates on ``device``."""
+    return place_on_device(copy.deepcopy(source), device).to(device)
 
 
 def _returns_tuple(gm: torch.fx.GraphModule) -> bool:
@@ -66,14 +62,14 @@ class CompiledSubgraph(torch.nn.Module):
         self.example_args = [a.detach().clone() for a in example_args]
         self.compiler_workdir = compiler_workdir
         use_device(self.device)
-        on_device = copy.deepcopy(self.source).to(self.device)
+        resident = _copy_to(self.source, self.device)
         xla_args = [a.to(self.device) for a in example_args]
         started = time.perf_counter()
         with torch.no_grad():
-            self._compiled = extract_compiled_graph(on_device, xla_args)
+            self._compiled = extract_compiled_graph(resident, xla_args)
             outputs = self._compiled(*xla_args)
         self.compile_seconds = time.perf_counter() - started
-        self._on_device = on_device  # keeps the resident weights alive
+        self._on_device = resident  # keeps the resident weights alive
         if compiler_workdir:
             self._dump_hlo(compiler_workdir, outputs)
         logger.debug("compiled %s on %s in %.3fs", name, self.device, self.compile_seconds)
@@ -89,7 +85,7 @@ class CompiledSubgraph(torch.nn.Module):
         """The HLO torch-xla lowers this subgraph to (what the compiler compiles)."""
         use_device(self.device)
         # The compiled module replays its executable; lowering again needs a fresh copy.
-        lowered = copy.deepcopy(self.source).to(self.device)
+        lowered = _copy_to(self.source, self.device)
         with torch.no_grad():
             outputs = lowered(*[a.to(self.device) for a in self.example_args])
         return xla()._XLAC._get_xla_tensors_hlo(list(outputs))

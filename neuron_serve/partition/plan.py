@@ -18,9 +18,8 @@ import torch.fx
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
-from ..analyze.capture import is_compute_node, op_name
-from ..analyze.placement import GraphAnalysis
 from ..errors import PartitionError
+from ..model import Partition
 from .config import NO_LIMIT, PartitionerConfig
 
 logger = logging.getLogger("neuron_serve")
@@ -34,20 +33,43 @@ REASON_UNSUPPORTED = "unsupported"
 REASON_FORCED = "ops_to_partition"
 
 
-@dataclass
-class Partition:
-    index: int  # 1-based, in execution order, as the log numbers them
-    name: str  # submodule name in the split graph
-    device: str  # the target's name, or "cpu"
-    device_label: str  # "Device.NEURON" / "Device.CPU"
-    op_counts: dict[str, int]
+@dataclass(frozen=True)
+class Placement:
+    """What the planner needs from the analysis, as plain data.
+
+    ``ops`` maps every arithmetic node (by name) to its operator ("aten::linear");
+    ``supported`` names the nodes the target can run.
+    """
+
+    ops: dict[str, str]
+    supported: frozenset[str]
+    target: str  # "neuron"
+    device_label: str  # "Device.NEURON", as torch-neuronx logs it
 
     @property
-    def size(self) -> int:
-        return sum(self.op_counts.values())
+    def supported_count(self) -> int:
+        return len(self.supported)
 
-    def describe(self) -> dict:
-        return {"index": self.index, "device": self.device, "op_counts": dict(self.op_counts), "size": self.size}
+    @property
+    def total(self) -> int:
+        return len(self.ops)
+
+    @property
+    def support_fraction(self) -> float:
+        return self.supported_count / self.total if self.total else 1.0
+
+    @property
+    def support_percentage(self) -> str:
+        return f"{100 * self.support_fraction:.2f}%"
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One PartitionerConfig rule a plan breaks, with torch-neuronx's message."""
+
+    rule: str
+    subgraphs: list[int]  # 1-based indices of the subgraphs that break it (none for the threshold)
+    message: str
 
 
 @dataclass
@@ -95,52 +117,45 @@ def _fuse(gm: torch.fx.GraphModule, nodes: set[str], prefix: str) -> torch.fx.Gr
     return partitioner.fuse_partitions(partitioner.propose_partitions(), prefix=prefix)
 
 
-def check_threshold(analysis: GraphAnalysis, config: PartitionerConfig) -> None:
-    threshold = config.model_support_percentage_threshold
-    if analysis.support_fraction < threshold:
-        raise PartitionError(
-            f"The partitioner has found {analysis.support_percentage} of arithmetic operations "
-            f"({analysis.supported_count} of {analysis.total}) supported which is below the specified "
-            f"model support percentage threshold of {100 * threshold:.2f}%."
-        )
-
-
-def plan_partitions(gm: torch.fx.GraphModule, analysis: GraphAnalysis, config: PartitionerConfig) -> PartitionPlan:
-    """Partition ``gm`` (mutated in place) and enforce ``config``'s rules."""
-    check_threshold(analysis, config)
+def plan_partitions(gm: torch.fx.GraphModule, placement: Placement, config: PartitionerConfig) -> PartitionPlan:
+    """Partition ``gm`` (mutated in place) and enforce ``config``'s rules (raising the first broken)."""
+    if placement.support_fraction < config.model_support_percentage_threshold:
+        raise PartitionError(_threshold_message(placement, config))  # before any work, as torch-neuronx
     cpu_reasons: dict[str, str] = {}
     accel: set[str] = set()
-    for record in analysis.records:
-        if not record.supported:
-            cpu_reasons[record.node] = REASON_UNSUPPORTED
-        elif record.op in config.ops_to_partition:
-            cpu_reasons[record.node] = REASON_FORCED
+    for node, op in placement.ops.items():
+        if node not in placement.supported:
+            cpu_reasons[node] = REASON_UNSUPPORTED
+        elif op in config.ops_to_partition:
+            cpu_reasons[node] = REASON_FORCED
         else:
-            accel.add(record.node)
+            accel.add(node)
     _split_shared_attrs(gm)
     gm = _fuse(gm, accel, ACCEL_PREFIX)
     gm = _fuse(gm, set(cpu_reasons), CPU_PREFIX)
-    partitions = _describe(gm, analysis)
+    partitions = _describe(gm, placement)
     _log_plan(partitions)
-    _check_rules(partitions, config)
+    broken = rule_violations(placement, partitions, config)
+    if broken:
+        raise PartitionError(broken[0].message)
     return PartitionPlan(gm, partitions, cpu_reasons)
 
 
-def _describe(gm: torch.fx.GraphModule, analysis: GraphAnalysis) -> list[Partition]:
-    target = analysis.target
+def _describe(gm: torch.fx.GraphModule, placement: Placement) -> list[Partition]:
     partitions = []
     for node in gm.graph.nodes:
         if node.op != "call_module":
             continue
         sub = gm.get_submodule(node.target)
-        counts = Counter(op_name(n) for n in sub.graph.nodes if is_compute_node(n))
+        # Fusing copies nodes with their names, so the analysis's names still find their operators.
+        counts = Counter(placement.ops[n.name] for n in sub.graph.nodes if n.op == "call_function" and n.name in placement.ops)
         on_accel = node.target.startswith(ACCEL_PREFIX)
         partitions.append(
             Partition(
                 index=len(partitions) + 1,
                 name=node.target,
-                device=target.name if on_accel else CPU,
-                device_label=target.device_label if on_accel else "Device.CPU",
+                device=placement.target if on_accel else CPU,
+                device_label=placement.device_label if on_accel else "Device.CPU",
                 op_counts=dict(counts),
             )
         )
@@ -156,17 +171,35 @@ def _log_plan(partitions: list[Partition]) -> None:
             logger.info("%s:%d", op, count)
 
 
-def _check_rules(partitions: list[Partition], config: PartitionerConfig) -> None:
+def _threshold_message(placement: Placement, config: PartitionerConfig) -> str:
+    return (
+        f"The partitioner has found {placement.support_percentage} of arithmetic operations "
+        f"({placement.supported_count} of {placement.total}) supported which is below the specified "
+        f"model support percentage threshold of {100 * config.model_support_percentage_threshold:.2f}%."
+    )
+
+
+def rule_violations(placement: Placement, partitions: list[Partition], config: PartitionerConfig) -> list[Violation]:
+    """Every rule of ``config`` that ``partitions`` break, in the order torch-neuronx checks them.
+
+    ``trace`` raises the first; the partition report lists them all.
+    """
+    found = []
+    if placement.support_fraction < config.model_support_percentage_threshold:
+        found.append(Violation("model_support_percentage_threshold", [], _threshold_message(placement, config)))
     if config.max_subgraph_count != NO_LIMIT and len(partitions) > config.max_subgraph_count:
-        raise PartitionError(
+        found.append(Violation(
+            "max_subgraph_count", [p.index for p in partitions],
             f"The partitioner has found {len(partitions)} subgraphs which exceeds the specified "
-            f"max subgraph count of {config.max_subgraph_count}."
-        )
+            f"max subgraph count of {config.max_subgraph_count}.",
+        ))
     if config.min_subgraph_size != NO_LIMIT:
         for p in partitions:
             if p.size < config.min_subgraph_size:
-                raise PartitionError(
+                found.append(Violation(
+                    "min_subgraph_size", [p.index],
                     f"The partitioner has found a subgraph of size {p.size} (Partition #{p.index} for "
                     f"device: {p.device_label}) which is below the specified min subgraph size of "
-                    f"{config.min_subgraph_size}."
-                )
+                    f"{config.min_subgraph_size}.",
+                ))
+    return found

@@ -15,9 +15,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..compile.subgraph import use_device
 from ..errors import ConfigError
-from ..targets.runtime import xla
+from ..targets.pjrt import use_device, xla
 
 
 class CoreActivity:

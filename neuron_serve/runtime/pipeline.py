@@ -1,77 +1,60 @@
-"""Running a partitioned model as a pipeline of stages on cores and CPU workers.
+"""Running one bucket of a compiled model as a pipeline of stages on cores and CPU workers.
 
-The top graph of a TracedModule calls one submodule per partition. Accelerator
-stages run on the thread of the core the batch was given; CPU stages run in a shared
-CPU pool. Each stage is awaited, so while one batch is in a CPU stage its core is
-free for another batch's accelerator stage.
+The top graph calls one submodule per partition. Accelerator stages run on the thread
+of the core the batch was given; CPU stages run in a shared CPU pool. Each stage is
+awaited, so while one batch is in a CPU stage its core is free for another batch's
+accelerator stage. The graph is walked by the model's own interpreter
+(:mod:`neuron_serve.model.graph`), the one the plain call uses.
 """
 
 from __future__ import annotations
 
 import asyncio
-import operator
 import time
 from concurrent.futures import Executor
 from typing import Any, Callable
 
 import torch
-import torch.fx
 
-from ..compile.subgraph import CompiledSubgraph
-from ..traced import TracedModule
+from ..model import Bucket, graph
 from .cores import Core, CorePool
 
 StageTimer = Callable[[str, str, int, float], None]  # (partition, device, core, seconds)
 
 
 class Pipeline:
-    """One traced model loaded onto every core of a pool."""
+    """One bucket loaded onto every core of a pool."""
 
-    def __init__(self, traced: TracedModule, cores: CorePool, cpu_pool: Executor, on_stage: StageTimer | None = None):
-        self.traced = traced
+    def __init__(self, bucket: Bucket, cores: CorePool, cpu_pool: Executor, on_stage: StageTimer | None = None):
+        self.bucket = bucket
         self.cpu_pool = cpu_pool
         self.on_stage = on_stage
-        self.nodes = list(traced.graph_module.graph.nodes)
-        self.devices = {p.name: p.device for p in traced.partitions}
-        accel = {
-            name: module
-            for name, module in traced.graph_module.named_children()
-            if isinstance(module, CompiledSubgraph)
-        }
+        self.devices = {p.name: p.device for p in bucket.partitions}
+        gm = bucket.graph_module
+        accel = {p.name: gm.get_submodule(p.name) for p in bucket.partitions if not p.on_cpu}
         self.modules: list[dict[str, torch.nn.Module]] = []
         for core in cores.cores:
             # Compile each core's copy on that core's own thread (its default device).
-            loaded = {name: core.submit(sub.load_to, core.device).result() for name, sub in accel.items()}
-            self.modules.append(loaded)
-        self.cpu_modules = {
-            name: module for name, module in traced.graph_module.named_children() if name not in accel
-        }
+            self.modules.append({name: core.submit(sub.load_to, core.device).result() for name, sub in accel.items()})
+        self.cpu_modules = {p.name: gm.get_submodule(p.name) for p in bucket.partitions if p.on_cpu}
 
     async def run(self, flat: list[torch.Tensor], core: Core) -> list[torch.Tensor]:
+        """Run one chunk (flat inputs of the bucket's batch size) with ``core`` for its accelerator stages."""
         loop = asyncio.get_running_loop()
-        env: dict[torch.fx.Node, Any] = {}
-        inputs = iter(flat)
-        for node in self.nodes:
-            if node.op == "placeholder":
-                env[node] = next(inputs)
-            elif node.op == "call_module":
-                args = torch.fx.node.map_arg(node.args, env.__getitem__)
-                module = self.modules[core.index].get(node.target)
-                started = time.perf_counter()
-                if module is not None:  # an execution on the core, counted in its activity
-                    env[node] = await loop.run_in_executor(core.executor, core.execute, _call, module, args)
-                else:
-                    env[node] = await loop.run_in_executor(self.cpu_pool, _call, self.cpu_modules[node.target], args)
-                if self.on_stage:
-                    self.on_stage(node.target, self.devices[node.target], core.index, time.perf_counter() - started)
-            elif node.op == "call_function" and node.target is operator.getitem:
-                source, index = node.args
-                env[node] = env[source][index]
-            elif node.op == "get_attr":
-                env[node] = getattr(self.traced.graph_module, node.target)
-            elif node.op == "output":
-                return list(torch.fx.node.map_arg(node.args[0], env.__getitem__))
-        raise RuntimeError("graph has no output node")
+        on_core = self.modules[core.index]
+
+        async def stage(name: str, args: tuple) -> Any:
+            module = on_core.get(name)
+            started = time.perf_counter()
+            if module is not None:  # an execution on the core, counted in its activity
+                result = await loop.run_in_executor(core.executor, core.execute, _call, module, args)
+            else:
+                result = await loop.run_in_executor(self.cpu_pool, _call, self.cpu_modules[name], args)
+            if self.on_stage:
+                self.on_stage(name, self.devices[name], core.index, time.perf_counter() - started)
+            return result
+
+        return await graph.run_async(self.bucket.graph_module, flat, stage)
 
 
 def _call(module: torch.nn.Module, args: tuple) -> Any:

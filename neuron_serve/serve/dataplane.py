@@ -9,18 +9,18 @@ from __future__ import annotations
 import logging
 import os
 import time
-from pathlib import Path
 from typing import Mapping
 
 import torch
 
-from .. import __version__, metrics
+from .. import metrics
+from ..version import __version__
 from ..config import ModelConfig
 from ..errors import InvalidInput, NeuronServeError
-from ..compile import cache as compile_cache
+from ..model import CompiledModel
 from ..runtime.batcher import DynamicBatcher
 from ..runtime.runner import ModelRunner
-from ..targets.runtime import emulated
+from ..targets.pjrt import emulated
 from .oip import check_inputs, encode_infer_response, parse_infer_request
 from .oip_types import TORCH_TO_DATATYPE, TensorSpec
 from . import triton_ext
@@ -31,22 +31,23 @@ logger = logging.getLogger("neuron_serve")
 
 
 class ModelDataPlane:
-    """One model on one replica: builds it, batches its requests, speaks OIP v2."""
+    """One built model on one replica: loads it on the cores, batches its requests, speaks OIP v2."""
 
-    def __init__(self, config: ModelConfig, base_dir: str | Path | None = None, replica: str | None = None) -> None:
+    def __init__(self, config: ModelConfig, model: CompiledModel, replica: str | None = None) -> None:
         self.config = config
         self.name = config.name
         self.replica = replica or str(os.getpid())
         labels = {"model": self.name, "replica": self.replica}
         self._labels = labels
-        started = time.perf_counter()
-        self.runner = ModelRunner(config, base_dir, on_stage=self._on_stage)
-        metrics.COMPILE_TIME.labels(**labels).observe(time.perf_counter() - started)
-        store = compile_cache.current()
-        for kind, stats in (store.stats.items() if store is not None else ()):
-            metrics.CACHE_HITS.labels(**labels, cache=kind).inc(stats.hits)
-        self.inputs = [self._spec(i) for i in range(len(config.inputs))]
-        self.output_datatypes: list[str] = []
+        self.runner = ModelRunner(model, cores=config.cores_per_replica, name=self.name, on_stage=self._on_stage)
+        metrics.COMPILE_TIME.labels(**labels).observe(model.build_info.seconds + self.runner.load_seconds)
+        for kind, hits in model.build_info.cache_hits.items():
+            metrics.CACHE_HITS.labels(**labels, cache=kind).inc(hits)
+        signature = model.signature()
+        self.inputs = [TensorSpec(s.name, TORCH_TO_DATATYPE[s.dtype], s.shape) for s in signature.inputs]
+        self.outputs = [{"name": s.name, "datatype": TORCH_TO_DATATYPE.get(s.dtype, "FP32"), "shape": list(s.shape)}
+                        for s in signature.outputs]
+        self.chunk_rows = model.first.batch_size  # rows of one compiled call
         batching = config.batching
         self.batcher = DynamicBatcher(
             self._run_batch,
@@ -54,23 +55,14 @@ class ModelDataPlane:
             max_queue_delay_s=batching.max_queue_delay_ms / 1000,
             max_queue_size=batching.max_queue_size,
             request_timeout_s=batching.request_timeout_s,
-            preferred_batch_sizes=[self.runner.trace_batch] if config.dynamic_batch else None,
+            preferred_batch_sizes=[self.chunk_rows] if model.dynamic_batch_enabled else None,
             max_concurrent_batches=2 * len(self.runner.cores),
             on_batch=self._on_batch,
         )
-        self.max_elements = _max_elements(config)
+        # The most elements one input of a valid request can hold; larger ones are refused
+        # before anything is allocated.
+        self.max_elements = batching.max_batch_size * model.max_row_elements()
         self._ready = False
-
-    def _spec(self, index: int) -> TensorSpec:
-        spec = self.config.inputs[index]
-        shape = list(spec.shape)
-        if self.config.dynamic_batch and shape:
-            shape[0] = -1
-        if self.config.buckets and spec.name in self.config.buckets.inputs:
-            dims = self.config.buckets.inputs[spec.name]
-            for d in [dims] if isinstance(dims, int) else dims:
-                shape[d] = -1
-        return TensorSpec(spec.name, TORCH_TO_DATATYPE[self.runner.input_dtypes()[index]], tuple(shape))
 
     # -- hooks for metrics ----------------------------------------------------------
 
@@ -83,9 +75,8 @@ class ModelDataPlane:
         metrics.BATCH_SIZE.labels(**self._labels).observe(rows)
         for wait in waits:
             metrics.QUEUE_TIME.labels(**self._labels).observe(wait)
-        if self.config.dynamic_batch:
-            chunk = self.runner.trace_batch
-            metrics.PADDING_ROWS.labels(**self._labels).inc(-rows % chunk)
+        if self.runner.model.dynamic_batch_enabled:
+            metrics.PADDING_ROWS.labels(**self._labels).inc(-rows % self.chunk_rows)
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -113,8 +104,7 @@ class ModelDataPlane:
             "versions": ["1"],
             "platform": f"neuron-serve/{self.config.target}" + ("-emulated" if emulated() else ""),
             "inputs": [{"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in self.inputs],
-            "outputs": [{"name": n, "datatype": d, "shape": [-1]} for n, d in
-                        zip(self.runner.output_names, self.output_datatypes or ["FP32"] * len(self.runner.output_names))],
+            "outputs": self.outputs,
             "parameters": {
                 "emulated": emulated(),
                 "cores": len(self.runner.cores),
@@ -135,27 +125,8 @@ class ModelDataPlane:
 
     def triton_config(self) -> dict:
         """This model's configuration in Triton's ModelConfig JSON."""
-        meta = self.metadata()
-        return triton_ext.model_config(self.config, meta["inputs"], self._output_specs(), self.runner.trace_batch,
+        return triton_ext.model_config(self.config, self.metadata()["inputs"], self.outputs, self.chunk_rows,
                                        emulated())
-
-    def _output_specs(self) -> list[dict]:
-        """Output tensors with their traced shapes (batch dim and bucketed dims -1)."""
-        traced = self.runner.buckets[0]
-        bucketed = self.config.buckets.outputs if self.config.buckets else {}
-        specs = []
-        for i, (name, datatype) in enumerate(zip(self.runner.output_names, self.output_datatypes or
-                                                 ["FP32"] * len(self.runner.output_names))):
-            shape = traced.output_shapes[i] if i < len(traced.output_shapes) else None
-            dims = [-1] if shape is None else list(shape)
-            if shape is not None and self.config.dynamic_batch and dims:
-                dims[0] = -1
-            cut = bucketed.get(name, [])
-            for d in [cut] if isinstance(cut, int) else cut:
-                if d < len(dims):
-                    dims[d] = -1
-            specs.append({"name": name, "datatype": datatype, "shape": dims})
-        return specs
 
     async def infer(self, body: bytes, headers: Mapping[str, str]) -> tuple[bytes, dict[str, str]]:
         """Decode, batch, run and encode one OIP v2 infer request."""
@@ -173,9 +144,7 @@ class ModelDataPlane:
                 )
             times.decoded = time.perf_counter()
             outputs = await self.batcher.submit((tensors, times), rows=rows)
-            named = list(zip(self.runner.output_names, outputs))
-            if not self.output_datatypes:
-                self.output_datatypes = [TORCH_TO_DATATYPE.get(t.dtype, "FP32") for _, t in named]
+            named = list(zip(self.runner.model.output_names, outputs))
             response = encode_infer_response(
                 model_name=self.name, model_version="1", request_id=request.id, outputs=named, request=request
             )
@@ -189,14 +158,6 @@ class ModelDataPlane:
             triton_ext.record(self.name, self.replica, times, code == "200", rows)
             metrics.REQUESTS.labels(**self._labels, code=code).inc()
             metrics.REQUEST_LATENCY.labels(**self._labels).observe(time.perf_counter() - started)
-
-
-def _max_elements(config: ModelConfig) -> int:
-    """The most elements one input of a valid request can hold; larger ones are refused
-    before anything is allocated."""
-    largest_bucket = max(max(s) if isinstance(s, list) else s for s in config.buckets.sizes) if config.buckets else 1
-    per_row = max(int(torch.Size(i.shape[1:]).numel()) for i in config.inputs)
-    return config.batching.max_batch_size * per_row * largest_bucket
 
 
 _current: ModelDataPlane | None = None

@@ -22,7 +22,7 @@ from ray import serve
 from .. import metrics
 from ..compile.cache import CACHE_ENV
 from ..config import ModelConfig, parse_config
-from ..targets.runtime import neuron_devices_present
+from ..targets.pjrt import neuron_devices_present
 from ..errors import ConfigError
 from .dataplane import ModelDataPlane
 from . import auth, dataplane, grpc_service
@@ -41,7 +41,11 @@ _MODEL_API = model_app()
 @serve.deployment(name="model", graceful_shutdown_timeout_s=30, health_check_period_s=5)
 @serve.ingress(_MODEL_API)
 class ModelServer:
-    """One replica of one model: builds it on construction, then serves OIP v2."""
+    """One replica of one model: builds it on construction, then serves OIP v2.
+
+    This is the serving edge, the one place that builds: the data plane and the
+    runtime below it take the built model and never import the compiler.
+    """
 
     async def __init__(self, config: dict, base_dir: str | None) -> None:
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
@@ -50,7 +54,7 @@ class ModelServer:
         replica = serve.get_replica_context().replica_id.unique_id
         loop = asyncio.get_running_loop()
         # Building compiles for seconds to minutes; run it off the event loop.
-        self.plane = await loop.run_in_executor(None, ModelDataPlane, parsed, base_dir, replica)
+        self.plane = await loop.run_in_executor(None, _build_plane, parsed, base_dir, replica)
         self.plane.start()
         dataplane.set_current(self.plane)
 
@@ -63,6 +67,12 @@ class ModelServer:
         plane = getattr(self, "plane", None)  # absent when building failed
         if plane is not None:
             await plane.stop()
+
+
+def _build_plane(config: ModelConfig, base_dir: str | None, replica: str) -> ModelDataPlane:
+    from ..build import build  # noqa: PLC0415 - the compiler is loaded by replicas only
+
+    return ModelDataPlane(config, build(config, base_dir), replica)
 
 
 _status_cache: tuple[float, dict[str, str]] = (0.0, {})
@@ -274,5 +284,11 @@ def build_model_app(args: dict):
 
 
 def build_server_app(args: dict | None = None):
-    """``neuron_serve.serve.deployment:build_server_app``: health, metadata, metrics."""
-    return Server.bind()
+    """``neuron_serve.serve.deployment:build_server_app``: health, metadata, metrics.
+
+    ``{"configs": ["a/model.yaml", ...]}`` names the models served beside it, whose
+    bearer token the server app then requires too (as `neuron-serve deploy` does).
+    """
+    from ..config import load_deployment  # noqa: PLC0415
+
+    return server_application([load_deployment(path)[0] for path in (args or {}).get("configs", [])])

@@ -15,9 +15,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from .. import __version__, metrics
+from .. import metrics
+from ..version import __version__
 from ..errors import ModelNotFound, ModelNotReady, NeuronServeError, PayloadTooLarge
-from ..targets.runtime import emulated
+from ..targets.pjrt import emulated
 from ..config import DEFAULT_MAX_REQUEST_BYTES
 from . import auth, dataplane, triton_ext
 from .dataplane import ModelDataPlane

@@ -33,7 +33,6 @@ TORCH_TO_DATATYPE: dict[torch.dtype, str] = {v: k for k, v in DATATYPE_TO_TORCH.
 UNSUPPORTED_DATATYPES = frozenset({"BYTES", "UINT16", "UINT32", "UINT64"})
 
 INTEGER_DATATYPES = frozenset({"UINT8", "INT8", "INT16", "INT32", "INT64"})
-FLOAT_DATATYPES = frozenset({"FP16", "FP32", "FP64", "BF16"})
 
 
 def datatype_itemsize(datatype: str) -> int:

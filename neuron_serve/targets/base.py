@@ -32,9 +32,6 @@ class Target:
 
     @property
     def emulated(self) -> bool:
-        from .runtime import emulated  # noqa: PLC0415
+        from .pjrt import emulated  # noqa: PLC0415
 
         return emulated()
-
-    def describe(self) -> dict:
-        return {"target": self.name, "emulated": self.emulated}

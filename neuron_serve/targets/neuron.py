@@ -26,7 +26,6 @@ class NeuronTarget(Target):
 
     def __init__(self) -> None:
         profile = load_profile()
-        self.revision = profile["revision"]
         self.unsupported_ops = {e["op"]: e["reason"] for e in profile["unsupported_ops"]}
         self.unsupported_dtypes = {_DTYPE_NAMES[e["dtype"]]: e["reason"] for e in profile["unsupported_dtypes"]}
         self.data_dependent_ops = {e["op"] for e in profile["data_dependent_ops"]}

@@ -25,7 +25,7 @@ def free_port() -> int:
 class Server:
     """`neuron-serve deploy` of ``configs`` in its own process group, ready on return."""
 
-    def __init__(self, configs: list[str], tmp: Path, env: dict[str, str] | None = None):
+    def __init__(self, configs: list[str], tmp: Path, env: dict[str, str] | None = None, args: tuple = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.grpc_port = free_port()  # gRPC is on by default; never its fixed 8001 here
@@ -37,7 +37,7 @@ class Server:
         env.update(env_overrides or {})
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "neuron_serve.cli", "deploy", *configs, "--port", str(self.port),
-             "--grpc-port", str(self.grpc_port)],
+             "--grpc-port", str(self.grpc_port), *args],
             cwd=ROOT, env=env, stdout=(log := self.log.open("wb")), stderr=subprocess.STDOUT, start_new_session=True,
         )
         log.close()  # the child holds its own copy
@@ -103,6 +103,7 @@ class Server:
                 self.proc.wait(timeout=90)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()  # reaped, so no "subprocess is still running" warning
         self.kill_leftovers()
 
     def kill_leftovers(self) -> None:

@@ -6,7 +6,6 @@ about 20 ms, so the server's capacity is small and known.
 """
 
 import json
-import statistics
 import struct
 import sys
 import threading
@@ -153,54 +152,16 @@ def test_cpu_subgraph_fault_fails_only_its_request(api, eager):
 def test_request_past_its_timeout_is_504(api):
     answer = api.infer(MODEL, infer_body([[faulty.STALL_MARK] + [0.0] * 7]))
     assert_json_error(answer, 504, f"request timed out after waiting {TIMEOUT_S:g}s")
-    assert TIMEOUT_S <= answer.seconds < TIMEOUT_S + 1.5
+    assert answer.seconds >= TIMEOUT_S  # it waited its deadline (how soon after: bench/overload.py)
     time.sleep(faulty.STALL_S - TIMEOUT_S)  # let the stalled batch finish before the next test
 
 
-# -- overload ---------------------------------------------------------------------------
+# -- overload (latency and memory figures of the same burst: bench/overload.py) ------------
 
 
-def rss_mib(pids):
-    total = 0
-    for pid in pids:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                total += int(line.split()[1])
-    return total / 1024
-
-
-def p50_latency(api, n=30):
-    times = []
-    for i in range(n):
-        answer = api.infer(MODEL, infer_body([[0.001 * i] * 8]))
-        assert answer.status == 200, answer.body
-        times.append(answer.seconds)
-    return statistics.median(times)
-
-
-def throughput(api, seconds=3.0, workers=RUNNING):
-    """Completed requests per second with ``workers`` clients sending back to back."""
-    deadline = time.perf_counter() + seconds
-
-    def loop(_):
-        done = 0
-        while time.perf_counter() < deadline:
-            assert api.infer(MODEL, infer_body([[0.25] * 8])).status == 200
-            done += 1
-        return done
-
-    with ThreadPoolExecutor(workers) as pool:
-        rate = sum(pool.map(loop, range(workers))) / seconds
-    api.close()
-    return rate
-
-
-def test_burst_past_the_queue_bound_gets_503_at_once_then_recovers(api, guarded, eager):
+def test_burst_past_the_queue_bound_gets_503_then_recovers(api, guarded, eager):
     pids = guarded.replica_pids(MODEL)
     assert pids
-    p50_before = p50_latency(api)
-    rate = throughput(api)
-    rss_before = rss_mib(pids)
     capacity = QUEUE + RUNNING  # requests the replica holds at once: queued plus running
     burst = 5 * capacity
     barrier = threading.Barrier(burst)
@@ -210,28 +171,20 @@ def test_burst_past_the_queue_bound_gets_503_at_once_then_recovers(api, guarded,
         barrier.wait()
         return api.infer(MODEL, infer_body(r))
 
-    started = time.perf_counter()
     with ThreadPoolExecutor(burst) as pool:
         answers = list(pool.map(send, rows))
     api.close()
-    burst_s = time.perf_counter() - started
-    rss_after = rss_mib(pids)
     codes = [a.status for a in answers]
     ok = [i for i, c in enumerate(codes) if c == 200]
     refused = [a for a in answers if a.status == 503]
-    p50_after = p50_latency(api)
-    print(f"\noverload: capacity {capacity} requests in flight ({rate:.0f} req/s measured with {RUNNING} clients); "
-          f"burst {burst}: {len(ok)} x 200, {len(refused)} x 503 in {burst_s:.2f}s; "
-          f"slowest 503 {max((a.seconds for a in refused), default=0) * 1000:.0f} ms; "
-          f"replica RSS {rss_before:.0f} -> {rss_after:.0f} MiB; p50 {p50_before * 1000:.1f} -> {p50_after * 1000:.1f} ms")
     assert set(codes) <= {200, 503}, codes
     assert refused and len(ok) >= capacity // 2
     for answer in refused:
         assert_json_error(answer, 503, "queue full")
-        assert answer.seconds < TIMEOUT_S  # refused at once, not after waiting
     for i in ok:  # accepted requests completed with their own results
         torch.testing.assert_close(torch.tensor(outputs(answers[i])), expected(eager, rows[i]),
                                    atol=TOLERANCE, rtol=TOLERANCE)
     assert guarded.replica_pids(MODEL) == pids  # nothing crashed or restarted
-    assert rss_after < rss_before + 256
-    assert p50_after < 2 * p50_before + 0.02
+    after = api.infer(MODEL, infer_body(rows[0]))  # and it serves again
+    assert after.status == 200, after.body
+    torch.testing.assert_close(torch.tensor(outputs(after)), expected(eager, rows[0]), atol=TOLERANCE, rtol=TOLERANCE)

@@ -39,6 +39,9 @@ def http(server, method, path, body=None, headers=None):
         return e.code, e.read()
 
 
+MLP_OUTPUTS = [{"name": "output_0", "datatype": "FP32", "shape": [-1, 10]}]
+
+
 def client(server):
     return triton.InferenceServerClient(server.url.removeprefix("http://"), concurrency=8)
 
@@ -53,6 +56,7 @@ def test_health_and_metadata(server):
     assert c.is_server_live() and c.is_server_ready() and c.is_model_ready("mlp")
     model = c.get_model_metadata("mlp")
     assert model["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 784]}]
+    assert model["outputs"] == MLP_OUTPUTS
     assert [p["device"] for p in model["parameters"]["partitions"]] == ["neuron", "cpu"]
     assert model["parameters"]["cores"] == 2
 
@@ -71,6 +75,7 @@ def test_tritonclient_infer_matches_eager(server, mlp_model, binary):
     out = triton.InferRequestedOutput("output_0", binary_data=binary)
     result = client(server).infer("mlp", [inp], outputs=[out])
     torch.testing.assert_close(torch.from_numpy(result.as_numpy("output_0").copy()), mlp_model(x), atol=TOLERANCE, rtol=TOLERANCE)
+    assert client(server).get_model_metadata("mlp")["outputs"] == MLP_OUTPUTS  # after a request as before
 
 
 def test_encoder_sequence_buckets_over_http(server, encoder_model):

@@ -15,7 +15,7 @@ import torch
 import neuron_serve
 from example_models import encoder
 from neuron_serve.errors import ArtifactError
-from neuron_serve.targets.runtime import versions
+from neuron_serve.targets.pjrt import versions
 from reference_models import MLP
 
 TOLERANCE = 1e-4  # traced vs eager (XLA:CPU reassociates float sums)

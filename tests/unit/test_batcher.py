@@ -87,8 +87,7 @@ def test_lone_item_waits_for_the_delay_then_dispatches():
             return loop.time() - start
 
     elapsed = asyncio.run(main())
-    assert 0.09 <= waits[0] <= elapsed
-    assert elapsed < 1.0  # generous: only proves it did not wait for more company forever
+    assert 0.09 <= waits[0] <= elapsed  # it waited the delay, then ran alone (how soon: bench/overload.py)
 
 
 def test_full_batch_dispatches_without_waiting_the_delay():

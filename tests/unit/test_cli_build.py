@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 
+from neuron_serve.build import build
 from neuron_serve.config import build_model, load_config, load_deployment
 from neuron_serve.errors import ArtifactError, ConfigError
 from neuron_serve.runtime.runner import ModelRunner
@@ -46,7 +47,7 @@ def test_the_artifact_serves_results_equal_to_eager(built):
     tmp, _ = built
     config, base_dir = load_deployment(tmp / "mlp")
     assert base_dir == str((tmp / "mlp").resolve())
-    runner = ModelRunner(config.model_copy(update={"cores_per_replica": 1}), base_dir)  # this process has 1 core
+    runner = ModelRunner(build(config, base_dir), cores=1)  # this process has 1 core
     try:
         eager = build_model(load_config(ROOT / "deployments/mlp.yaml"), ROOT / "deployments")
         requests = [[torch.rand(rows, 784)] for rows in (1, 7, 40)]
@@ -66,7 +67,7 @@ def test_an_artifact_with_other_inputs_than_its_model_yaml_is_refused(built, tmp
     (tmp_path / "model.yaml").write_text(yaml.safe_dump(data))
     config, base_dir = load_deployment(tmp_path / "model.yaml")
     with pytest.raises(ArtifactError, match="was built for inputs .* but this model.yaml declares .*rebuild the artifact"):
-        ModelRunner(config, base_dir)
+        build(config, base_dir)
 
 
 def test_deploy_refuses_a_directory_that_is_no_artifact(tmp_path):
@@ -86,3 +87,18 @@ def test_build_refuses_a_model_yaml_that_names_an_artifact(built):
     tmp, _ = built
     result = _cli("build", str(tmp / "mlp" / "model.yaml"), "-o", str(tmp / "again"), cache=tmp / "cache")
     assert result.returncode == 2 and "already names an artifact" in result.stderr
+
+
+def test_an_artifact_built_for_other_shapes_is_refused_with_both_listed(built, tmp_path):
+    tmp, _ = built
+    data = yaml.safe_load((tmp / "mlp" / "model.yaml").read_text())
+    data["model"] = {"artifact": str(tmp / "mlp")}
+    data["inputs"][0]["shape"] = [1, 100]
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(data))
+    config, base_dir = load_deployment(tmp_path / "model.yaml")
+    with pytest.raises(ArtifactError) as refused:
+        build(config, base_dir)
+    assert str(refused.value) == (
+        f"model.artifact: {tmp / 'mlp'} was built for inputs [([-1, 784], 'torch.float32')] (-1: any size), but "
+        f"this model.yaml declares [('x', [1, 100], 'float32')]; rebuild the artifact from this model.yaml."
+    )

@@ -3,7 +3,6 @@
 import json
 import logging
 
-import pytest
 import torch
 
 import neuron_serve
@@ -11,16 +10,6 @@ from neuron_serve.analyze import placement
 from neuron_serve.compile import cache as compile_cache
 from neuron_serve.progress import BuildProgress, reporting
 from reference_models import MLP
-
-
-@pytest.fixture
-def fresh_cache(tmp_path):
-    """A cache in tmp_path, and a new support oracle (as in a newly started process)."""
-    store = compile_cache.configure(tmp_path / "cache")
-    placement._ORACLES.clear()
-    yield store
-    placement._ORACLES.clear()
-    compile_cache.configure()
 
 
 def _start(model, x):

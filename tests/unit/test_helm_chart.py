@@ -536,6 +536,7 @@ def test_rayservice_serves_the_same_model_yaml_with_ray_serve():
     assert apps["mlp"]["route_prefix"] == "/v2/models/mlp"
     assert apps["mlp"]["args"] == {"config": "/etc/neuron-serve/model.yaml"}
     assert apps["neuron-serve"]["route_prefix"] == "/"
+    assert apps["neuron-serve"]["args"] == {"configs": ["/etc/neuron-serve/model.yaml"]}  # its token too
     for app in apps.values():
         assert re.fullmatch(r"neuron_serve(\.\w+)+:\w+", app["import_path"])
     cluster = spec["rayClusterConfig"]

@@ -18,11 +18,11 @@ import yaml
 
 import neuron_serve
 from neuron_serve.analyze.capture import capture
-from neuron_serve.analyze.explain import explain
-from neuron_serve.analyze.html import render
+from neuron_serve.report.explain import explain
+from neuron_serve.report.html import render
 from neuron_serve.analyze.placement import analyze_graph
-from neuron_serve.analyze.profile import profile
-from neuron_serve.analyze.suggest import suggest
+from neuron_serve.report.profile import profile
+from neuron_serve.report.suggest import suggest
 from neuron_serve.targets import get_target
 from reference_models import MLP, SandwichMLP, line_of
 

@@ -105,3 +105,27 @@ def test_without_partitioner_config_unsupported_ops_are_listed_with_call_sites()
         "neuronx-cc does not support sort\n"
         "Pass partitioner_config=neuron_serve.PartitionerConfig() to run them on CPU."
     )
+
+
+def test_every_broken_rule_is_found_and_trace_raises_the_first():
+    from neuron_serve.analyze.capture import capture
+    from neuron_serve.analyze.placement import analyze_graph
+    from neuron_serve.api import placement
+    from neuron_serve.partition.plan import plan_partitions, rule_violations
+    from neuron_serve.targets import get_target
+
+    model, x = MLP(layers=[64, 32]).eval(), torch.rand(8, 784)
+    config = neuron_serve.PartitionerConfig(model_support_percentage_threshold=0.9, max_subgraph_count=1,
+                                            min_subgraph_size=2)
+    captured = capture(model, x)
+    placed = placement(analyze_graph(captured, get_target("neuron")))
+    plan = plan_partitions(captured.gm, placed, neuron_serve.PartitionerConfig(model_support_percentage_threshold=0))
+    found = rule_violations(placed, plan.partitions, config)
+    assert [(v.rule, v.subgraphs) for v in found] == [
+        ("model_support_percentage_threshold", []), ("max_subgraph_count", [1, 2]), ("min_subgraph_size", [2])]
+    assert found[1].message == "The partitioner has found 2 subgraphs which exceeds the specified max subgraph count of 1."
+    with pytest.raises(ValueError) as info:
+        neuron_serve.trace(model, x, partitioner_config=config)
+    assert str(info.value) == found[0].message == (
+        "The partitioner has found 85.71% of arithmetic operations (6 of 7) supported which is below the specified "
+        "model support percentage threshold of 90.00%.")

@@ -10,6 +10,7 @@ import functools
 import glob
 import logging
 import os
+from typing import Any
 
 logger = logging.getLogger("neuron_serve")
 
@@ -43,11 +44,21 @@ def xla():
     return torch_xla
 
 
+def use_device(device: Any) -> None:
+    """Make ``device`` this thread's default XLA device.
+
+    torch-xla replays a cached executable on the calling thread's default device, so
+    each core is driven from its own thread with its own default; without this, a
+    subgraph loaded on xla:1 would run against xla:0.
+    """
+    xla()._XLAC._xla_set_default_device(str(device))
+
+
 def versions() -> dict[str, str]:
     """Versions that decide compiled results; part of every cache key and report."""
     import torch  # noqa: PLC0415
 
-    from .. import __version__  # noqa: PLC0415
+    from ..version import __version__  # noqa: PLC0415
 
     return {
         "torch_version": torch.__version__,

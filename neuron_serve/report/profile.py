@@ -18,31 +18,31 @@ import torch.fx
 
 from ..api import trace
 from ..compile.subgraph import CompiledSubgraph
+from ..model import graph
 from ..partition.config import PartitionerConfig
-from .capture import as_args
+from ..analyze.capture import as_args
 from .explain import quiet_planner, relaxed
 
 DEFAULT_RUNS = 5
 _PHASES = ("to_device_s", "compute_s", "to_cpu_s")
 
 
-class _TimedInterpreter(torch.fx.Interpreter):
-    """Runs the split graph, recording each submodule's phases."""
+def _timed_stages(gm: torch.fx.GraphModule, flat: list) -> dict[str, dict[str, float]]:
+    """Run the split graph once with the model's interpreter, timing each submodule's phases."""
+    times: dict[str, dict[str, float]] = {}
 
-    def __init__(self, gm: torch.fx.GraphModule) -> None:
-        super().__init__(gm)
-        self.times: dict[str, dict[str, float]] = {}
-
-    def call_module(self, target: str, args: tuple, kwargs: dict) -> Any:
-        sub = self.fetch_attr(target)
+    def timed(name: str, args: tuple) -> Any:
+        sub = gm.get_submodule(name)
         if isinstance(sub, CompiledSubgraph):
-            out, phases = sub.timed(*args)
+            out, times[name] = sub.timed(*args)
         else:
             started = time.perf_counter()
-            out = super().call_module(target, args, kwargs)
-            phases = {"compute_s": time.perf_counter() - started}
-        self.times[target] = phases
+            out = sub(*args)
+            times[name] = {"compute_s": time.perf_counter() - started}
         return out
+
+    graph.run(gm, flat, timed)
+    return times
 
 
 def _ms(samples: list[float]) -> float:
@@ -59,18 +59,16 @@ def profile(model: Callable, example_inputs: Any, config: PartitionerConfig, *, 
     """
     with quiet_planner():
         traced = trace(model, as_args(example_inputs), partitioner_config=relaxed(config), target=target)
-    gm = traced.graph_module
-    flat = traced.flatten(as_args(example_inputs), {})
+    gm = traced.first.graph_module
+    flat = traced.first.flatten(as_args(example_inputs), {})
     with torch.no_grad():
-        gm(*flat)  # warm-up: first calls allocate and load
+        traced.first.run_flat(flat)  # warm-up: first calls allocate and load
         totals, samples = [], {p.name: {k: [] for k in _PHASES} for p in traced.partitions}
         for _ in range(runs):
             started = time.perf_counter()
-            gm(*flat)
+            traced.first.run_flat(flat)
             totals.append(time.perf_counter() - started)
-            interpreter = _TimedInterpreter(gm)
-            interpreter.run(*flat)
-            for name, phases in interpreter.times.items():
+            for name, phases in _timed_stages(gm, flat).items():
                 for key, value in phases.items():
                     samples[name][key].append(value)
     subgraphs = []

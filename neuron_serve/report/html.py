@@ -255,7 +255,7 @@ def _profile(data: dict) -> str:
 
 
 def render(data: dict) -> str:
-    """The whole page for :func:`neuron_serve.analyze.explain.explain`'s data."""
+    """The whole page for :func:`neuron_serve.report.explain.explain`'s data."""
     fills = "".join(f".cat-{k} rect{{fill:{c['fill']}}}" for k, c in data["categories"].items())
     payload = json.dumps(data).replace("</", "<\\/")
     title = f"Partition report: {data['model']}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import operator
 from typing import Any, Iterator
@@ -20,12 +21,12 @@ from typing import Any, Iterator
 import torch
 import torch.fx
 
-from ..errors import PartitionError
-from ..partition.config import NO_LIMIT, PartitionerConfig
-from ..partition.plan import REASON_FORCED, REASON_UNSUPPORTED, PartitionPlan, check_threshold, plan_partitions
-from .capture import CapturedGraph, is_compute_node
-from .placement import GraphAnalysis
-from .report import build_report
+from ..api import placement
+from ..partition.config import PartitionerConfig
+from ..partition.plan import REASON_FORCED, REASON_UNSUPPORTED, PartitionPlan, plan_partitions, rule_violations
+from ..analyze.capture import CapturedGraph, is_compute_node
+from ..analyze.placement import GraphAnalysis
+from ..analyze.report import build_report
 
 ACCELERATOR = "accelerator"
 CPU_UNSUPPORTED = "cpu-unsupported"
@@ -61,35 +62,7 @@ def relaxed(config: PartitionerConfig) -> PartitionerConfig:
 def plan_on_copy(captured: CapturedGraph, analysis: GraphAnalysis, config: PartitionerConfig) -> PartitionPlan:
     """Plan ``config``'s placement on a copy of the graph; no compile, weights shared."""
     gm = torch.fx.GraphModule(captured.gm, copy.deepcopy(captured.gm.graph))
-    return plan_partitions(gm, analysis, relaxed(config))
-
-
-def rule_violations(analysis: GraphAnalysis, plan: PartitionPlan, config: PartitionerConfig) -> list[dict]:
-    """Each rule of ``config`` the plan breaks, with the planner's own message."""
-    found = []
-    try:
-        check_threshold(analysis, config)
-    except PartitionError as exc:
-        found.append({"rule": "model_support_percentage_threshold", "subgraphs": [], "message": str(exc)})
-    parts = plan.partitions
-    if config.max_subgraph_count != NO_LIMIT and len(parts) > config.max_subgraph_count:
-        found.append({
-            "rule": "max_subgraph_count",
-            "subgraphs": [p.index for p in parts],
-            "message": f"The partitioner has found {len(parts)} subgraphs which exceeds the specified max "
-                       f"subgraph count of {config.max_subgraph_count}.",
-        })
-    if config.min_subgraph_size != NO_LIMIT:
-        for p in parts:
-            if p.size < config.min_subgraph_size:
-                found.append({
-                    "rule": "min_subgraph_size",
-                    "subgraphs": [p.index],
-                    "message": f"The partitioner has found a subgraph of size {p.size} (Partition #{p.index} for "
-                               f"device: {p.device_label}) which is below the specified min subgraph size of "
-                               f"{config.min_subgraph_size}.",
-                })
-    return found
+    return plan_partitions(gm, placement(analysis), relaxed(config))
 
 
 def _members(plan: PartitionPlan) -> dict[str, int]:
@@ -243,7 +216,7 @@ def explain(captured: CapturedGraph, analysis: GraphAnalysis, config: Partitione
     """
     effective = config or PartitionerConfig()
     plan = plan_on_copy(captured, analysis, effective)
-    violations = rule_violations(analysis, plan, effective)
+    violations = [dataclasses.asdict(v) for v in rule_violations(placement(analysis), plan.partitions, effective)]
     if config is None and analysis.unsupported():
         violations.insert(0, {
             "rule": "partitioner", "subgraphs": [],

@@ -10,10 +10,10 @@ import torch
 
 from ..config import ModelConfig
 from ..partition.config import PartitionerConfig
-from .capture import CapturedGraph
+from ..analyze.capture import CapturedGraph
 from .explain import explain, quiet_planner
 from .html import render
-from .placement import GraphAnalysis
+from ..analyze.placement import GraphAnalysis
 from .profile import profile
 from .suggest import suggest
 

@@ -1,57 +1,88 @@
-"""TracedModule: the partitioned, compiled model that trace() returns."""
+"""One bucket of a compiled model: the partitioned graph compiled at one input shape."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from . import batching
-from .errors import InvalidInput
-from .partition.plan import Partition
+from .. import batching
+from ..errors import InvalidInput
+from . import graph
+
+Shape = tuple[int, ...]
 
 
-class TracedModule(torch.nn.Module):
+@dataclass
+class Partition:
+    """One subgraph of the top graph, as the planner made it."""
+
+    index: int  # 1-based, in execution order, as the log numbers them
+    name: str  # submodule name in the split graph
+    device: str  # the target's name, or "cpu"
+    device_label: str  # "Device.NEURON" / "Device.CPU"
+    op_counts: dict[str, int]
+
+    @property
+    def size(self) -> int:
+        return sum(self.op_counts.values())
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.device == "cpu"
+
+    def describe(self) -> dict:
+        return {"index": self.index, "device": self.device, "op_counts": dict(self.op_counts), "size": self.size}
+
+
+def leading_dim(shapes: list[torch.Size | None]) -> int:
+    """Rows per call of a graph traced on ``shapes``: dim 0 of its first tensor input (1 for scalars)."""
+    for shape in shapes:
+        if shape is not None:
+            return shape[0] if len(shape) else 1
+    return 1
+
+
+class Bucket(torch.nn.Module):
     """Runs accelerator subgraphs compiled through torch-xla and CPU subgraphs in torch.
 
-    Called like the original model with CPU tensors; returns CPU tensors in the
-    original output structure. ``partitions`` lists each subgraph with its device and
-    operator counts; ``report`` is the analyze report of the model.
+    Called with the flattened inputs' structure it was traced with (CPU tensors);
+    returns CPU tensors in the original output structure.
     """
 
     def __init__(
         self,
-        graph: torch.fx.GraphModule,
+        graph_module: torch.fx.GraphModule,
         *,
         in_spec: pytree.TreeSpec,
         out_spec: pytree.TreeSpec,
         input_shapes: list[tuple[torch.Size | None, torch.dtype | None]],
         output_shapes: list[torch.Size | None],
+        output_dtypes: list[torch.dtype | None] | None = None,
         partitions: list[Partition],
         report: dict,
         target: str,
+        stage_inputs: dict[str, list[tuple[Shape, torch.dtype] | None]] | None = None,
+        batch_size: int | None = None,
     ) -> None:
         super().__init__()
-        self.graph_module = graph
+        self.graph_module = graph_module
         self.in_spec = in_spec
         self.out_spec = out_spec
         self.input_shapes = input_shapes
         self.output_shapes = output_shapes
-        self.dynamic_batch_enabled = False
-        self.batch_size: int | None = None
-        # How dynamic-batch chunks are run; the serving runtime spreads them over cores.
-        self.map_chunks = None
+        self.output_dtypes = output_dtypes or [None] * len(output_shapes)
         self.partitions = partitions
         self.report = report
         self.target = target
         # (shape, dtype) of each partition's inputs at trace time; save() re-exports with them.
-        self.stage_inputs: dict[str, list[tuple[tuple[int, ...], torch.dtype] | None]] = {}
-
-    @property
-    def partition_devices(self) -> list[str]:
-        return [p.device for p in self.partitions]
+        self.stage_inputs = stage_inputs or {}
+        # Rows one compiled call takes: the chunk size of dynamic batching and of serving.
+        self.batch_size = batch_size if batch_size is not None else leading_dim([s for s, _ in input_shapes])
+        self.dynamic_batch_enabled = False
 
     def flatten(self, args: tuple, kwargs: dict) -> list[Any]:
         flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
@@ -76,11 +107,11 @@ class TracedModule(torch.nn.Module):
         flat = self.flatten(args, kwargs)
         if self.dynamic_batch_enabled:
             shapes = [shape for shape, _ in self.input_shapes]
-            return batching.run_dynamic(self.run_flat, flat, shapes, self.batch_size, self.map_chunks)
+            return batching.run_dynamic(self.run_flat, flat, shapes, self.batch_size)
         self.check_shapes(flat)
         return self.run_flat(flat)
 
     def run_flat(self, flat: list[Any]) -> Any:
         with torch.no_grad():
-            outputs = self.graph_module(*flat)
-        return pytree.tree_unflatten(list(outputs), self.out_spec)
+            outputs = graph.run(self.graph_module, flat, graph.call_submodule(self.graph_module))
+        return pytree.tree_unflatten(outputs, self.out_spec)

@@ -1,0 +1,160 @@
+"""CompiledModel: what every producer returns and every consumer takes.
+
+``trace`` (one bucket), ``trace_buckets``, ``bucket_model_trace`` and ``load`` return
+it; ``save``, ``dynamic_batch``, the runtime and the server take it. It carries all a
+consumer needs to know about what was compiled: its buckets (each with the batch size
+it was compiled for), the bucket kernel that picks one per call (a
+:class:`~neuron_serve.bucketing.BucketSpec`'s, or the user's, plain or
+``torch.jit.script``), whether dynamic batching is on, and its input/output
+signature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .. import batching
+from ..bucketing import BucketSpec
+from ..errors import InvalidInput
+from .bucket import Bucket, Partition
+from .signature import Signature, TensorSig, merge_shapes, output_names
+
+
+@dataclass
+class BuildInfo:
+    """How the model was built, for logs and metrics (set by ``build``)."""
+
+    seconds: float = 0.0
+    cache_hits: dict[str, int] = field(default_factory=dict)
+    artifact: str | None = None
+
+
+class CompiledModel(torch.nn.Module):
+    """A partitioned, compiled model: one or more buckets and the kernel choosing between them.
+
+    Called like the original model with CPU tensors; returns CPU tensors in the
+    original output structure. Without a kernel there is one bucket, called directly.
+    """
+
+    def __init__(
+        self,
+        buckets: Sequence[Bucket],
+        *,
+        kernel: Callable | None = None,
+        spec: BucketSpec | None = None,
+        state: list[torch.Tensor] | None = None,
+        state_preprocessor: Callable | None = None,
+        input_names: Sequence[str] | None = None,
+        output_names: Sequence[str] | None = None,
+        num_inputs: int | None = None,
+    ) -> None:
+        super().__init__()
+        if not buckets:
+            raise ValueError("a compiled model needs at least one bucket")
+        self.buckets = torch.nn.ModuleList(buckets)
+        self.spec = spec
+        self.kernel = spec.kernel if spec is not None and kernel is None else kernel
+        self.state = state
+        self.state_preprocessor = state_preprocessor
+        tensors = [i for i, (shape, _) in enumerate(self.buckets[0].input_shapes) if shape is not None]
+        # The tensor inputs the caller passes (a shared state buffer adds others after them).
+        self._tensor_inputs = tensors[:num_inputs] if num_inputs is not None else tensors
+        self.num_inputs = len(self._tensor_inputs)
+        self.input_names = list(input_names) if input_names else [f"input_{i}" for i in range(self.num_inputs)]
+        self.output_names = list(output_names) if output_names else _output_names(self.buckets[0])
+        self.build_info = BuildInfo()
+
+    # -- what was compiled ------------------------------------------------------------
+
+    @property
+    def first(self) -> Bucket:
+        return self.buckets[0]
+
+    @property
+    def partitions(self) -> list[Partition] | list[list[Partition]]:
+        """A single bucket's partitions; with several buckets, one list per bucket."""
+        if self.kernel is None:
+            return self.first.partitions
+        return [b.partitions for b in self.buckets]
+
+    @property
+    def partition_devices(self) -> list[str]:
+        """The device of each partition, in execution order (of the first bucket)."""
+        return [p.device for p in self.first.partitions]
+
+    @property
+    def report(self) -> dict:
+        return self.first.report
+
+    @property
+    def target(self) -> str:
+        return self.first.target
+
+    @property
+    def dynamic_batch_enabled(self) -> bool:
+        return all(b.dynamic_batch_enabled for b in self.buckets)
+
+    def signature(self) -> Signature:
+        """Names, shapes (-1 where a dim varies: batch, bucketed dims) and dtypes."""
+        dynamic_batch = [0] if self.dynamic_batch_enabled else []
+        inputs = []
+        for i, name in zip(self._tensor_inputs, self.input_names):
+            shapes = [b.input_shapes[i][0] for b in self.buckets]
+            dims = dynamic_batch + (self.spec.inputs.get(i, []) if self.spec is not None else [])
+            inputs.append(TensorSig(name, merge_shapes(shapes, dims), self.first.input_shapes[i][1]))
+        outputs = []
+        for i, name in enumerate(self.output_names):
+            shapes = [b.output_shapes[i] for b in self.buckets]
+            dims = dynamic_batch + (self.spec.outputs.get(i, []) if self.spec is not None else [])
+            if None in shapes:  # not a tensor
+                continue
+            outputs.append(TensorSig(name, merge_shapes(shapes, dims), self.first.output_dtypes[i] or torch.float32))
+        return Signature(tuple(inputs), tuple(outputs))
+
+    def max_row_elements(self) -> int:
+        """The most elements one row of any input can hold (in the largest bucket)."""
+        return max(
+            int(torch.Size(shape[1:]).numel()) for b in self.buckets for shape, _ in b.input_shapes if shape is not None
+        )
+
+    # -- running ----------------------------------------------------------------------
+
+    def place(self, inputs: Sequence[torch.Tensor]) -> tuple[int, list[torch.Tensor]]:
+        """The bucket that runs rows ``inputs`` and the inputs it takes (padded, plus any shared state).
+
+        Raises InvalidInput when the inputs do not fit that bucket in any dim but dim 0
+        (the rows, which the runtime chunks by the bucket's batch size).
+        """
+        if self.kernel is None:
+            batching.check_batch(list(inputs), [shape for shape, _ in self.first.input_shapes])
+            return 0, list(inputs)
+        padded, index = self.kernel(list(inputs))
+        bucket = int(index)
+        if not 0 <= bucket < len(self.buckets):
+            raise InvalidInput(f"the bucket kernel chose bucket {bucket}, but there are {len(self.buckets)}.")
+        padded = list(padded)
+        if self.state is not None:
+            shapes = [list(t.shape) for t in padded]
+            extra = self.state_preprocessor(shapes, self.state, index) if self.state_preprocessor else self.state
+            padded += list(extra)
+        batching.check_batch(padded, [shape for shape, _ in self.buckets[bucket].input_shapes])
+        return bucket, padded
+
+    def unpad(self, outputs: Any, inputs: Sequence[torch.Tensor]) -> Any:
+        """Cut the outputs of a padded call back to the request's sizes (declared buckets only)."""
+        if self.spec is None:
+            return outputs
+        return self.spec.unpad(outputs, self.spec.request_sizes(inputs))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.kernel is None:
+            return self.first(*args, **kwargs)
+        bucket, padded = self.place(args)
+        return self.unpad(self.buckets[bucket](*padded), args)
+
+
+def _output_names(bucket: Bucket) -> list[str]:
+    return output_names(bucket.out_spec)

@@ -1,0 +1,33 @@
+"""A small built model (an accelerator subgraph, then a CPU one), shared by the runtime tests."""
+
+from pathlib import Path
+
+import pytest
+
+from neuron_serve.build import build
+from neuron_serve.config import build_model, parse_config
+
+HERE = Path(__file__).resolve().parent
+TRACE_BATCH = 4
+CONFIG = {
+    "name": "scores", "model": {"factory": "scores_model:build"}, "inputs": [{"name": "x", "shape": [TRACE_BATCH, 8]}],
+    "outputs": ["scores"], "partitioner": {"model_support_percentage_threshold": 0.5}, "dynamic_batch": True,
+    "batching": {"max_batch_size": 16, "max_queue_delay_ms": 1},
+}
+
+
+@pytest.fixture(scope="session")
+def config():
+    return parse_config(CONFIG)
+
+
+@pytest.fixture(scope="session")
+def eager(config):
+    """The same model (same seed), uncompiled."""
+    return build_model(config, HERE)
+
+
+@pytest.fixture(scope="session")
+def built(config):
+    """The model as a replica builds it: through neuron_serve.build from its model.yaml."""
+    return build(config, HERE)

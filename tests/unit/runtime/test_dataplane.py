@@ -1,0 +1,74 @@
+"""ModelDataPlane over a built model, with no Ray and no HTTP server: metadata and inference."""
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from neuron_serve import metrics
+from neuron_serve.errors import InvalidInput
+from neuron_serve.serve.dataplane import ModelDataPlane
+
+TOLERANCE = 1e-5
+
+INPUTS = [{"name": "x", "datatype": "FP32", "shape": [-1, 8]}]
+OUTPUTS = [{"name": "scores", "datatype": "FP32", "shape": [-1, 4]}]
+
+
+def body(x: torch.Tensor) -> bytes:
+    return json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": list(x.shape),
+                                   "data": x.flatten().tolist()}]}).encode()
+
+
+async def serve(config, built, calls):
+    """Start a data plane, run ``calls(plane)``, stop it; returns what the calls returned."""
+    plane = ModelDataPlane(config, built, replica="test")
+    plane.start()
+    try:
+        return await calls(plane)
+    finally:
+        await plane.stop()
+
+
+def test_metadata_gives_the_compiled_signature_before_and_after_requests(config, built, eager):
+    async def calls(plane):
+        before = plane.metadata()
+        x = torch.rand(6, 8)
+        content, _ = await plane.infer(body(x), {})
+        return before, plane.metadata(), x, json.loads(content)
+
+    before, after, x, response = asyncio.run(serve(config, built, calls))
+    assert before["inputs"] == after["inputs"] == INPUTS
+    assert before["outputs"] == after["outputs"] == OUTPUTS
+    assert before["parameters"]["cores"] == 1
+    [out] = response["outputs"]
+    assert out["name"] == "scores" and out["shape"] == [6, 4]
+    torch.testing.assert_close(torch.tensor(out["data"]).reshape(6, 4), eager(x), atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def test_a_request_of_the_wrong_shape_is_refused_and_the_plane_keeps_serving(config, built, eager):
+    async def calls(plane):
+        with pytest.raises(InvalidInput, match=r"input 'x' .*shape \[2, 5\].*expected \[-1, 8\]"):
+            await plane.infer(body(torch.rand(2, 5)), {})
+        x = torch.rand(1, 8)
+        content, _ = await plane.infer(body(x), {})
+        return x, json.loads(content)
+
+    x, response = asyncio.run(serve(config, built, calls))
+    out = torch.tensor(response["outputs"][0]["data"]).reshape(1, 4)
+    torch.testing.assert_close(out, eager(x), atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def test_more_rows_than_max_batch_size_are_refused_before_decoding(config, built):
+    async def calls(plane):
+        with pytest.raises(InvalidInput, match=r"shape \[17, 8\] has more than max_elements=128 elements"):
+            await plane.infer(body(torch.rand(17, 8)), {})
+
+    asyncio.run(serve(config, built, calls))
+
+
+def test_build_time_and_cache_hits_reach_the_metrics(config, built):
+    asyncio.run(serve(config, built, lambda plane: asyncio.sleep(0)))
+    count = metrics.COMPILE_TIME.labels(model="scores", replica="test")._sum.get()
+    assert count >= built.build_info.seconds > 0

@@ -1,0 +1,83 @@
+"""Imports run one way: the runtime and the server never load the compiler; the report is a leaf."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "neuron_serve"
+COMPILER = ("neuron_serve.api", "neuron_serve.build", "neuron_serve.artifact", "neuron_serve.analyze",
+            "neuron_serve.partition.plan", "neuron_serve.compile", "neuron_serve.report")
+
+# module (or package) -> what it must not import
+RULES = {
+    "neuron_serve.model": COMPILER + ("neuron_serve.runtime", "neuron_serve.serve"),
+    "neuron_serve.runtime": COMPILER + ("neuron_serve.serve",),
+    "neuron_serve.serve.dataplane": COMPILER,
+    "neuron_serve.serve.http": COMPILER,
+    "neuron_serve.targets": COMPILER + ("neuron_serve.runtime", "neuron_serve.serve"),
+    "neuron_serve.analyze": ("neuron_serve.api", "neuron_serve.build", "neuron_serve.partition",
+                             "neuron_serve.report", "neuron_serve.runtime", "neuron_serve.serve"),
+    "neuron_serve.partition": ("neuron_serve.analyze", "neuron_serve.api", "neuron_serve.report"),
+    "neuron_serve.compile": ("neuron_serve.analyze", "neuron_serve.partition", "neuron_serve.api",
+                             "neuron_serve.report"),
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, absolute, including imports inside functions."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+@pytest.mark.parametrize("scope", sorted(RULES))
+def test_modules_import_only_downward(scope):
+    broken = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = _module_name(path)
+        if not _under(name, scope):
+            continue
+        for imported in _imports(path):
+            for forbidden in RULES[scope]:
+                if _under(imported, forbidden) and not _under(name, forbidden):
+                    broken.append(f"{name} imports {imported}")
+    assert broken == []
+
+
+def test_nothing_but_the_cli_imports_the_report():
+    importers = sorted({
+        _module_name(path) for path in PACKAGE.rglob("*.py")
+        if not _under(_module_name(path), "neuron_serve.report")
+        and any(_under(i, "neuron_serve.report") for i in _imports(path))
+    })
+    assert importers == ["neuron_serve.cli"]
+
+
+def test_serving_a_built_model_loads_no_compiler_module():
+    code = ("import sys, neuron_serve.serve.http, neuron_serve.serve.dataplane, neuron_serve.runtime.runner; "
+            "print(sorted(m for m in sys.modules if m.startswith('neuron_serve')))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert [m for m in eval(loaded) if any(_under(m, c) for c in COMPILER)] == []
