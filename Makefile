@@ -13,7 +13,7 @@ KSERVE_VENV  := .venv-kserve
 KSERVE_STAMP := $(KSERVE_VENV)/.installed
 KSERVE_REQS  := tests/integration/kserve-requirements.txt
 
-.PHONY: install serve analyze test kserve-client bench bench-quick
+.PHONY: install serve analyze test kserve-client bench bench-quick soak
 
 # Serving needs only the base dependencies; the tests add their own extra.
 $(STAMP): pyproject.toml
@@ -56,3 +56,7 @@ bench: $(VENV)/.bench
 
 bench-quick: $(VENV)/.bench
 	$(BIN)/python -m bench --quick
+
+# 10 minutes at 80% of the measured capacity, valid and invalid requests mixed; not part of `make test`.
+soak: $(VENV)/.bench
+	$(BIN)/python -m bench.soak

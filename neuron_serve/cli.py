@@ -7,9 +7,7 @@ import copy
 import json
 import logging
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 
 from .analyze.capture import capture
@@ -80,7 +78,7 @@ def _deploy(args: argparse.Namespace) -> int:
 
     # Before Ray is imported: Ray Serve reads its ingress settings at import.
     chosen = ingress.configure(args.ingress)
-    from .serve import auth, deployment  # noqa: PLC0415 - Ray is only needed to serve
+    from .serve import auth, deployment, failure, lifecycle  # noqa: PLC0415 - Ray is only needed to serve
 
     configs = [load_deployment(path) for path in args.configs]
     for config, _ in configs:
@@ -91,29 +89,39 @@ def _deploy(args: argparse.Namespace) -> int:
         return 2
     host = args.host or configs[0][0].http.host
     port = args.port or configs[0][0].http.port
-    started_here = deployment.connect(args.address)
     if args.no_grpc and args.grpc_port:
         print("error: --no-grpc and --grpc-port contradict each other; give one", file=sys.stderr)
         return 2
     grpc = None if args.no_grpc else deployment.grpc_options([c for c, _ in configs], host, args.grpc_port)
-    states = deployment.deploy(configs, host, port, grpc=grpc)
+    started_here = deployment.connect(args.address)
+    life = lifecycle.Lifecycle(deployment, drain_s=deployment.DRAIN_S)
+    if started_here:
+        life.install()  # from here on a signal stops the start-up too
+    try:
+        states = deployment.deploy(configs, host, port, grpc=grpc)
+    except lifecycle.Interrupted as exc:
+        return life.shutdown(f"{exc} while starting")
+    codes = []
     for name, state in states.items():
-        print(f"{name}: {state}", file=sys.stderr)
-    if any(s != "ready" for s in states.values()):
+        if state == "ready":
+            print(f"{name}: ready", file=sys.stderr)
+        elif state.startswith("failed: "):
+            error = state.removeprefix("failed: ")
+            print(f"error: model {name!r} failed to start: {error}", file=sys.stderr)
+            codes.append(failure.exit_code(error))
+        else:
+            print(f"error: model {name!r} is not ready: {state}", file=sys.stderr)
+            codes.append(1)
+    if codes:
         deployment.shutdown(names if not started_here else None)
-        return 1
+        return max(codes)
     if grpc:
         print(f"gRPC (OIP v2) on {grpc['host']}:{grpc['port']}", file=sys.stderr)
     print(f"serving {', '.join(names)} on http://{host}:{port}/v2 (metrics: /metrics; ingress: {chosen}; "
           f"Ray at {deployment.ray_address()})", file=sys.stderr, flush=True)
     if started_here:
-        # This process owns the Ray instance: serve until interrupted, then drain.
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
-        stop.wait()
-        print("shutting down: draining in-flight requests", file=sys.stderr, flush=True)
-        deployment.shutdown()
+        # This process owns the Ray instance: serve until stopped, then drain.
+        return life.serve_forever()
     return 0
 
 

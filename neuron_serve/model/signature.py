@@ -47,8 +47,7 @@ def merge_shapes(shapes: Sequence[Sequence[int]], dynamic_dims: Sequence[int] = 
 
 def output_names(out_spec: pytree.TreeSpec, configured: Sequence[str] | None = None) -> list[str]:
     """Names of the flattened outputs: ``configured``, else the model's own keys."""
-    structure = pytree.tree_unflatten(list(range(out_spec.num_leaves)), out_spec)
-    paths = [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(structure)[0]]
+    paths = list(_leaf_paths(out_spec))
     if configured is not None:
         if len(configured) != len(paths):
             raise ConfigError(f"outputs: the model has {len(paths)} outputs {paths}, but {len(configured)} names are given.")
@@ -58,3 +57,24 @@ def output_names(out_spec: pytree.TreeSpec, configured: Sequence[str] | None = N
         name = path.strip(".[]'\"").replace("'][", ".").replace("][", ".")
         names.append(name if name and not name.isdigit() else f"output_{i}")
     return names
+
+
+def _leaf_paths(spec: pytree.TreeSpec, prefix: str = ""):
+    """The key path of every leaf, read from the spec alone.
+
+    Unflattening placeholders into the spec would build the output types themselves,
+    and some cannot hold placeholders (transformers' DynamicCache calls methods on
+    its tensors), so the keys come from each node's context: its keys where it has
+    one per child (dicts, ModelOutput), else the child's position.
+    """
+    if spec.is_leaf():
+        yield prefix
+        return
+    children = spec.children_specs
+    context = spec.context
+    keyed = isinstance(context, (list, tuple)) and len(context) == len(children) and all(
+        isinstance(k, str) for k in context
+    )
+    for i, child in enumerate(children):
+        key = f"['{context[i]}']" if keyed else f"[{i}]"
+        yield from _leaf_paths(child, prefix + key)

@@ -12,12 +12,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import ray
 from ray import serve
+from ray._private import ray_constants
+from ray.experimental import internal_kv
 
 from .. import metrics
 from ..compile.cache import CACHE_ENV
@@ -25,7 +28,7 @@ from ..config import ModelConfig, parse_config
 from ..targets.pjrt import neuron_devices_present
 from ..errors import ConfigError
 from .dataplane import ModelDataPlane
-from . import auth, dataplane, grpc_service
+from . import auth, dataplane, failure, grpc_service, ingress
 from .http import model_app, server_app
 
 logger = logging.getLogger("neuron_serve")
@@ -33,12 +36,20 @@ logger = logging.getLogger("neuron_serve")
 SERVER_APP = "neuron-serve"
 NEURON_CORES = "neuron_cores"  # the Ray resource each replica asks for on Neuron clusters
 STATUS_TTL_S = 1.0
+HAPROXY_ADMIN_KEY = "haproxy-admin-socket"
+# How long a stopping replica waits for the requests it holds (Serve's graceful shutdown).
+DRAIN_S = 30
 ONGOING_PER_CAPACITY = 8
 
 _MODEL_API = model_app()
 
 
-@serve.deployment(name="model", graceful_shutdown_timeout_s=30, health_check_period_s=5)
+# max_constructor_retry_count=1: building is deterministic (the same model.yaml, the same
+# compiler), so a replica that cannot be built fails the deployment at once with its
+# error instead of Serve rebuilding it again and again. Replicas that die after the
+# deployment has started are still restarted.
+@serve.deployment(name="model", graceful_shutdown_timeout_s=DRAIN_S, health_check_period_s=5,
+                  max_constructor_retry_count=1)
 @serve.ingress(_MODEL_API)
 class ModelServer:
     """One replica of one model: builds it on construction, then serves OIP v2.
@@ -214,9 +225,19 @@ def deploy(configs: list[tuple[ModelConfig, str | None]], host: str, port: int, 
     where); wait until all are ready or one fails."""
     server = server_application([c for c, _ in configs], grpc)  # refuses bad auth before starting anything
     serve.start(http_options={"host": host, "port": port})
+    if head_processes() and ingress.json_error_page():  # only the HAProxy of a Ray started here
+        logger.debug("HAProxy's error page is JSON")
+        # For `neuron-serve shutdown` (another process) to drain HAProxy as deploy does.
+        if ingress.admin_location():
+            internal_kv._internal_kv_put(HAPROXY_ADMIN_KEY, ingress.admin_location(), namespace=SERVER_APP)  # noqa: SLF001
     for config, base_dir in configs:
-        serve.run(model_application(config, base_dir), name=config.name,
-                  route_prefix=f"/v2/models/{config.name}", blocking=False)
+        try:
+            serve.run(model_application(config, base_dir), name=config.name,
+                      route_prefix=f"/v2/models/{config.name}", blocking=False)
+        except RuntimeError:
+            # serve.run waits for the application and raises a generic message when
+            # its replicas cannot start; the replicas' own error is in the status.
+            return {config.name: f"failed: {build_failure(config.name)}"}
     serve.run(server, name=SERVER_APP, route_prefix="/", blocking=False)
     deadline = time.monotonic() + timeout_s
     names = {c.name for c, _ in configs}
@@ -231,6 +252,17 @@ def deploy(configs: list[tuple[ModelConfig, str | None]], host: str, port: int, 
         if time.monotonic() > deadline:
             return {n: s for n, s in states.items()}
         time.sleep(1)
+
+
+def build_failure(name: str) -> str:
+    """Why application ``name`` failed to start: the model's own error when a replica
+    raised it, else Serve's messages."""
+    app = serve.status().applications.get(name)
+    if app is None:
+        return "the application is gone"
+    messages = [app.message, *(d.message for d in app.deployments.values())]
+    logger.debug("%s failed to start: %s", name, messages)
+    return failure.model_error(messages)
 
 
 def server_application(configs: list[ModelConfig], grpc: dict | None = None):
@@ -254,22 +286,78 @@ def status() -> dict[str, dict]:
     return {name: {"status": str(app.status), "message": app.message} for name, app in apps.items()}
 
 
-def shutdown(names: list[str] | None = None) -> None:
+def shutdown(names: list[str] | None = None, progress=lambda message: None) -> None:
     """Stop the named models, or every model and then the server.
 
     Models go first, one ``serve.delete`` each: Serve stops routing to their replicas
     and waits for the requests they hold to finish (graceful_shutdown_timeout_s), while
     new requests get a JSON 404/503 from the server app. Only then does
-    ``serve.shutdown`` stop the proxy, which Ray ends abruptly.
+    ``serve.shutdown`` stop the ingress. When `deploy` started this Ray with HAProxy in
+    front (on this machine; it records where in Ray's KV store), HAProxy answers new
+    requests itself (JSON 503, Retry-After) from the start and closes its port before
+    Serve stops it (`ingress.close_http`), so no connection it accepted is dropped.
+    ``progress`` is told what each step waits for.
     """
     if names:
         for name in names:
+            progress(f"stopping model {name!r}: waiting for its in-flight requests (at most {DRAIN_S} s)")
             serve.delete(name)
         return
-    for name in serve.status().applications:
-        if name != SERVER_APP:
-            serve.delete(name)
+    try:
+        apps = [name for name in serve.status().applications if name != SERVER_APP]
+    except serve.exceptions.RayServeException:
+        progress("Ray Serve is not running (already shut down)")
+        return
+    haproxy = _haproxy_admin()
+    if haproxy and _haproxy(lambda: ingress.refuse_new_requests(haproxy), progress):
+        progress(f"new requests are answered 503 with Retry-After: {ingress.RETRY_AFTER_S}")
+    if apps:
+        # All at once: each drains on its own replicas, so the wait is the longest drain.
+        progress(f"stopping {', '.join(map(repr, apps))}: waiting for in-flight requests (at most {DRAIN_S} s)")
+        for name in apps:
+            serve.delete(name, _blocking=False)
+        while set(apps) & set(serve.status().applications):
+            time.sleep(0.2)
+    if haproxy:
+        _haproxy(lambda: ingress.close_http(haproxy, progress), progress)
+    progress("stopping Ray Serve (its controller and HTTP ingress)")
     serve.shutdown()
+
+
+def _haproxy_admin() -> str | None:
+    """The HAProxy admin socket location that `deploy` recorded in Ray, if any."""
+    value = internal_kv._internal_kv_get(HAPROXY_ADMIN_KEY, namespace=SERVER_APP)  # noqa: SLF001
+    return value.decode() if value else None
+
+
+def _haproxy(step, progress) -> bool:
+    try:
+        return step()
+    except OSError as exc:  # HAProxy is gone already: nothing to drain there
+        progress(f"HAProxy's admin socket did not answer ({exc})")
+        return False
+
+
+def stop_ray() -> None:
+    """Stop the Ray instance this process started (or leave the one it joined)."""
+    ray.shutdown()
+
+
+def head_processes() -> list[tuple[str, subprocess.Popen]]:
+    """The GCS and raylet of the Ray instance this process started (none when it joined one)."""
+    node = ray._private.worker._global_node  # noqa: SLF001 - Ray keeps its node processes only here
+    if node is None or not node.head:
+        return []
+    wanted = (ray_constants.PROCESS_TYPE_GCS_SERVER, ray_constants.PROCESS_TYPE_RAYLET)
+    return [(kind, info.process) for kind in wanted for info in node.all_processes.get(kind, [])]
+
+
+def kill_head() -> None:
+    """Kill the processes of the Ray instance this process started, without asking the
+    GCS anything: it may be gone, and every call to it would wait for it (60 s)."""
+    node = ray._private.worker._global_node  # noqa: SLF001
+    if node is not None and node.head:
+        node.kill_all_processes(check_alive=False, allow_graceful=False, wait=False)
 
 
 # Builders for Serve config files (KubeRay RayService `import_path`s), which run the

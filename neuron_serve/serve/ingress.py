@@ -15,10 +15,14 @@ so :func:`configure` runs before anything imports Ray. A cluster joined with
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 from ..errors import ConfigError
 
@@ -28,6 +32,37 @@ HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED
 # so a second deployment on the same machine would fail to start; each gets free ones
 # unless these are set.
 HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
+# A stopping replica behind direct ingress stays reachable this long before it refuses
+# new connections, so that load balancers can deregister it. Serve's default (30 s) is
+# for balancers Serve does not run; the HAProxy here is Serve's own, reconfigured as
+# soon as a replica stops, so a few seconds suffice, and stopping `deploy` (which drains
+# every model) no longer takes 30 s per model when idle. Set it to keep another value.
+DRAINING_PERIOD_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+DRAINING_PERIOD_S = "3"
+# Where Serve's HAProxy keeps its config and error page (one directory per node under
+# it): a directory of this deployment's own, so that deployments side by side on one
+# machine never share one, and so that the error page can be found (json_error_page).
+CONFIG_FILE_ENV = "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"
+ADMIN_SOCKET_ENV = "RAY_SERVE_HAPROXY_SOCKET_PATH"
+HTTP_FRONTEND = "http_frontend"  # the name Serve's HAProxy config gives the HTTP port
+RETRY_AFTER_S = 1  # the error page's Retry-After
+# HAProxy answers with this page when it has no answer from a replica: one died or
+# stopped mid-request (502), none is up (503), or one timed out (504). Serve writes a
+# text/plain "Internal Server Error" there; every other error of the server is JSON.
+ERROR_PAGE_BODY = json.dumps({
+    "error": "no replica answered this request: the replica serving it stopped or failed before it "
+             "answered, or none is running; retry it"
+})
+ERROR_PAGE = (
+    "HTTP/1.1 503 Service Unavailable\r\n"
+    "Content-Type: application/json\r\n"
+    f"Retry-After: {RETRY_AFTER_S}\r\n"
+    "Cache-Control: no-cache\r\n"
+    "Connection: close\r\n"
+    f"Content-Length: {len(ERROR_PAGE_BODY)}\r\n"
+    "\r\n"
+    f"{ERROR_PAGE_BODY}"
+)
 
 
 def free_port() -> int:
@@ -69,4 +104,113 @@ def configure(kind: str = "auto") -> str:
     if kind == "haproxy":
         for name in HAPROXY_PORT_ENV:
             os.environ.setdefault(name, str(free_port()))
+        os.environ.setdefault(DRAINING_PERIOD_ENV, DRAINING_PERIOD_S)
+        # Short: Serve adds a 56-character node id, and a Unix socket path holds 97 at most.
+        files = Path(tempfile.mkdtemp(prefix="nsh-", dir="/tmp"))
+        os.environ.setdefault(CONFIG_FILE_ENV, str(files / "haproxy.cfg"))
+        os.environ.setdefault(ADMIN_SOCKET_ENV, str(files / "admin.sock"))
     return kind
+
+
+def json_error_page(timeout_s: float = 30.0) -> bool:
+    """Replace Serve's plain-text HAProxy error page with the JSON one (`ERROR_PAGE`).
+
+    Call after ``serve.start`` and before the models deploy: Serve writes its page when
+    its HAProxy manager starts, and HAProxy reads it on each reload, the first of which
+    adds the models' replicas. Returns False when there is no page to replace (Serve's
+    proxy, or a cluster joined with its own HAProxy settings).
+    """
+    location = os.environ.get(CONFIG_FILE_ENV)
+    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1" or not location:
+        return False
+    root = Path(location).parent
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pages = list(root.glob("*/500.http"))
+        if pages:
+            for page in pages:
+                page.write_text(ERROR_PAGE, newline="")
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _admin(socket_path: Path, command: str) -> str:
+    """One command on HAProxy's admin socket; its answer."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(2.0)
+        conn.connect(str(socket_path))
+        conn.sendall(command.encode() + b"\n")
+        chunks = []
+        while chunk := conn.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks).decode(errors="replace")
+
+
+def _servers(socket_path: Path) -> list[str]:
+    """Every ``backend/server`` HAProxy routes to (``show servers state``)."""
+    found = []
+    for line in _admin(socket_path, "show servers state").splitlines():
+        fields = line.split()
+        if len(fields) > 3 and not line.startswith("#"):
+            found.append(f"{fields[1]}/{fields[3]}")
+    return found
+
+
+def _open_sessions(socket_path: Path) -> int:
+    """Client connections the HTTP frontend holds now (HAProxy's ``scur``)."""
+    lines = _admin(socket_path, "show stat").splitlines()
+    header = lines[0].lstrip("# ").split(",")
+    for line in lines[1:]:
+        row = dict(zip(header, line.split(","), strict=False))
+        if row.get("pxname") == HTTP_FRONTEND and row.get("svname") == "FRONTEND":
+            return int(row.get("scur") or 0)
+    return 0
+
+
+def admin_location() -> str | None:
+    """Where this process's Ray puts HAProxy's admin sockets (one per node), if it uses HAProxy."""
+    location = os.environ.get(ADMIN_SOCKET_ENV)
+    return location if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" and location else None
+
+
+def _admin_sockets(location: str | None) -> list[Path]:
+    # Only this machine's: a node elsewhere in a cluster has its sockets there.
+    return list(Path(location).parent.glob("*/" + Path(location).name)) if location else []
+
+
+def refuse_new_requests(location: str | None) -> bool:
+    """Put every server of this deployment's HAProxy in maintenance: requests in flight
+    finish, and each new one is answered by HAProxy itself with the JSON 503 and
+    `Retry-After` (`ERROR_PAGE`). Returns False when there is no HAProxy of this deployment.
+    """
+    sockets = _admin_sockets(location)
+    for path in sockets:
+        for server in _servers(path):
+            _admin(path, f"set server {server} state maint")
+    return bool(sockets)
+
+
+def close_http(location: str | None, progress=lambda message: None, close_timeout_s: float = 3.0) -> bool:
+    """Close the HTTP port of this deployment's HAProxy without dropping a connection.
+
+    Called once the models have drained, before Serve stops HAProxy. New requests get
+    the JSON 503 for `Retry-After` and a little more, so that clients honouring it are
+    waiting when the port closes (later connections are refused, never accepted and
+    then dropped); then the connections still open are waited for.
+    """
+    sockets = _admin_sockets(location)
+    if not sockets:
+        return False
+    refuse_new_requests(location)  # again: Serve reloads HAProxy as it removes each model
+    progress(f"answering new requests with 503 and Retry-After: {RETRY_AFTER_S} for {RETRY_AFTER_S + 0.5} s")
+    time.sleep(RETRY_AFTER_S + 0.5)
+    for path in sockets:
+        _admin(path, f"disable frontend {HTTP_FRONTEND}")
+    open_now = sum(_open_sessions(path) for path in sockets)
+    progress(f"HTTP port closed: waiting for {open_now} open connection(s) (at most {close_timeout_s:.0f} s)")
+    deadline = time.monotonic() + close_timeout_s
+    while open_now and time.monotonic() < deadline:
+        time.sleep(0.1)
+        open_now = sum(_open_sessions(path) for path in sockets)
+    return True

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from neuron_serve.errors import InvalidInput, NeuronServeError
-from neuron_serve.serve.oip_tensors import describe, json_type, tensor_from_bytes, tensor_from_json
+from neuron_serve.serve.oip_schema import check_request, load_json
+from neuron_serve.serve.oip_tensors import describe, tensor_from_bytes, tensor_from_json
 from neuron_serve.serve.oip_types import (
     DATATYPE_TO_TORCH,
     TORCH_TO_DATATYPE,
@@ -79,26 +80,19 @@ def parse_infer_request(
     """
     body = bytes(body)
     header_length = _header_length(headers, len(body))
-    doc = _load_json(body if header_length is None else body[:header_length])
+    doc = _load_json(body if header_length is None else body[:header_length], header_length)
     binary = memoryview(body)[len(body) if header_length is None else header_length :]
-    if not isinstance(doc, dict):
-        raise InvalidInput(f"request body must be a JSON object, got {json_type(doc)}")
+    # Every field's JSON type first, so the checks below only see the types they expect.
+    check_request(doc)
 
     request_id = doc.get("id")
-    if request_id is not None and not isinstance(request_id, str):
-        raise InvalidInput(f"request 'id' must be a string, got {json_type(request_id)}")
-    parameters = _object(doc.get("parameters"), "request 'parameters'")
-    binary_output = parameters.get("binary_data_output", False)
-    if not isinstance(binary_output, bool):
-        raise InvalidInput("request parameter 'binary_data_output' must be true or false")
-
-    raw_inputs = doc.get("inputs")
-    if not isinstance(raw_inputs, list):
-        raise InvalidInput(f"request 'inputs' must be a list, got {json_type(raw_inputs)}")
+    parameters = doc.get("parameters") or {}
+    binary_output = parameters.get("binary_data_output") or False
+    raw_inputs = doc["inputs"]
     plans: list[_InputPlan] = []
     seen: set[str] = set()
-    for index, raw in enumerate(raw_inputs):
-        plan = _plan_input(index, raw, max_elements)
+    for raw in raw_inputs:
+        plan = _plan_input(raw, max_elements)
         if plan.name in seen:
             raise InvalidInput(f"duplicate input name '{plan.name}'")
         seen.add(plan.name)
@@ -269,60 +263,49 @@ def _header_length(headers: Mapping[str, str], body_length: int) -> int | None:
     return int(text)
 
 
-def _load_json(raw: bytes) -> Any:
+def _load_json(raw: bytes, header_length: int | None) -> Any:
+    # A binary request's JSON is only its first header_length bytes: say so, since a
+    # wrong length is the likelier mistake than bad JSON.
+    what = "request body" if header_length is None else f"request JSON header (the first {HEADER_LENGTH} bytes)"
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise InvalidInput(
-            f"request JSON is not valid UTF-8 ({exc.reason} at byte {exc.start})"
-        ) from None
+        raise InvalidInput(f"{what} is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
     try:
         # Python's json accepts NaN/Infinity, which float tensors legitimately hold.
-        return json.loads(text)
+        return load_json(text)
+    except InvalidInput:  # a duplicate key, named by the schema's parser
+        raise
     except RecursionError:
-        raise InvalidInput("request JSON is nested too deeply") from None
+        raise InvalidInput(f"{what} is nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError, and integers too long to convert
-        raise InvalidInput(f"request body is not valid JSON: {exc}") from None
+        raise InvalidInput(f"{what} is not valid JSON: {exc}") from None
 
 
-def _object(value: Any, what: str) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise InvalidInput(f"{what} must be an object, got {json_type(value)}")
-    return value
-
-
-def _plan_input(index: int, raw: Any, max_elements: int) -> _InputPlan:
-    if not isinstance(raw, dict):
-        raise InvalidInput(f"inputs[{index}] must be an object, got {json_type(raw)}")
-    name = raw.get("name")
-    if not isinstance(name, str) or not name:
-        raise InvalidInput(f"inputs[{index}] has no 'name' (a non-empty string)")
+def _plan_input(raw: dict[str, Any], max_elements: int) -> _InputPlan:
+    # check_request has settled every field's JSON type.
+    name, datatype = raw["name"], raw["datatype"]
     label = f"input '{name}'"
-
-    datatype = raw.get("datatype")
     if datatype in UNSUPPORTED_DATATYPES:
         raise InvalidInput(
             f"{label}: datatype {datatype} is not supported; use one of {_SUPPORTED}"
         )
-    if not isinstance(datatype, str) or datatype not in DATATYPE_TO_TORCH:
-        shown = datatype if isinstance(datatype, str) else json_type(datatype)
-        raise InvalidInput(f"{label}: unknown datatype {shown!r}; use one of {_SUPPORTED}")
+    if datatype not in DATATYPE_TO_TORCH:
+        raise InvalidInput(f"{label}: unknown datatype {datatype[:40]!r}; use one of {_SUPPORTED}")
 
-    shape = _shape(raw.get("shape"), label, max_elements)
-    parameters = _object(raw.get("parameters"), f"{label} 'parameters'")
+    shape = _shape(raw["shape"], label, max_elements)
+    parameters = raw.get("parameters") or {}
     if "shared_memory_region" in parameters:
         raise InvalidInput(f"{label}: shared memory inputs are not supported; send the data")
     binary_size = parameters.get("binary_data_size")
-    has_data = "data" in raw
+    has_data = raw.get("data") is not None  # null means absent, as for every optional field
     if has_data and binary_size is not None:
         raise InvalidInput(f"{label} has both 'data' and parameters.binary_data_size; give one")
     if not has_data and binary_size is None:
         raise InvalidInput(f"{label} has no data: give 'data' or parameters.binary_data_size")
     if binary_size is not None:
         needed = prod(shape) * datatype_itemsize(datatype)
-        if type(binary_size) is not int or binary_size != needed:
+        if binary_size != needed:
             raise InvalidInput(
                 f"{label}: binary_data_size is {binary_size!r} but shape "
                 f"{format_shape(shape)} of {datatype} needs {needed} bytes"
@@ -330,13 +313,11 @@ def _plan_input(index: int, raw: Any, max_elements: int) -> _InputPlan:
     return _InputPlan(name, datatype, shape, raw.get("data"), binary_size)
 
 
-def _shape(raw: Any, label: str, max_elements: int) -> tuple[int, ...]:
-    if not isinstance(raw, list):
-        raise InvalidInput(f"{label}: 'shape' must be a list of integers, got {json_type(raw)}")
+def _shape(raw: list[int], label: str, max_elements: int) -> tuple[int, ...]:
     if len(raw) > MAX_RANK:
         raise InvalidInput(f"{label}: shape has {len(raw)} dimensions, more than {MAX_RANK}")
     for axis, dim in enumerate(raw):
-        if type(dim) is not int or dim < 0:
+        if dim < 0:
             raise InvalidInput(
                 f"{label}: shape dimension {axis} is {describe(dim)}; "
                 "dimensions must be non-negative integers"
@@ -359,24 +340,16 @@ def _parse_outputs(raw: Any) -> list[RequestedOutput] | None:
     # An empty list means the same as no list: the client named no outputs.
     if raw is None or raw == []:
         return None
-    if not isinstance(raw, list):
-        raise InvalidInput(f"request 'outputs' must be a list, got {json_type(raw)}")
     outputs: list[RequestedOutput] = []
     seen: set[str] = set()
-    for index, item in enumerate(raw):
-        if not isinstance(item, dict):
-            raise InvalidInput(f"outputs[{index}] must be an object, got {json_type(item)}")
-        name = item.get("name")
-        if not isinstance(name, str) or not name:
-            raise InvalidInput(f"outputs[{index}] has no 'name' (a non-empty string)")
+    for item in raw:
+        name = item["name"]
         label = f"requested output '{name}'"
         if name in seen:
             raise InvalidInput(f"duplicate requested output '{name}'")
         seen.add(name)
-        parameters = _object(item.get("parameters"), f"{label} 'parameters'")
+        parameters = item.get("parameters") or {}
         binary = parameters.get("binary_data")
-        if binary is not None and not isinstance(binary, bool):
-            raise InvalidInput(f"{label}: parameter 'binary_data' must be true or false")
         for unsupported in ("shared_memory_region", "classification"):
             if unsupported in parameters:
                 raise InvalidInput(f"{label}: parameter '{unsupported}' is not supported")

@@ -390,24 +390,24 @@ MALFORMED = [  # (id, body, headers, message fragment)
     ("empty body", b"", {}, "not valid JSON"),
     ("too deep", b"[" * 100000, {}, "nested too deeply"),
     ("top level list", b"[]", {}, "must be a JSON object, got a list"),
-    ("no inputs", b"{}", {}, "'inputs' must be a list, got null"),
-    ("inputs not list", b'{"inputs": {}}', {}, "'inputs' must be a list, got an object"),
+    ("no inputs", b"{}", {}, "inputs is required"),
+    ("inputs not list", b'{"inputs": {}}', {}, "inputs must be a list, got an object"),
     ("input not object", b'{"inputs": [3]}', {}, "inputs[0] must be an object"),
-    ("no name", one_input(name=...), {}, "inputs[0] has no 'name'"),
+    ("no name", one_input(name=...), {}, "inputs[0].name is required"),
     ("duplicate name", *_inputs(_X, _X), "duplicate input name 'x'"),
-    ("shape not list", one_input(shape="3"), {}, "'shape' must be a list of integers, got a str"),
+    ("shape not list", one_input(shape="3"), {}, 'inputs[0].shape must be a list, got a string ("3")'),
     ("negative dim", one_input(shape=[-1]), {}, "dimension 0 is -1 (a number); dimensions must"),
-    ("float dim", one_input(shape=[3.0]), {}, "shape dimension 0 is 3.0"),
-    ("bool dim", one_input(shape=[True]), {}, "shape dimension 0 is True (a boolean)"),
+    ("float dim", one_input(shape=[3.0]), {}, "inputs[0].shape[0] must be an integer, got a number (3.0)"),
+    ("bool dim", one_input(shape=[True]), {}, "inputs[0].shape[0] must be an integer, got a boolean (true)"),
     ("rank", one_input(shape=[1] * 65), {}, "shape has 65 dimensions, more than 64"),
     ("too many elements", one_input(shape=[1 << 30]), {}, "has more than max_elements=67108864"),
     ("unknown datatype", one_input(datatype="FP8"), {}, "'x': unknown datatype 'FP8'; use one of"),
-    ("no datatype", one_input(datatype=...), {}, "unknown datatype 'null'"),
+    ("no datatype", one_input(datatype=...), {}, "inputs[0].datatype is required"),
     ("bytes", one_input(datatype="BYTES"), {}, "datatype BYTES is not supported"),
     ("length", one_input(data=[1.0, 2.0]), {}, "shape [3] needs 3 elements in 'data', got 2"),
     ("nested length", one_input(data=[[1.0], [2.0, 3.0, 4.0]]), {}, "3 elements in 'data', got 4"),
-    ("data not list", one_input(data=5), {}, "'data' must be a list, got a number"),
-    ("data null", one_input(data=None), {}, "'data' must be a list, got null"),
+    ("data not list", one_input(data=5), {}, "inputs[0].data must be a list, got a number (5)"),
+    ("data null", one_input(data=None), {}, "input 'x' has no data: give 'data'"),
     ("string in FP32", one_input(data=[1.0, "a", 3.0]), {},
      "FP32 data must be numbers; element 1 is 'a'"),
     ("null in FP64", one_input(datatype="FP64", data=[1.0, None, 3.0]), {},
@@ -429,7 +429,7 @@ MALFORMED = [  # (id, body, headers, message fragment)
      "input 'x' has no data: give 'data' or parameters.binary_data_size"),
     ("binary size wrong", *with_binary(_BIN_8, b"\0" * 8),
      "binary_data_size is 8 but shape [3] of FP32 needs 12 bytes"),
-    ("binary size not int", *with_binary(_BIN_STR, b"\0" * 12), "binary_data_size is '12'"),
+    ("binary size not int", *with_binary(_BIN_STR, b"\0" * 12), 'inputs[0].parameters.binary_data_size must be an integer, got a string ("12")'),
     ("header over body", *with_binary({"inputs": [_XB]}, b"\0" * 12, header_length=10**6),
      "request body is only"),
     ("header huge", *with_binary({"inputs": [_XB]}, b"", header_length=10**40),
@@ -452,20 +452,45 @@ MALFORMED = [  # (id, body, headers, message fragment)
      "BOOL binary data must be bytes 0 or 1; byte 2 is 2"),
     ("shared memory", one_input(data=..., parameters={"shared_memory_region": "r"}), {},
      "shared memory"),
-    ("input parameters", one_input(parameters=[1]), {}, "input 'x' 'parameters' must be an object"),
-    ("id not string", *_inputs(_X, id=7), "request 'id' must be a string"),
+    ("input parameters", one_input(parameters=[1]), {}, "inputs[0].parameters must be an object, got a list"),
+    ("id not string", *_inputs(_X, id=7), "id must be a string, got a number (7)"),
     ("parameters not object", *_inputs(_X, parameters="p"),
-     "request 'parameters' must be an object"),
+     'parameters must be an object, got a string ("p")'),
     ("binary_data_output", *_inputs(_X, parameters={"binary_data_output": 1}),
-     "'binary_data_output' must be true or false"),
-    ("outputs not list", *_inputs(_X, outputs=_Y), "request 'outputs' must be a list"),
+     "parameters.binary_data_output must be true or false, got a number (1)"),
+    ("outputs not list", *_inputs(_X, outputs=_Y), "outputs must be a list, got an object"),
     ("output not object", *_inputs(_X, outputs=["y"]), "outputs[0] must be an object"),
-    ("output no name", *_inputs(_X, outputs=[{}]), "outputs[0] has no 'name'"),
+    ("output no name", *_inputs(_X, outputs=[{}]), "outputs[0].name is required"),
     ("output binary_data", *_inputs(_X, outputs=[{**_Y, "parameters": {"binary_data": "yes"}}]),
-     "requested output 'y': parameter 'binary_data' must be true or false"),
+     'outputs[0].parameters.binary_data must be true or false, got a string ("yes")'),
     ("output duplicate", *_inputs(_X, outputs=[_Y, _Y]), "duplicate requested output 'y'"),
     ("classification", *_inputs(_X, outputs=[{**_Y, "parameters": {"classification": 3}}]),
      "parameter 'classification' is not supported"),
+    # The JSON type of every field (the codec once answered 500 to these two).
+    ("datatype list", one_input(datatype=["FP32"]), {}, "inputs[0].datatype must be a string, got a list"),
+    ("datatype object", one_input(datatype={"t": 1}), {},
+     "inputs[0].datatype must be a string, got an object"),
+    ("name number", one_input(name=3), {}, "inputs[0].name must be a string, got a number (3)"),
+    ("name empty", one_input(name=""), {}, "inputs[0].name must not be empty"),
+    ("name huge", one_input(name="n" * 300), {}, "inputs[0].name has 300 characters, more than 256"),
+    ("id huge", *_inputs(_X, id="i" * 2000), "id has 2000 characters, more than 1024"),
+    ("shape null", one_input(shape=None), {}, "inputs[0].shape must be a list, got null"),
+    ("shape nested", one_input(shape=[[3]]), {}, "inputs[0].shape[0] must be an integer, got a list"),
+    ("binary size negative", *with_binary({"inputs": [{**_XB, "parameters": {"binary_data_size": -1}}]}, b""),
+     "inputs[0].parameters.binary_data_size must be >= 0, got -1"),
+    ("binary size bool", *with_binary({"inputs": [{**_XB, "parameters": {"binary_data_size": True}}]}, b""),
+     "inputs[0].parameters.binary_data_size must be an integer, got a boolean (true)"),
+    ("second input", *_inputs(_X, {**_X, "name": "z", "datatype": 1}),
+     "inputs[1].datatype must be a string, got a number (1)"),
+    ("unknown input key", one_input(dtype="FP32"), {},
+     "inputs[0].dtype is not a field of an OIP v2 infer request; remove it"),
+    ("unknown top key", *_inputs(_X, model="m"), "model is not a field of an OIP v2 infer request"),
+    ("output name huge", *_inputs(_X, outputs=[{"name": "o" * 257}]), "outputs[0].name has 257 characters"),
+    ("duplicate key", b'{"inputs": [{"name": "x", "name": "y", "shape": [0], "datatype": "FP32", "data": []}]}',
+     {}, "request JSON has the key 'name' twice in one object; give it once"),
+    ("duplicate top key", b'{"inputs": [], "inputs": []}', {}, "the key 'inputs' twice"),
+    ("duplicate key in binary header",
+     b'{"id": "a", "id": "b", "inputs": []}\0\0', {HLEN: "36"}, "the key 'id' twice"),
 ]
 # fmt: on
 
@@ -689,3 +714,20 @@ def test_check_inputs_after_parse():
 def test_tensor_spec_refuses_bad_declarations(datatype, shape):
     with pytest.raises(ConfigError):
         TensorSpec("x", datatype, shape)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"id": None}, {"parameters": None}, {"outputs": None}, {"parameters": {"binary_data_output": None}},
+     {"parameters": {"custom": [1, {"a": None}]}}],
+    ids=["id", "parameters", "outputs", "binary_data_output", "open parameters"],
+)
+def test_null_optional_fields_mean_absent(extra):
+    request = parse_infer_request(json_body({"inputs": [_X], **extra}), {})
+    assert request.inputs[0].tensor.tolist() == [1.0, 2.0, 3.0]
+    assert request.binary_output is False
+
+
+def test_null_data_with_binary_size_means_binary():
+    body, headers = with_binary({"inputs": [{**_XB, "data": None}]}, np.array([1, 2, 3], dtype="<f4").tobytes())
+    assert parse_infer_request(body, headers).inputs[0].tensor.tolist() == [1.0, 2.0, 3.0]
