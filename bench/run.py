@@ -20,14 +20,15 @@ import sys
 import time
 from pathlib import Path
 
-from . import loadgen, report, servers, workloads
+from . import grpc_load, loadgen, report, servers, workloads
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 
 # (workload, concurrency) points measured on every server.
-FULL_POINTS = [("W1", 1), ("W1", 16), ("W1", 64), ("W2", 16), ("W3-mlp", 16), ("W3-enc", 16)]
-QUICK_POINTS = [("W1", 16), ("W2", 16), ("W3-mlp", 16), ("W3-enc", 16)]
+FULL_POINTS = [("W1", 1), ("W1", 16), ("W1", 64), ("W2", 16), ("W3-mlp", 16), ("W3-enc", 16),
+               ("W1-grpc", 16), ("W3-mlp-grpc", 16), ("W3-enc-grpc", 16)]
+QUICK_POINTS = [("W1", 16), ("W2", 16), ("W3-mlp", 16), ("W3-enc", 16), ("W1-grpc", 16), ("W3-mlp-grpc", 16)]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -48,12 +49,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def measure_point(server: servers.Server, workload: str, conc: int, manifest: Path, seconds: float, log) -> dict:
     wl = workloads.WORKLOADS[workload]
     row = {"server": server.spec.key, "workload": workload, "concurrency": conc}
+    if wl.grpc and server.spec.grpc_port is None:
+        row["skipped"] = "no OIP v2 gRPC"
+        return row
     if wl.binary and not server.spec.binary:
         row["skipped"] = "no binary tensor extension"
         return row
-    # A short warm-up at the same concurrency, so first-call costs are not measured.
-    loadgen.run_load(server.url(wl.model), manifest, conc, 1)
-    row.update(loadgen.run_load(server.url(wl.model), manifest, conc, seconds).as_dict())
+    if wl.grpc:
+        address = f"127.0.0.1:{server.spec.grpc_port}"
+        grpc_load.wait_ready(address)
+        grpc_load.run_grpc_load(address, wl.model, manifest, conc, 1)  # warm-up, as below
+        row.update(grpc_load.run_grpc_load(address, wl.model, manifest, conc, seconds).as_dict())
+    else:
+        # A short warm-up at the same concurrency, so first-call costs are not measured.
+        loadgen.run_load(server.url(wl.model), manifest, conc, 1)
+        row.update(loadgen.run_load(server.url(wl.model), manifest, conc, seconds).as_dict())
     log(f"  {server.spec.key:13s} {workload} c{conc}: {row['rps']:7.1f} req/s  p50 {row['p50_ms']:7.1f} ms  "
         f"p99 {row['p99_ms']:7.1f} ms  errors {row['errors']}")
     return row
@@ -141,7 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     def log(message: str) -> None:
         print(message, flush=True)
 
-    manifests = {w: workloads.write_bodies(workloads.WORKLOADS[w], out / "bodies" / w) for w in {p[0] for p in points}}
+    # gRPC workloads send the request files of their HTTP twin, converted per message.
+    sources = {w: workloads.WORKLOADS[w].bodies or w for w in {p[0] for p in points}}
+    written = {s: workloads.write_bodies(workloads.WORKLOADS[s], out / "bodies" / s) for s in set(sources.values())}
+    manifests = {w: written[s] for w, s in sources.items()}
     log(f"bench: {len(chosen)} servers x {len(points)} points, {seconds:g}s each; results in {out}")
     rows, memory = measure_all(chosen, points, manifests, seconds, out, log, together=not args.one_at_a_time)
     internal = None if args.no_internal else run_internal(args.quick, out, log)

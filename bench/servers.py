@@ -28,6 +28,7 @@ class ServerSpec:
     binary: bool = True               # serves the binary tensor extension (W3)
     startup_s: float = 600
     replica_marker: str | None = None  # cmdline prefix of replica processes (Ray actors)
+    grpc_port: int | None = None       # serves OIP v2 over gRPC there
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -35,8 +36,8 @@ def specs(python: str = sys.executable) -> dict[str, ServerSpec]:
     cli = str(Path(python).with_name("neuron-serve"))
     deploy = [cli, "deploy", "deployments/mlp.yaml", "deployments/encoder.yaml", "--host", "127.0.0.1"]
     return {s.key: s for s in [
-        ServerSpec("neuron-serve", "neuron-serve", deploy + ["--port", "18400"], 18400,
-                   replica_marker="ray::ServeReplica:"),
+        ServerSpec("neuron-serve", "neuron-serve", deploy + ["--port", "18400", "--grpc-port", "18401"], 18400,
+                   replica_marker="ray::ServeReplica:", grpc_port=18401),
         ServerSpec("ray-proxy", "Ray Serve, default HTTP proxy",
                    [python, "-m", "bench.peers.ray_app", "--port", "18200"], 18200,
                    replica_marker="ray::ServeReplica:"),

@@ -21,6 +21,8 @@ class Workload:
     model: str        # model name in the URL
     binary: bool
     describe: str
+    grpc: bool = False  # sent over OIP v2 gRPC by bench/grpc_load.py instead of wrk
+    bodies: str = ""    # the workload whose request files it sends (default: its own)
 
 
 WORKLOADS = {
@@ -28,6 +30,11 @@ WORKLOADS = {
     "W2": Workload("W2", "encoder", False, "encoder 4x256, seq 16..128, JSON, pooler_output only"),
     "W3-mlp": Workload("W3-mlp", "mlp", True, "W1 requests with the binary tensor extension"),
     "W3-enc": Workload("W3-enc", "encoder", True, "W2 requests with the binary tensor extension"),
+    "W1-grpc": Workload("W1-grpc", "mlp", False, "W1 requests over gRPC, typed contents", grpc=True, bodies="W1"),
+    "W3-mlp-grpc": Workload("W3-mlp-grpc", "mlp", True, "W1 requests over gRPC, raw_input_contents", grpc=True,
+                            bodies="W3-mlp"),
+    "W3-enc-grpc": Workload("W3-enc-grpc", "encoder", True, "W2 requests over gRPC, raw_input_contents",
+                            grpc=True, bodies="W3-enc"),
 }
 
 

@@ -89,12 +89,16 @@ def _deploy(args: argparse.Namespace) -> int:
         return 2
     host = args.host or configs[0][0].http.host
     port = args.port or configs[0][0].http.port
+    if args.no_grpc and args.grpc_port:
+        print("error: --no-grpc and --grpc-port contradict each other; give one", file=sys.stderr)
+        return 2
+    grpc = None if args.no_grpc else deployment.grpc_options([c for c, _ in configs], host, args.grpc_port)
     started_here = deployment.connect(args.address)
     life = lifecycle.Lifecycle(deployment, drain_s=deployment.DRAIN_S)
     if started_here:
         life.install()  # from here on a signal stops the start-up too
     try:
-        states = deployment.deploy(configs, host, port)
+        states = deployment.deploy(configs, host, port, grpc=grpc)
     except lifecycle.Interrupted as exc:
         return life.shutdown(f"{exc} while starting")
     codes = []
@@ -111,6 +115,8 @@ def _deploy(args: argparse.Namespace) -> int:
     if codes:
         deployment.shutdown(names if not started_here else None)
         return max(codes)
+    if grpc:
+        print(f"gRPC (OIP v2) on {grpc['host']}:{grpc['port']}", file=sys.stderr)
     print(f"serving {', '.join(names)} on http://{host}:{port}/v2 (metrics: /metrics; ingress: {chosen}; "
           f"Ray at {deployment.ray_address()})", file=sys.stderr, flush=True)
     if started_here:
@@ -163,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     deploy.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS, else start one here)")
     deploy.add_argument("--host", help="HTTP host (default: the first model.yaml's http.host)")
     deploy.add_argument("--port", type=int, help="HTTP port (default: the first model.yaml's http.port)")
+    deploy.add_argument("--grpc-port", type=int, metavar="PORT",
+                        help="gRPC port of the OIP v2 gRPC service (default: the first model.yaml's grpc.port, 8001)")
+    deploy.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
     deploy.add_argument("--ingress", choices=["auto", "haproxy", "proxy"], default="auto",
                         help="HTTP ingress of an embedded Ray: HAProxy straight to the replicas, or Serve's "
                              "Python proxy (default auto: haproxy when its binary is found)")

@@ -35,6 +35,7 @@ DEFAULT_REQUEST_TIMEOUT_S = 30.0
 DEFAULT_TARGET_ONGOING_REQUESTS = 16.0
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+DEFAULT_GRPC_PORT = 8001  # Triton's
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20
 AUTH_TOKEN_ENV = "NEURON_SERVE_AUTH_TOKEN"
 MIN_TOKEN_LENGTH = 16
@@ -168,6 +169,11 @@ class HttpSettings(_Strict):
     )
 
 
+class GrpcSettings(_Strict):
+    enabled: bool = Field(True, description="serve OIP v2 over gRPC (inference.GRPCInferenceService) beside HTTP")
+    port: int = Field(DEFAULT_GRPC_PORT, ge=1, le=65535, description="gRPC port, on http.host")
+
+
 class ModelConfig(_Strict):
     """One deployment: the model, its inputs and how to compile it."""
 
@@ -189,6 +195,7 @@ class ModelConfig(_Strict):
     autoscaling: AutoscalingSettings | None = None
     batching: BatchingSettings = Field(default_factory=BatchingSettings)
     http: HttpSettings = Field(default_factory=HttpSettings)
+    grpc: GrpcSettings = Field(default_factory=GrpcSettings)
 
     @model_validator(mode="after")
     def _unique_inputs(self) -> "ModelConfig":

@@ -26,7 +26,7 @@ def multiproc_dir() -> str:
 
 multiproc_dir()
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest  # noqa: E402
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest  # noqa: E402
 from prometheus_client import multiprocess  # noqa: E402
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -75,6 +75,52 @@ COMPILE_TIME = Histogram(
 CACHE_HITS = Counter(
     "neuron_serve_compile_cache_hits_total", "Operator-support and compile cache hits",
     ["model", "replica", "cache"],
+)
+
+# Triton's statistics extension (GET /v2/models/{name}/stats) is computed from these, so
+# it sums every replica on the node. ``stat`` is one of Triton's duration statistics:
+# success, fail, queue, compute_input, compute_infer, compute_output.
+INFER_STAT_COUNT = Counter(
+    "neuron_serve_inference_stat_count", "Requests counted in each of Triton's inference statistics",
+    ["model", "replica", "stat"],
+)
+INFER_STAT_SECONDS = Counter(
+    "neuron_serve_inference_stat_seconds", "Cumulative seconds of each of Triton's inference statistics",
+    ["model", "replica", "stat"],
+)
+EXECUTIONS = Counter(
+    "neuron_serve_executions", "Batches that ran and gave at least one request its result (Triton's execution_count)",
+    ["model", "replica"],
+)
+INFERENCES = Counter(
+    "neuron_serve_inferences", "Rows of successful requests (Triton's inference_count)",
+    ["model", "replica"],
+)
+LAST_INFERENCE = Gauge(
+    "neuron_serve_last_inference_timestamp_seconds", "Unix time of the last successful request",
+    ["model", "replica"], multiprocess_mode="max",
+)
+
+# NeuronCore metrics under the names (and core/runtime labels) of neuron-monitor's
+# Prometheus exporter (neuron-monitor-prometheus.py), so Neuron dashboards and the
+# CloudWatch agent read them; ``runtime_tag`` is the replica's process id, as
+# neuron-monitor tags runtimes, and ``emulated`` says whether the cores are XLA:CPU.
+# Sampled by neuron_serve.serve.neuron_monitor every NEURON_MONITOR_PERIOD_S seconds.
+NEURON_LABELS = ["model", "replica", "runtime_tag", "emulated"]
+NEURONCORE_UTILIZATION = Gauge(
+    "neuroncore_utilization_ratio", "NeuronCore utilization ratio (busy time over wall time in the last period)",
+    [*NEURON_LABELS, "neuroncore"], multiprocess_mode="max",
+)
+EXECUTION_STATUS = Counter(
+    "execution_status", "Execution status total (one execution: one compiled subgraph run on a core)",
+    [*NEURON_LABELS, "status_type"],
+)
+EXECUTION_ERRORS = Counter(
+    "execution_errors", "Execution errors total", [*NEURON_LABELS, "error_type"],
+)
+EXECUTION_LATENCY = Gauge(
+    "execution_latency_seconds", "Execution latency in seconds, percentiles over the last period with executions",
+    [*NEURON_LABELS, "percentile"], multiprocess_mode="max",
 )
 
 

@@ -10,12 +10,55 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..errors import ConfigError
 from ..targets.pjrt import use_device, xla
+
+
+class CoreActivity:
+    """What a core's thread has executed: busy seconds, outcomes and recent latencies.
+
+    Read by the NeuronCore metrics (busy time over wall time is the utilization);
+    written only by the core's own thread, read from another, hence the lock.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._busy = 0.0
+        self._running_since: float | None = None
+        self.completed = 0
+        self.failed = 0
+        self._latencies: list[float] = []
+
+    def begin(self) -> float:
+        now = time.perf_counter()
+        with self._lock:
+            self._running_since = now
+        return now
+
+    def end(self, started: float, ok: bool) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            self._running_since = None
+            self._busy += now - started
+            self._latencies.append(now - started)
+            if ok:
+                self.completed += 1
+            else:
+                self.failed += 1
+
+    def snapshot(self) -> tuple[float, float, int, int, list[float]]:
+        """(now, busy seconds so far including a running execution, completed, failed,
+        latencies since the last snapshot)."""
+        now = time.perf_counter()
+        with self._lock:
+            busy = self._busy + (now - self._running_since if self._running_since is not None else 0.0)
+            latencies, self._latencies = self._latencies, []
+            return now, busy, self.completed, self.failed, latencies
 
 
 @dataclass
@@ -23,9 +66,21 @@ class Core:
     index: int
     device: Any
     executor: ThreadPoolExecutor
+    activity: CoreActivity = field(default_factory=CoreActivity)
 
     def submit(self, fn: Callable, *args: Any) -> Future:
         return self.executor.submit(fn, *args)
+
+    def execute(self, fn: Callable, *args: Any) -> Any:
+        """Run one execution on this core's thread (call it there), counted in ``activity``."""
+        started = self.activity.begin()
+        try:
+            result = fn(*args)
+        except BaseException:
+            self.activity.end(started, ok=False)
+            raise
+        self.activity.end(started, ok=True)
+        return result
 
 
 class CorePool:

@@ -44,11 +44,12 @@ class Pipeline:
         on_core = self.modules[core.index]
 
         async def stage(name: str, args: tuple) -> Any:
-            module, executor = on_core.get(name), core.executor
-            if module is None:
-                module, executor = self.cpu_modules[name], self.cpu_pool
+            module = on_core.get(name)
             started = time.perf_counter()
-            result = await loop.run_in_executor(executor, _call, module, args)
+            if module is not None:  # an execution on the core, counted in its activity
+                result = await loop.run_in_executor(core.executor, core.execute, _call, module, args)
+            else:
+                result = await loop.run_in_executor(self.cpu_pool, _call, self.cpu_modules[name], args)
             if self.on_stage:
                 self.on_stage(name, self.devices[name], core.index, time.perf_counter() - started)
             return result

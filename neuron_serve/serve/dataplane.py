@@ -23,6 +23,8 @@ from ..runtime.runner import ModelRunner
 from ..targets.pjrt import emulated
 from .oip import check_inputs, encode_infer_response, parse_infer_request
 from .oip_types import TORCH_TO_DATATYPE, TensorSpec
+from . import triton_ext
+from .neuron_monitor import CoreMonitor
 
 logger = logging.getLogger("neuron_serve")
 
@@ -85,11 +87,15 @@ class ModelDataPlane:
 
     def start(self) -> None:
         self.batcher.start()
+        self.monitor = CoreMonitor(self.runner.cores.cores, self.name, self.replica, emulated())
+        self.monitor.start()
         self._ready = True
 
     async def stop(self) -> None:
         self._ready = False
         await self.batcher.stop(drain=True)
+        if getattr(self, "monitor", None) is not None:
+            self.monitor.stop()
         self.runner.close()
 
     def ready(self) -> bool:
@@ -113,13 +119,27 @@ class ModelDataPlane:
             },
         }
 
-    async def _run_batch(self, items: list[list[torch.Tensor]]) -> list:
-        return await self.runner.infer(items)
+    async def _run_batch(self, items: list[tuple[list[torch.Tensor], triton_ext.RequestTimes]]) -> list:
+        started = time.perf_counter()
+        results = await self.runner.infer([tensors for tensors, _ in items])
+        ran = time.perf_counter()
+        for _, times in items:
+            times.started, times.ran = started, ran
+        if any(not isinstance(r, Exception) for r in results):
+            metrics.EXECUTIONS.labels(**self._labels).inc()
+        return results
+
+    def triton_config(self) -> dict:
+        """This model's configuration in Triton's ModelConfig JSON."""
+        return triton_ext.model_config(self.config, self.metadata()["inputs"], self.outputs,
+                                       self.runner.model.batch_sizes,
+                                       emulated())
 
     async def infer(self, body: bytes, headers: Mapping[str, str]) -> tuple[bytes, dict[str, str]]:
         """Decode, batch, run and encode one OIP v2 infer request."""
         started = time.perf_counter()
-        code = "500"
+        times = triton_ext.RequestTimes(received=started)
+        code, rows = "500", 0
         try:
             request = parse_infer_request(body, headers, max_elements=self.max_elements)
             tensors = check_inputs(request.inputs, self.inputs)
@@ -129,17 +149,20 @@ class ModelDataPlane:
                     f"the request has {rows} rows; this model accepts at most "
                     f"{self.config.batching.max_batch_size} (batching.max_batch_size)."
                 )
-            outputs = await self.batcher.submit(tensors, rows=rows)
+            times.decoded = time.perf_counter()
+            outputs = await self.batcher.submit((tensors, times), rows=rows)
             named = list(zip(self.runner.model.output_names, outputs))
             response = encode_infer_response(
                 model_name=self.name, model_version="1", request_id=request.id, outputs=named, request=request
             )
             code = "200"
+            times.answered = time.perf_counter()
             return response
         except NeuronServeError as exc:
             code = str(exc.http_status)
             raise
         finally:
+            triton_ext.record(self.name, self.replica, times, code == "200", rows)
             metrics.REQUESTS.labels(**self._labels, code=code).inc()
             metrics.REQUEST_LATENCY.labels(**self._labels).observe(time.perf_counter() - started)
 

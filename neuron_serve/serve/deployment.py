@@ -28,7 +28,7 @@ from ..config import ModelConfig, parse_config
 from ..targets.pjrt import neuron_devices_present
 from ..errors import ConfigError
 from .dataplane import ModelDataPlane
-from . import auth, dataplane, failure, ingress
+from . import auth, dataplane, failure, grpc_service, ingress
 from .http import model_app, server_app
 
 logger = logging.getLogger("neuron_serve")
@@ -69,6 +69,10 @@ class ModelServer:
         self.plane.start()
         dataplane.set_current(self.plane)
 
+    async def grpc_call(self, method: str, payload: bytes = b"") -> tuple:
+        """A gRPC call forwarded by the server app (see grpc_service)."""
+        return await grpc_service.replica_call(dataplane.current(), method, payload)
+
     async def __del__(self) -> None:
         dataplane.set_current(None)
         plane = getattr(self, "plane", None)  # absent when building failed
@@ -105,10 +109,40 @@ async def model_states() -> dict[str, str]:
 @serve.deployment(name="server", num_replicas=1, ray_actor_options={"num_cpus": 0})
 @serve.ingress(server_app(model_states))
 class Server:
-    """Health, server metadata, metrics and fallbacks; holds no model."""
+    """Health, server metadata, metrics and fallbacks, and the gRPC service; holds no model."""
 
-    def __init__(self) -> None:
+    async def __init__(self, grpc_options: dict | None = None) -> None:
         auth.configure(auth.resolve_token(None))
+        self._grpc = None
+        if grpc_options:
+            self._grpc = await grpc_service.start(grpc_options["host"], grpc_options["port"],
+                                                  grpc_options["max_message_bytes"], model_states, call_model)
+
+    async def __del__(self) -> None:
+        if getattr(self, "_grpc", None) is not None:
+            await self._grpc.stop(grace=5)
+
+
+_handles: dict = {}
+
+
+async def call_model(name: str, method: str, payload: bytes) -> tuple:
+    """Forward a gRPC call to a replica of model ``name`` (its Serve application)."""
+    handle = _handles.get(name)
+    if handle is None:
+        handle = await asyncio.get_running_loop().run_in_executor(None, serve.get_app_handle, name)
+        _handles[name] = handle
+    return await handle.grpc_call.remote(method, payload)
+
+
+def grpc_options(configs: list[ModelConfig], host: str, port: int | None) -> dict | None:
+    """Where the gRPC service listens (``port`` overrides the first model.yaml's), or
+    None when the first model.yaml turns it off and no port is given."""
+    first = configs[0].grpc
+    if port is None and not first.enabled:
+        return None
+    return {"host": host, "port": port or first.port,
+            "max_message_bytes": max(c.http.max_request_bytes for c in configs)}
 
 
 def replica_env(config: ModelConfig) -> dict[str, str]:
@@ -185,9 +219,11 @@ def connect(address: str | None) -> bool:
     return False
 
 
-def deploy(configs: list[tuple[ModelConfig, str | None]], host: str, port: int, timeout_s: float = 1800) -> dict[str, str]:
-    """Deploy every model and the server app; wait until all are ready or one fails."""
-    server = server_application([c for c, _ in configs])  # refuses bad auth before starting anything
+def deploy(configs: list[tuple[ModelConfig, str | None]], host: str, port: int, timeout_s: float = 1800,
+           grpc: dict | None = None) -> dict[str, str]:
+    """Deploy every model and the server app (with the gRPC service when ``grpc`` says
+    where); wait until all are ready or one fails."""
+    server = server_application([c for c, _ in configs], grpc)  # refuses bad auth before starting anything
     serve.start(http_options={"host": host, "port": port})
     if head_processes() and ingress.json_error_page():  # only the HAProxy of a Ray started here
         logger.debug("HAProxy's error page is JSON")
@@ -229,7 +265,7 @@ def build_failure(name: str) -> str:
     return failure.model_error(messages)
 
 
-def server_application(configs: list[ModelConfig]):
+def server_application(configs: list[ModelConfig], grpc: dict | None = None):
     """The server app, requiring the models' token when any of them has one."""
     tokens = {t for t in (auth.resolve_token(c) for c in configs) if t is not None}
     if len(tokens) > 1:
@@ -237,7 +273,7 @@ def server_application(configs: list[ModelConfig]):
                           "point their token_env or token_file at one secret.")
     env = {metrics.MULTIPROC_ENV: metrics.multiproc_dir()}
     env.update(auth.token_env_vars(None, tokens.pop()) if tokens else {})
-    return Server.options(ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}}).bind()
+    return Server.options(ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}}).bind(grpc)
 
 
 def ray_address() -> str:

@@ -20,7 +20,7 @@ from ..version import __version__
 from ..errors import ModelNotFound, ModelNotReady, NeuronServeError, PayloadTooLarge
 from ..targets.pjrt import emulated
 from ..config import DEFAULT_MAX_REQUEST_BYTES
-from . import auth, dataplane
+from . import auth, dataplane, triton_ext
 from .dataplane import ModelDataPlane
 
 OPENAPI_PATH = "/openapi.json"
@@ -87,6 +87,14 @@ def model_app() -> FastAPI:
     async def ready() -> JSONResponse:
         return JSONResponse({"name": plane().name, "ready": True})
 
+    @app.get("/config")
+    async def config() -> JSONResponse:
+        return JSONResponse(plane().triton_config())
+
+    @app.get("/stats")
+    async def stats() -> JSONResponse:
+        return JSONResponse(triton_ext.model_stats([plane().name]))
+
     @app.post("/infer")
     async def infer(request: Request) -> Response:
         served = plane()
@@ -135,13 +143,22 @@ def server_app(model_states: ModelStates) -> FastAPI:
         return {
             "name": "neuron-serve",
             "version": __version__,
-            "extensions": ["binary_tensor_data"],
+            "extensions": triton_ext.EXTENSIONS,
             "emulated": emulated(),
             "models": sorted(await model_states()),
         }
 
+    @app.get("/v2/models/stats")  # before /v2/models/{name}, which would match it too
+    async def all_stats() -> JSONResponse:
+        return JSONResponse(triton_ext.model_stats(sorted(await model_states())))
+
     @app.get("/v2/models/{name}")
     async def model_metadata(name: str) -> JSONResponse:
+        return _error(await missing(name))
+
+    @app.get("/v2/models/{name}/config")
+    @app.get("/v2/models/{name}/stats")
+    async def model_extension(name: str) -> JSONResponse:
         return _error(await missing(name))
 
     @app.get("/v2/models/{name}/ready")

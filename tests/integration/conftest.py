@@ -25,9 +25,11 @@ def free_port() -> int:
 class Server:
     """`neuron-serve deploy` of ``configs`` in its own process group, ready on return."""
 
-    def __init__(self, configs: list[str], tmp: Path, env: dict[str, str] | None = None):
+    def __init__(self, configs: list[str], tmp: Path, env: dict[str, str] | None = None, args: tuple = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.grpc_port = free_port()  # gRPC is on by default; never its fixed 8001 here
+        self.grpc_url = f"127.0.0.1:{self.grpc_port}"
         self.log = tmp / "deploy.log"
         env_overrides = env
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # always an embedded Ray
@@ -38,7 +40,8 @@ class Server:
         env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
         env.update(env_overrides or {})
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "neuron_serve.cli", "deploy", *configs, "--port", str(self.port)],
+            [sys.executable, "-m", "neuron_serve.cli", "deploy", *configs, "--port", str(self.port),
+             "--grpc-port", str(self.grpc_port), *args],
             cwd=ROOT, env=env, stdout=(log := self.log.open("wb")), stderr=subprocess.STDOUT, start_new_session=True,
         )
         log.close()  # the child holds its own copy

@@ -5,6 +5,10 @@ cannot use, so the two never share an environment. Only kserve and numpy are imp
 
     python kserve_calls.py BASE_URL WORKDIR < calls.json > results.json
 
+A BASE_URL without a scheme (``127.0.0.1:8001``) is a gRPC address: the calls then go
+through KServe's InferenceGRPCClient, ``binary`` choosing raw_input_contents over typed
+contents, and a call the server refuses answers the gRPC status code's name.
+
 Each call is one of
     {"op": "live"} | {"op": "ready"} | {"op": "model_ready", "model": NAME}
     {"op": "infer", "model": NAME, "inputs": "in.npz", "binary": BOOL, "out": "out.npz"}
@@ -21,9 +25,10 @@ import json
 import sys
 from pathlib import Path
 
+import grpc
 import httpx
 import numpy as np
-from kserve import InferenceRESTClient, InferInput, InferRequest, RESTConfig
+from kserve import InferenceGRPCClient, InferenceRESTClient, InferInput, InferRequest, RESTConfig
 
 
 def _request(model: str, arrays: dict[str, np.ndarray], binary: bool) -> InferRequest:
@@ -59,7 +64,36 @@ async def _call(client: InferenceRESTClient, base_url: str, workdir: Path, call:
     }
 
 
+async def _grpc_call(client: InferenceGRPCClient, workdir: Path, call: dict) -> dict:
+    op = call["op"]
+    if op == "live":
+        return {"value": await client.is_server_live()}
+    if op == "ready":
+        return {"value": await client.is_server_ready()}
+    if op == "model_ready":
+        return {"value": await client.is_model_ready(call["model"])}
+    with np.load(workdir / call["inputs"]) as npz:
+        arrays = {name: npz[name] for name in npz.files}
+    response = await client.infer(_request(call["model"], arrays, call["binary"]))
+    np.savez(workdir / call["out"], **{out.name: out.as_numpy() for out in response.outputs})
+    return {"outputs": {out.name: {"datatype": out.datatype, "shape": list(out.shape)} for out in response.outputs}}
+
+
+async def grpc_main(address: str, workdir: Path, calls: list[dict]) -> list[dict]:
+    results = []
+    async with InferenceGRPCClient(address, timeout=120) as client:
+        for call in calls:
+            try:
+                results.append(await _grpc_call(client, workdir, call))
+            except grpc.aio.AioRpcError as exc:
+                results.append({"error": {"type": type(exc).__name__, "status": exc.code().name,
+                                          "message": exc.details()}})
+    return results
+
+
 async def main(base_url: str, workdir: Path, calls: list[dict]) -> list[dict]:
+    if "://" not in base_url:
+        return await grpc_main(base_url, workdir, calls)
     client = InferenceRESTClient(RESTConfig(protocol="v2", timeout=120))
     results = []
     try:

@@ -76,7 +76,8 @@ def served(cluster, tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONWARNINGS"] = "ignore"
     env["PROMETHEUS_MULTIPROC_DIR"] = str(tmp_path_factory.mktemp("metrics"))  # both nodes share this disk
-    done = cli("deploy", str(MODELS / "tiny.yaml"), "--address", cluster.address, "--port", str(port), env=env)
+    done = cli("deploy", str(MODELS / "tiny.yaml"), "--address", cluster.address, "--port", str(port),
+               "--no-grpc", env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "tiny: ready" in done.stderr
     yield f"http://127.0.0.1:{port}"

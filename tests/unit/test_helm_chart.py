@@ -28,8 +28,11 @@ RELEASE, NAMESPACE = "demo", "models"
 # kubernetes-validate knows; every core manifest must validate against both.
 KUBE_VERSIONS = ("1.25.0", kubernetes_validate.utils.latest_version())
 NEURONCORE = "aws.amazon.com/neuroncore"
-COMMAND = ["neuron-serve", "deploy", "/etc/neuron-serve/model.yaml", "--host", "0.0.0.0", "--port", "8000"]
+COMMAND = ["neuron-serve", "deploy", "/etc/neuron-serve/model.yaml", "--grpc-port", "8001", "--host", "0.0.0.0",
+           "--port", "8000"]
 
+# gRPC is served in deployment mode only; a RayService render must turn it off.
+RAYSERVICE = {"mode": "rayservice", "server": {"grpc": {"enabled": False}}}
 SCENARIOS = {
     "default": {},
     "deployment": {
@@ -37,15 +40,17 @@ SCENARIOS = {
         "replicaCount": 2,
         "nodeSelector": {"node.kubernetes.io/instance-type": "inf2.xlarge"},
     },
-    "rayservice": {"mode": "rayservice"},
+    "rayservice": {**RAYSERVICE},
     "existing-configmap": {"modelConfig": {"existingConfigMap": "my-model", "existingConfigMapKey": "encoder.yaml"}},
     "monitoring-autoscaling": {
         "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
         "autoscaling": {"enabled": True},
     },
     "existing-claim": {"compileCache": {"existingClaim": "shared-neuron-cache"}},
+    "grpc-probes": {"probes": {"protocol": "grpc"}},
 }
 EXPECTED_KINDS = {
+    "grpc-probes": {"ConfigMap", "Deployment", "PersistentVolumeClaim", "Service", "PodDisruptionBudget"},
     "default": {"ConfigMap", "Deployment", "PersistentVolumeClaim", "Service", "PodDisruptionBudget"},
     "deployment": {"ConfigMap", "Deployment", "PersistentVolumeClaim", "Service", "PodDisruptionBudget"},
     "rayservice": {"ConfigMap", "RayService", "PersistentVolumeClaim", "Service", "PodDisruptionBudget"},
@@ -179,8 +184,13 @@ def render(values: dict | None = None) -> list[dict]:
     return copy.deepcopy(list(_render(json.dumps(values or {}, sort_keys=True))))
 
 
+def is_dashboard(doc: dict) -> bool:
+    return doc["kind"] == "ConfigMap" and doc["metadata"]["name"].endswith("-dashboard")
+
+
 def one(docs: list[dict], kind: str) -> dict:
-    found = [d for d in docs if d["kind"] == kind]
+    """The one manifest of ``kind`` (ConfigMap: the model's, not the Grafana dashboard's)."""
+    found = [d for d in docs if d["kind"] == kind and not is_dashboard(d)]
     assert len(found) == 1, f"expected one {kind}, got {len(found)}"
     return found[0]
 
@@ -223,7 +233,8 @@ def test_chart_lints_without_warnings(scenario):
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_renders_the_documented_resources(scenario):
     docs = render(SCENARIOS[scenario])
-    assert {d["kind"] for d in docs} == EXPECTED_KINDS[scenario]
+    assert sum(map(is_dashboard, docs)) == 1  # shipped by default
+    assert {d["kind"] for d in docs if not is_dashboard(d)} == EXPECTED_KINDS[scenario]
     names = [(d["kind"], d["metadata"]["name"]) for d in docs]
     assert len(names) == len(set(names))
     for kind, name in names:
@@ -321,7 +332,7 @@ def test_inline_model_change_rolls_the_pods():
 
 def test_existing_configmap_is_mounted_as_model_yaml():
     docs = render(SCENARIOS["existing-configmap"])
-    assert not [d for d in docs if d["kind"] == "ConfigMap"]
+    assert not [d for d in docs if d["kind"] == "ConfigMap" and not is_dashboard(d)]
     volume = {v["name"]: v for v in one(docs, "Deployment")["spec"]["template"]["spec"]["volumes"]}["model-config"]
     assert volume["configMap"] == {"name": "my-model", "items": [{"key": "encoder.yaml", "path": "model.yaml"}]}
 
@@ -392,7 +403,7 @@ def test_serving_pods_request_neuroncores(scenario, cores):
 
 
 def test_ray_head_requests_no_neuroncores():
-    head = one(render({"mode": "rayservice"}), "RayService")["spec"]["rayClusterConfig"]["headGroupSpec"]
+    head = one(render({**RAYSERVICE}), "RayService")["spec"]["rayClusterConfig"]["headGroupSpec"]
     resources = head["template"]["spec"]["containers"][0]["resources"]
     assert NEURONCORE not in resources.get("limits", {}) and NEURONCORE not in resources.get("requests", {})
 
@@ -462,9 +473,10 @@ def test_compile_cache_can_be_an_emptydir_at_another_path():
 def test_service_exposes_http_and_metrics_of_the_serving_pods(scenario):
     docs = render(SCENARIOS[scenario])
     service = one(docs, "Service")
-    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {"http": 8000, "metrics": 8080}
+    grpc = {"grpc": 8001} if scenario == "default" else {}  # a RayService serves no gRPC
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {"http": 8000, "metrics": 8080, **grpc}
     # neuron-serve serves /metrics on its HTTP port.
-    assert {p["name"]: p["targetPort"] for p in service["spec"]["ports"]} == {"http": 8000, "metrics": 8000}
+    assert {p["name"]: p["targetPort"] for p in service["spec"]["ports"]} == {"http": 8000, "metrics": 8000, **grpc}
     for pod in serving_pods(docs):
         assert matches(service["spec"]["selector"], pod["metadata"]["labels"])
         container_ports = {p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
@@ -497,7 +509,7 @@ def test_hpa_scales_the_deployment_which_then_leaves_replicas_to_it():
 
 def test_hpa_is_refused_in_rayservice_mode():
     with pytest.raises(helm.HelmRenderError, match="autoscaling.enabled is for mode=deployment"):
-        render({"mode": "rayservice", "autoscaling": {"enabled": True}})
+        render({**RAYSERVICE, "autoscaling": {"enabled": True}})
 
 
 @pytest.mark.parametrize(
@@ -515,7 +527,7 @@ def test_pdb_covers_the_serving_pods(values, expected):
 
 
 def test_rayservice_serves_the_same_model_yaml_with_ray_serve():
-    docs = render({"mode": "rayservice"})
+    docs = render({**RAYSERVICE})
     spec = one(docs, "RayService")["spec"]
     serve = yaml.safe_load(spec["serveConfigV2"])
     assert serve["http_options"] == {"host": "0.0.0.0", "port": 8000}
@@ -540,7 +552,7 @@ def test_rayservice_serves_the_same_model_yaml_with_ray_serve():
 
 
 def test_rayservice_with_an_existing_configmap_needs_the_model_name():
-    values = {"mode": "rayservice", "modelConfig": {"existingConfigMap": "my-model"}}
+    values = {**RAYSERVICE, "modelConfig": {"existingConfigMap": "my-model"}}
     with pytest.raises(helm.HelmRenderError, match="ray.modelName"):
         render(values)
     values["ray"] = {"modelName": "encoder"}
@@ -561,7 +573,7 @@ def test_rayservice_with_an_existing_configmap_needs_the_model_name():
         ),
         (
             {
-                "mode": "rayservice",
+                **RAYSERVICE,
                 "modelConfig": {"inline": dict(ENCODER, cores_per_replica=2)},
                 "ray": {"worker": {"replicas": 2}},
                 "neuron": {"cores": 1},
@@ -580,7 +592,7 @@ def test_model_replicas_that_fit_render():
     assert render({"modelConfig": {"inline": inline}, "neuron": {"cores": 4}})
     assert render(
         {
-            "mode": "rayservice",
+            **RAYSERVICE,
             "modelConfig": {"inline": inline},
             "neuron": {"cores": 2},
             "ray": {"worker": {"replicas": 2}},
@@ -590,7 +602,7 @@ def test_model_replicas_that_fit_render():
 
 def test_ray_serve_deployment_overrides_reach_serve_config():
     overrides = [{"name": "model", "num_replicas": 2, "max_ongoing_requests": 64}]
-    spec = one(render({"mode": "rayservice", "ray": {"serveDeployments": overrides}}), "RayService")["spec"]
+    spec = one(render({**RAYSERVICE, "ray": {"serveDeployments": overrides}}), "RayService")["spec"]
     assert yaml.safe_load(spec["serveConfigV2"])["applications"][0]["deployments"] == overrides
 
 
@@ -752,3 +764,81 @@ def test_dockerignore_keeps_the_build_inputs_and_drops_the_rest():
         assert not any(Path(needed).match(p) or needed.split("/")[0] == p for p in patterns), needed
     for dropped in (".venv", ".git", "tests"):
         assert dropped in patterns
+
+
+# --- gRPC -------------------------------------------------------------------------------
+
+
+def test_grpc_port_reaches_the_server_the_container_and_the_service():
+    docs = render({"server": {"grpc": {"enabled": True, "port": 9001}}})
+    container = _server(docs)
+    assert container["args"][2:4] == ["--grpc-port", "9001"]
+    assert {p["name"]: p["containerPort"] for p in container["ports"]}["grpc"] == 9001
+    ports = {p["name"]: p for p in one(docs, "Service")["spec"]["ports"]}
+    assert (ports["grpc"]["port"], ports["grpc"]["targetPort"], ports["grpc"]["appProtocol"]) == (9001, 9001, "grpc")
+
+
+def test_grpc_off_passes_no_grpc_and_drops_the_ports():
+    docs = render({"server": {"grpc": {"enabled": False, "port": 8001}}})
+    container = _server(docs)
+    assert "--no-grpc" in container["args"] and "--grpc-port" not in container["args"]
+    assert "grpc" not in {p["name"] for p in container["ports"]}
+    assert "grpc" not in {p["name"] for p in one(docs, "Service")["spec"]["ports"]}
+
+
+def test_grpc_probes_ask_the_health_service():
+    docs = render(SCENARIOS["grpc-probes"])  # validated against Kubernetes' schemas with the other scenarios
+    container = _server(docs)
+    services = {probe: (container[probe]["grpc"]["port"], container[probe]["grpc"]["service"])
+                for probe in ("startupProbe", "livenessProbe", "readinessProbe")}
+    assert services == {"startupProbe": (8001, "ready"), "livenessProbe": (8001, "live"),
+                        "readinessProbe": (8001, "ready")}
+    assert "httpGet" not in container["readinessProbe"]
+    # ...answered by the server's grpc.health.v1 service (tests/integration/test_grpc.py calls it).
+    from neuron_serve.serve.grpc_service import HealthServicer
+
+    assert {"ready", "live"} <= set(HealthServicer.LIVE + HealthServicer.READY)
+
+
+@pytest.mark.parametrize("values,error", [
+    ({"mode": "rayservice"}, "server.grpc.enabled is for mode=deployment"),
+    ({"probes": {"protocol": "grpc"}, "server": {"grpc": {"enabled": False, "port": 8001}}},
+     "probes.protocol=grpc needs server.grpc.enabled=true"),
+])
+def test_grpc_settings_that_cannot_work_are_refused(values, error):
+    with pytest.raises(helm.HelmRenderError, match=re.escape(error)):
+        render(values)
+
+
+# --- Grafana dashboard ------------------------------------------------------------------
+
+DASHBOARD = CHART / "dashboards" / "neuron-serve.json"
+
+
+def test_dashboard_configmap_carries_the_dashboard_for_the_grafana_sidecar():
+    docs = render()
+    maps = [d for d in docs if is_dashboard(d)]
+    assert len(maps) == 1
+    assert maps[0]["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(maps[0]["data"]["neuron-serve.json"]) == json.loads(DASHBOARD.read_text())
+    for kube_version in KUBE_VERSIONS:
+        kubernetes_validate.validate(maps[0], kube_version, strict=True)
+    assert not [d for d in render({"grafanaDashboard": {"enabled": False, "labels": {"grafana_dashboard": "1"}}})
+                if is_dashboard(d)]
+
+
+def test_dashboard_panels_cover_the_serving_metrics():
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+    for metric in ("neuron_serve_requests_total", "neuron_serve_request_latency_seconds_bucket",
+                   "neuron_serve_queue_time_seconds_bucket", "neuron_serve_batch_size_rows",
+                   "neuron_serve_padding_rows_total", "neuroncore_utilization_ratio",
+                   "neuron_serve_partition_seconds", "neuron_serve_compile_cache_hits_total"):
+        assert metric in exprs, metric
+    # Every metric a panel reads is one neuron-serve declares.
+    from neuron_serve import metrics
+
+    declared = {m._name for m in vars(metrics).values() if hasattr(m, "_name") and hasattr(m, "_type")}
+    used = set(re.findall(r"\b(neuron_serve_\w+|neuroncore_\w+|execution_\w+)\{", exprs))
+    suffixes = ("_bucket", "_sum", "_count", "_total")
+    assert {next((u[: -len(s)] for s in suffixes if u.endswith(s)), u) for u in used} <= declared

@@ -211,6 +211,12 @@ annotations:
 {{- end }}
 
 {{- define "neuron-serve.validate" -}}
+{{- if and (eq .Values.mode "rayservice") .Values.server.grpc.enabled }}
+{{- fail "server.grpc.enabled is for mode=deployment (a RayService's server replica may run on any Ray node); set server.grpc.enabled=false." }}
+{{- end }}
+{{- if and (eq .Values.probes.protocol "grpc") (not .Values.server.grpc.enabled) }}
+{{- fail "probes.protocol=grpc needs server.grpc.enabled=true; or use probes.protocol=http." }}
+{{- end }}
 {{- if and (eq .Values.mode "rayservice") .Values.autoscaling.enabled }}
 {{- fail "autoscaling.enabled is for mode=deployment; scale a RayService with ray.worker.replicas." }}
 {{- end }}

@@ -1,0 +1,215 @@
+"""OIP v2 over gRPC: ``inference.GRPCInferenceService`` of KServe and Triton.
+
+The server app's replica runs one gRPC server beside HTTP. KServe's and Triton's
+clients name the model inside each message (``model_name``), not in call metadata, so
+Ray Serve's gRPC proxy, which routes by an ``application`` metadata key, cannot route
+them unchanged; this server reads the name and forwards the call to that model's
+replicas through a Serve handle (``call_model``), where the model's data plane runs it
+through the same checks, limits, batcher and statistics as HTTP (see oip_grpc).
+
+Beside it, ``grpc.health.v1.Health`` answers Kubernetes' gRPC probes: service ``live``
+(or ``""``) is SERVING while the server runs, ``ready`` (or
+``inference.GRPCInferenceService``) once every model is ready.
+
+Errors carry the HTTP answer's message with the matching status code; authentication,
+when on, wants ``authorization: Bearer <token>`` metadata on every call but ServerLive
+and ServerReady (left open for probes, as the HTTP health routes are).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Awaitable, Callable
+
+import grpc
+from google.protobuf import json_format
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tritonclient.grpc import model_config_pb2, service_pb2 as pb, service_pb2_grpc
+
+from .. import __version__
+from ..errors import ModelNotFound, ModelNotReady, NeuronServeError
+from . import auth, triton_ext
+from .oip_grpc import request_to_rest, response_from_rest
+
+logger = logging.getLogger("neuron_serve")
+
+STATUS_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+ModelStates = Callable[[], Awaitable[dict[str, str]]]
+# (model, method, payload) -> ("ok", result) or ("error", http_status, message)
+CallModel = Callable[[str, str, bytes], Awaitable[tuple]]
+
+
+class _Failed(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+async def replica_call(plane: Any, method: str, payload: bytes) -> tuple:
+    """Run one forwarded gRPC call on a model replica's data plane (``plane`` may be None)."""
+    try:
+        if plane is None or not plane.ready():
+            raise ModelNotReady("model is loading or shutting down")
+        if method == "metadata":
+            return ("ok", plane.metadata())
+        if method == "config":
+            return ("ok", plane.triton_config())
+        if method == "infer":
+            plane.batcher.admit()  # refuse before decoding when the queue is full
+            body, headers = request_to_rest(pb.ModelInferRequest.FromString(payload))
+            content, out_headers = await plane.infer(body, headers)
+            return ("ok", response_from_rest(content, out_headers).SerializeToString())
+        raise NeuronServeError(f"unknown model call {method!r}")
+    except NeuronServeError as exc:
+        return ("error", exc.http_status, str(exc))
+    except Exception as exc:  # a fault of the server or the model: still an answer with a message
+        return ("error", 500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+    """The gRPC inference service of every model deployed together."""
+
+    def __init__(self, model_states: ModelStates, call_model: CallModel) -> None:
+        self.model_states = model_states
+        self.call_model = call_model
+
+    # -- helpers ---------------------------------------------------------------------
+
+    @staticmethod
+    async def _abort(context: grpc.aio.ServicerContext, status: int, message: str) -> None:
+        await context.abort(STATUS_CODES.get(status, grpc.StatusCode.INTERNAL), message)
+
+    @staticmethod
+    async def _authorize(context: grpc.aio.ServicerContext) -> None:
+        token = auth.current_token()
+        if token is None:
+            return
+        header = dict(context.invocation_metadata() or ()).get("authorization")
+        if not auth.authorized(header, token):
+            problem = "missing Authorization header" if header is None else "invalid bearer token"
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                f"unauthorized: {problem}; send 'authorization: Bearer <token>' metadata")
+
+    async def _ready_model(self, name: str) -> None:
+        state = (await self.model_states()).get(name)
+        if state is None:
+            raise _Failed(ModelNotFound.http_status, f"model {name!r} not found")
+        if state != "ready":
+            raise _Failed(ModelNotReady.http_status, f"model {name!r} is not ready ({state})")
+
+    async def _call(self, context, name: str, method: str, payload: bytes = b"") -> Any:
+        await self._ready_model(name)
+        try:
+            answer = await self.call_model(name, method, payload)
+        except Exception as exc:  # the model's replicas went away mid-call (shutdown, crash)
+            raise _Failed(503, f"model {name!r} is not available: {type(exc).__name__}: {exc}") from None
+        if answer[0] != "ok":
+            raise _Failed(answer[1], answer[2])
+        return answer[1]
+
+    async def _guard(self, context, work: Callable[[], Awaitable[Any]], open_: bool = False) -> Any:
+        if not open_:
+            await self._authorize(context)
+        try:
+            return await work()
+        except _Failed as exc:
+            await self._abort(context, exc.status, str(exc))
+
+    # -- the service -----------------------------------------------------------------
+
+    async def ServerLive(self, request, context):
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):
+        states = await self.model_states()
+        return pb.ServerReadyResponse(ready=bool(states) and all(s == "ready" for s in states.values()))
+
+    async def ModelReady(self, request, context):
+        async def work():
+            state = (await self.model_states()).get(request.name)
+            if state is None:
+                raise _Failed(404, f"model {request.name!r} not found")
+            return pb.ModelReadyResponse(ready=state == "ready")
+        return await self._guard(context, work)
+
+    async def ServerMetadata(self, request, context):
+        async def work():
+            return pb.ServerMetadataResponse(name="neuron-serve", version=__version__,
+                                             extensions=triton_ext.EXTENSIONS)
+        return await self._guard(context, work)
+
+    async def ModelMetadata(self, request, context):
+        async def work():
+            meta = await self._call(context, request.name, "metadata")
+            response = pb.ModelMetadataResponse(name=meta["name"], versions=meta["versions"], platform=meta["platform"])
+            for kind in ("inputs", "outputs"):
+                for tensor in meta[kind]:
+                    getattr(response, kind).add(name=tensor["name"], datatype=tensor["datatype"], shape=tensor["shape"])
+            return response
+        return await self._guard(context, work)
+
+    async def ModelInfer(self, request, context):
+        async def work():
+            raw = await self._call(context, request.model_name, "infer", request.SerializeToString())
+            return pb.ModelInferResponse.FromString(raw)
+        return await self._guard(context, work)
+
+    async def ModelConfig(self, request, context):
+        async def work():
+            config = await self._call(context, request.name, "config")
+            return pb.ModelConfigResponse(config=json_format.ParseDict(config, model_config_pb2.ModelConfig()))
+        return await self._guard(context, work)
+
+    async def ModelStatistics(self, request, context):
+        async def work():
+            states = await self.model_states()
+            if request.name and request.name not in states:
+                raise _Failed(404, f"model {request.name!r} not found")
+            stats = triton_ext.model_stats([request.name] if request.name else sorted(states))
+            return json_format.ParseDict(stats, pb.ModelStatisticsResponse())
+        return await self._guard(context, work)
+
+
+class HealthServicer(health_pb2_grpc.HealthServicer):
+    """grpc.health.v1 for probes: ``live``/``""`` always, ``ready`` when every model is."""
+
+    LIVE = ("", "live")
+    READY = ("ready", "inference.GRPCInferenceService")
+
+    def __init__(self, model_states: ModelStates) -> None:
+        self.model_states = model_states
+
+    async def Check(self, request, context):
+        status = health_pb2.HealthCheckResponse
+        if request.service in self.LIVE:
+            return status(status=status.SERVING)
+        if request.service in self.READY:
+            states = await self.model_states()
+            ready = bool(states) and all(s == "ready" for s in states.values())
+            return status(status=status.SERVING if ready else status.NOT_SERVING)
+        await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}; ask for 'live' or 'ready'")
+
+
+async def start(host: str, port: int, max_message_bytes: int, model_states: ModelStates,
+                call_model: CallModel) -> grpc.aio.Server:
+    """Start the gRPC server on ``host:port`` in the running event loop; returns it."""
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", -1),
+    ])
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(model_states, call_model), server)
+    health_pb2_grpc.add_HealthServicer_to_server(HealthServicer(model_states), server)
+    address = f"{host}:{port}"
+    if server.add_insecure_port(address) == 0:
+        raise RuntimeError(f"gRPC: cannot listen on {address} (port in use?); choose another with --grpc-port")
+    await server.start()
+    logger.info("gRPC inference service on %s", address)
+    return server
