@@ -235,6 +235,14 @@ def wav2vec2():
     return model.eval(), (torch.rand(BATCH, 400),)
 
 
+def yolos():
+    t = _tf()
+    model = t.YolosForObjectDetection(t.YolosConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=[32, 32],
+        patch_size=8, num_detection_tokens=5, num_labels=3))
+    return model.eval(), _images()
+
+
 def _tv():
     import torchvision  # noqa: PLC0415
 
@@ -345,6 +353,7 @@ ZOO = [
     Entry("transformers/clip", "multimodal", clip),
     Entry("transformers/whisper", "speech", whisper),
     Entry("transformers/wav2vec2", "speech", wav2vec2),
+    Entry("transformers/yolos", "detection", yolos),
     Entry("torchvision/resnet18", "vision", tv_resnet18),
     Entry("torchvision/mobilenet_v3_small", "vision", tv_mobilenet_v3_small),
     Entry("torchvision/efficientnet_b0", "vision", tv_efficientnet_b0),

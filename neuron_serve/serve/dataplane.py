@@ -141,7 +141,7 @@ class ModelDataPlane:
         times = triton_ext.RequestTimes(received=started)
         code, rows = "500", 0
         try:
-            request = parse_infer_request(body, headers, max_elements=self.max_elements)
+            request = parse_infer_request(body, headers, max_elements=self.max_elements, model=self.name)
             tensors = check_inputs(request.inputs, self.inputs)
             rows = tensors[0].shape[0] if tensors[0].dim() else 1
             if rows > self.config.batching.max_batch_size:

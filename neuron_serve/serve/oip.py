@@ -70,13 +70,14 @@ class _InputPlan:
 
 
 def parse_infer_request(
-    body: bytes, headers: Mapping[str, str], *, max_elements: int = DEFAULT_MAX_ELEMENTS
+    body: bytes, headers: Mapping[str, str], *, max_elements: int = DEFAULT_MAX_ELEMENTS, model: str | None = None
 ) -> InferRequest:
     """Decode an OIP v2 REST infer request body (JSON, or JSON + binary tensor data).
 
     `headers` is looked up case-insensitively for `Inference-Header-Content-Length`.
     Each input holds at most `max_elements` elements; larger shapes are refused before
-    any allocation. Raises `InvalidInput` for every malformed request.
+    any allocation. A `model_name` in the body (KServe's client sends one) must be
+    `model`, the model the URL names. Raises `InvalidInput` for every malformed request.
     """
     body = bytes(body)
     header_length = _header_length(headers, len(body))
@@ -84,6 +85,9 @@ def parse_infer_request(
     binary = memoryview(body)[len(body) if header_length is None else header_length :]
     # Every field's JSON type first, so the checks below only see the types they expect.
     check_request(doc)
+    if model is not None and doc.get("model_name") not in (None, model):
+        raise InvalidInput(f"model_name is {doc['model_name']!r} but this is model {model!r}; send it to "
+                           f"/v2/models/{doc['model_name']}/infer or drop model_name")
 
     request_id = doc.get("id")
     parameters = doc.get("parameters") or {}

@@ -91,6 +91,9 @@ class InferRequestModel(_Closed):
     """The OIP v2 infer request object."""
 
     id: Annotated[StrictStr, Field(max_length=MAX_ID_CHARS)] | None = None
+    # Not in the protocol's request, but KServe's client sends them; the URL names the model.
+    model_name: Name | None = None
+    model_version: Name | None = None
     parameters: RequestParameters | None = None
     inputs: list[InputTensor]
     outputs: list[RequestedOutput] | None = None

@@ -15,7 +15,8 @@ TOLERANCE = 1e-4
 
 @pytest.fixture(scope="module")
 def zoo_server(tmp_path_factory, server_factory):
-    srv = server_factory(["tests/integration/models/gpt2.yaml", "tests/integration/models/lraspp.yaml"],
+    srv = server_factory(["tests/integration/models/gpt2.yaml", "tests/integration/models/lraspp.yaml",
+                          "tests/integration/models/yolos.yaml"],
                          tmp_path_factory.mktemp("zoo"))
     yield srv
     srv.stop()
@@ -51,3 +52,23 @@ def test_segmentation_masks_equal_eager(zoo_server):
     assert out.shape == (2, 3, 64, 64)
     torch.testing.assert_close(out, expected, atol=TOLERANCE, rtol=TOLERANCE)
     assert torch.equal(out.argmax(1), expected.argmax(1))
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_detection_boxes_and_classes_equal_eager(zoo_server, binary):
+    client = _client(zoo_server)
+    meta = client.get_model_metadata("yolos")
+    assert [o["name"] for o in meta["outputs"]] == ["logits", "pred_boxes", "last_hidden_state"]
+    images = torch.rand(3, 3, 32, 32)  # 3 rows: two chunks of the trace batch of 2
+    inp = triton.InferInput("pixel_values", [3, 3, 32, 32], "FP32")
+    inp.set_data_from_numpy(images.numpy(), binary_data=binary)
+    wanted = [triton.InferRequestedOutput(name, binary_data=binary) for name in ("logits", "pred_boxes")]
+    result = client.infer("yolos", [inp], outputs=wanted)
+    with torch.no_grad():
+        expected = zoo_served.yolos()(images)
+    logits = torch.from_numpy(result.as_numpy("logits").copy())
+    boxes = torch.from_numpy(result.as_numpy("pred_boxes").copy())
+    assert logits.shape == (3, 5, 4) and boxes.shape == (3, 5, 4)
+    torch.testing.assert_close(logits, expected.logits, atol=TOLERANCE, rtol=TOLERANCE)
+    torch.testing.assert_close(boxes, expected.pred_boxes, atol=TOLERANCE, rtol=TOLERANCE)
+    assert torch.equal(logits.argmax(-1), expected.logits.argmax(-1))  # the class of each detection

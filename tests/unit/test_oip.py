@@ -731,3 +731,15 @@ def test_null_optional_fields_mean_absent(extra):
 def test_null_data_with_binary_size_means_binary():
     body, headers = with_binary({"inputs": [{**_XB, "data": None}]}, np.array([1, 2, 3], dtype="<f4").tobytes())
     assert parse_infer_request(body, headers).inputs[0].tensor.tolist() == [1.0, 2.0, 3.0]
+
+
+def test_model_name_in_the_body_as_kserve_sends_it():
+    doc = {"model_name": "m", "model_version": "1", "inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1.0]}]}
+    request = parse_infer_request(json_body(doc), {}, model="m")
+    assert request.inputs[0].name == "x"
+    with pytest.raises(InvalidInput) as info:
+        parse_infer_request(json_body({**doc, "model_name": "other"}), {}, model="m")
+    assert str(info.value) == ("model_name is 'other' but this is model 'm'; send it to "
+                               "/v2/models/other/infer or drop model_name")
+    with pytest.raises(InvalidInput, match=r"^model_name must be a string, got a number \(3\)"):
+        parse_infer_request(json_body({**doc, "model_name": 3}), {}, model="m")

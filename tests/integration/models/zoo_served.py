@@ -22,3 +22,13 @@ def lraspp(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torchvision.models.segmentation.lraspp_mobilenet_v3_large(
         weights=None, weights_backbone=None, num_classes=3).eval()
+
+
+def yolos(seed: int = 0) -> torch.nn.Module:
+    """transformers' YOLOS object detector (2 layers, hidden 32, 5 detection tokens, 3 classes)."""
+    import transformers  # noqa: PLC0415
+
+    torch.manual_seed(seed)
+    config = transformers.YolosConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                      image_size=[32, 32], patch_size=8, num_detection_tokens=5, num_labels=3)
+    return transformers.YolosForObjectDetection(config).eval()
