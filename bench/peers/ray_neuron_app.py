@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import sys
-import threading
 
-from bench.peers.ray_app import _free_port
+from bench.peers.ray_app import ROOT, configure_ingress, serve_models
 
 OUTPUTS = {"mlp": "output_0", "encoder": "pooler_output"}
 
@@ -46,14 +43,8 @@ def main() -> None:
     parser.add_argument("--haproxy", action="store_true")
     parser.add_argument("--batch", action="store_true", help="@serve.batch over a dynamic_batch module")
     args = parser.parse_args()
-    if args.haproxy:
-        os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
-        os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"
-        for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
-            os.environ.setdefault(name, str(_free_port()))
-    os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", str(args.port + 10))
+    configure_ingress(args.port, args.haproxy)
 
-    import ray  # noqa: PLC0415
     from ray import serve  # noqa: PLC0415
     from starlette.requests import Request  # noqa: PLC0415
     from starlette.responses import Response  # noqa: PLC0415
@@ -104,22 +95,9 @@ def main() -> None:
             body, headers = codec.encode(self.name, await self.handle_batch(inputs), wanted, binary)
             return Response(body, headers=headers)
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    ray.init(include_dashboard=False, logging_level="WARNING",
-             runtime_env={"env_vars": {"PYTHONPATH": f"{root}:{os.environ.get('PYTHONPATH', '')}",
-                                       "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1"}})
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     deployment = serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})(Batched if args.batch else Compiled)
-    for name in ("mlp", "encoder"):
-        serve.run(deployment.options(name=name).bind(name), name=name, route_prefix=f"/v2/models/{name}/infer")
-    print("ready", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    serve.shutdown()
-    ray.shutdown()
-    sys.exit(0)
+    serve_models(deployment, args.port, {"PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
+                                         "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1"})
 
 
 if __name__ == "__main__":
