@@ -19,14 +19,15 @@ import torch
 import torch.fx
 
 from ..targets.pjrt import use_device, xla
+from .passes.fold_weight_layout import fold_weight_layout
 from .passes.place_on_device import place_on_device
 
 logger = logging.getLogger("neuron_serve")
 
 
 def _copy_to(source: torch.fx.GraphModule, device: Any) -> torch.fx.GraphModule:
-    """A copy of ``source`` with its weights and every tensor it creates on ``device``."""
-    return place_on_device(copy.deepcopy(source), device).to(device)
+    """A copy of ``source``, weights laid out for their matmuls, with every tensor it creates on ``device``."""
+    return place_on_device(fold_weight_layout(copy.deepcopy(source)), device).to(device)
 
 
 def _returns_tuple(gm: torch.fx.GraphModule) -> bool:
