@@ -7,8 +7,11 @@ One background task forms batches on a single asyncio event loop:
 2. It takes waiting requests from the front of the queue while their rows fit in
    ``max_batch_size``. A request with more rows than that runs in a batch of its own.
 3. It dispatches at once when the batch cannot grow (its rows reach ``max_batch_size`` or
-   the largest preferred batch size, or the next request does not fit); otherwise when
-   ``max_queue_delay_s`` has passed since the first request of the batch arrived.
+   the largest preferred batch size, or the next request does not fit) or when no batch
+   is running; otherwise when ``max_queue_delay_s`` has passed since the first request of
+   the batch arrived. Waiting only pays while batches run: then more requests arrive
+   while it waits and a core would be busy anyway. On an idle replica it is pure latency,
+   so a lone request (concurrency 1) never waits for company that is not coming.
 
 Requests that time out while queued leave the queue and never run; a request that times
 out after its batch started has its result discarded.
@@ -235,7 +238,7 @@ class DynamicBatcher:
             count, full = self._fit()
             # Recomputed each pass: the first request may have timed out and left the queue.
             remaining = self._queue[0].arrived + self.max_queue_delay_s - loop.time()
-            if full or remaining <= 0 or self._closing:
+            if full or remaining <= 0 or self._closing or not self._running:
                 batch = [self._queue.popleft() for _ in range(count)]
                 for pending in batch:
                     pending.started = True

@@ -76,18 +76,39 @@ def test_max_batch_size_counts_rows_and_oversized_requests_run_alone():
     assert sum(rows_per_batch) == 10 * 3 + 20
 
 
-def test_lone_item_waits_for_the_delay_then_dispatches():
+def test_lone_item_on_an_idle_batcher_runs_without_waiting_the_delay():
     waits = []
 
     async def main():
-        loop = asyncio.get_running_loop()
-        async with batcher(Recorder(), max_queue_delay_s=0.1, on_batch=lambda rows, w: waits.extend(w)) as b:
-            start = loop.time()
-            assert await b.submit("alone") == "alone"
-            return loop.time() - start
+        async with batcher(Recorder(), max_queue_delay_s=30, on_batch=lambda rows, w: waits.extend(w)) as b:
+            return await asyncio.wait_for(b.submit("alone"), timeout=5)
 
-    elapsed = asyncio.run(main())
-    assert 0.09 <= waits[0] <= elapsed  # it waited the delay, then ran alone (how soon: bench/overload.py)
+    assert asyncio.run(main()) == "alone"
+    assert waits[0] < 5  # nothing was running, so waiting 30 s for company would only add latency
+
+
+def test_while_a_batch_runs_a_new_batch_waits_the_delay_for_company():
+    waits = []
+
+    async def main():
+        gate = asyncio.Event()
+        run = Recorder(gate)
+        async with batcher(run, max_batch_size=4, max_queue_delay_s=0.1, max_concurrent_batches=2,
+                           on_batch=lambda rows, w: waits.extend(w)) as b:
+            first = asyncio.create_task(b.submit("first"))
+            await run.started.wait()  # "first" runs until the gate opens
+            second = asyncio.create_task(b.submit("second"))
+            await asyncio.sleep(0.03)
+            third = asyncio.create_task(b.submit("third"))
+            while len(run.batches) < 2:  # every batch waits on the gate; open it once the second started
+                await asyncio.sleep(0.005)
+            gate.set()
+            return await asyncio.gather(first, second, third), run.batches
+
+    results, batches = asyncio.run(main())
+    assert results == ["first", "second", "third"]
+    assert batches == [["first"], ["second", "third"]]  # the second batch waited and found company
+    assert waits[0] < 0.09 <= waits[1]  # idle: at once; busy: the delay
 
 
 def test_full_batch_dispatches_without_waiting_the_delay():
