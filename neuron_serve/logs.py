@@ -3,10 +3,10 @@
 The graph partitioner app note configures ``logging.getLogger("Neuron")`` (its level
 only) and shows lines like ``Neuron: Num Partitions: 2``. So code written against that
 note sees them here too, every partitioner line goes to both loggers, and the ``Neuron``
-logger prints ``Neuron: <message>`` to stderr when nothing else would show it: when the
-application has configured no root handler (as the app note's scripts do not). With a
-root handler (``logging.basicConfig``, pytest's caplog) the records propagate there
-instead, so nothing prints twice.
+logger has its own stderr handler with that format. It does not propagate: torch-xla
+calls ``logging.basicConfig()`` when imported, so a propagated record would print a
+second time as ``INFO:Neuron:...``. To send the lines elsewhere, add a handler to the
+``Neuron`` logger.
 """
 
 from __future__ import annotations
@@ -21,19 +21,13 @@ _serve = logging.getLogger("neuron_serve")
 neuron = logging.getLogger(NEURON_LOGGER)
 
 
-class _UnlessRootHandles(logging.StreamHandler):
-    """Print only when the root logger has no handler to pass the record on to."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if not logging.getLogger().handlers:
-            super().emit(record)
-
-
 def _install() -> None:
-    if not any(isinstance(h, _UnlessRootHandles) for h in neuron.handlers):
-        handler = _UnlessRootHandles()
+    if not any(getattr(h, "_neuron_serve", False) for h in neuron.handlers):
+        handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter(NEURON_FORMAT))
+        handler._neuron_serve = True  # type: ignore[attr-defined]
         neuron.addHandler(handler)
+        neuron.propagate = False
 
 
 _install()

@@ -96,13 +96,13 @@ class CompiledSubgraph(torch.nn.Module):
         self.compile_seconds = time.perf_counter() - started
         self._on_device = resident  # keeps the resident weights alive
         if compiler_workdir:
-            self._dump_hlo(compiler_workdir, outputs)
+            self._dump_hlo(compiler_workdir)
         logger.debug("compiled %s on %s in %.3fs", name, self.device, self.compile_seconds)
 
-    def _dump_hlo(self, workdir: str, outputs: Sequence[torch.Tensor]) -> None:
-        torch_xla = xla()
+    def _dump_hlo(self, workdir: str) -> None:
+        # The compiled outputs are already device data (their HLO is empty), so lower afresh.
         os.makedirs(workdir, exist_ok=True)
-        text = torch_xla._XLAC._get_xla_tensors_hlo(list(outputs))
+        text = self.hlo_text()
         with open(os.path.join(workdir, f"{self.name}.hlo.txt"), "w") as handle:
             handle.write(text)
 
