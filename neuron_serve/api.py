@@ -16,7 +16,7 @@ from .analyze.placement import GraphAnalysis, analyze_graph
 from .analyze.report import build_report, log_support, write_report
 from .bucketing import BucketModelConfig, BucketSpec
 from .compile import workdir as workdirs
-from .compile.compiler_args import NONE, CompilerArgs
+from .compiler_args import NONE, CompilerArgs
 from .compile.passes.auto_cast import auto_cast
 from .compile.subgraph import CompiledSubgraph
 from .errors import ConfigError, UnsupportedModelError
@@ -50,7 +50,6 @@ def analyze(model: Callable, example_inputs: Any, target: str = "neuron", *, com
     if params.compiler_workdir:
         write_report(analysis, params.compiler_workdir)
     return build_report(analysis)
-
 
 
 def placement(analysis: GraphAnalysis) -> Placement:

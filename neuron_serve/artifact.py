@@ -39,7 +39,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from .bucketing import BucketSpec
-from .compile.compiler_args import parse_compiler_args
+from .compiler_args import parse_compiler_args
 from .compile.subgraph import CompiledSubgraph
 from .errors import ArtifactError
 from .model import Bucket, CompiledModel, Partition

@@ -15,7 +15,7 @@ import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .compile.compiler_args import parse_compiler_args
+from .compiler_args import parse_compiler_args
 from .errors import ConfigError
 from .model.sizes import check_batch_sizes, default_batch_sizes
 from .partition.config import DEFAULT_SUPPORT_THRESHOLD, NO_LIMIT, PartitionerConfig

@@ -20,7 +20,7 @@ import torch
 import torch.fx
 
 from ..targets.pjrt import emulated, use_device, xla
-from .compiler_args import NONE, CompilerArgs
+from ..compiler_args import NONE, CompilerArgs
 from .passes.place_on_device import place_on_device
 
 logger = logging.getLogger("neuron_serve")

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..compile.compiler_args import parse_compiler_args
+from ..compiler_args import parse_compiler_args
 from ..config import ModelConfig
 from ..partition.config import PartitionerConfig
 from ..analyze.capture import CapturedGraph

@@ -7,7 +7,7 @@ import torch
 
 import neuron_serve
 from neuron_serve.analyze import placement
-from neuron_serve.compile.compiler_args import NO_EFFECT, parse_compiler_args
+from neuron_serve.compiler_args import NO_EFFECT, parse_compiler_args
 from neuron_serve.config import parse_config
 from neuron_serve.errors import ConfigError
 
@@ -155,3 +155,29 @@ def test_model_yaml_takes_compiler_args():
     assert parse_config({**base, "compiler_args": AUTO_CAST}).compiler_args == AUTO_CAST
     with pytest.raises(ConfigError, match="compiler_args.*did you mean '--auto-cast-type'"):
         parse_config({**base, "compiler_args": ["--auto-cast-typ", "bf16"]})
+
+
+def test_model_yaml_compiler_args_reach_the_build_and_the_partition_report():
+    from neuron_serve.analyze.capture import capture  # noqa: PLC0415
+    from neuron_serve.analyze.placement import analyze_graph  # noqa: PLC0415
+    from neuron_serve.build import build  # noqa: PLC0415
+    from neuron_serve.config import build_model  # noqa: PLC0415
+    from neuron_serve.report import partition_report  # noqa: PLC0415
+    from neuron_serve.report.html import render  # noqa: PLC0415
+    from neuron_serve.targets import get_target  # noqa: PLC0415
+
+    config = parse_config({
+        "name": "mlp", "model": {"factory": "example_models.mlp:build",
+                                 "kwargs": {"input_size": 16, "output_size": 4, "layers": [8, 8]}},
+        "inputs": [{"name": "x", "shape": [2, 16]}], "partitioner": {}, "dynamic_batch": False,
+        "compiler_args": "--auto-cast matmult -O1",
+    })
+    built = build(config)
+    assert built.first.report["compiler_args"]["argv"] == ["--auto-cast", "matmult", "--optlevel", "1"]
+    model = build_model(config)
+    x = config.example_inputs()
+    assert not torch.equal(built(*x), model(*x)) and torch.allclose(built(*x), model(*x), atol=2e-2)
+    captured = capture(model, x)
+    data = partition_report.build(config, model, captured, analyze_graph(captured, get_target("neuron")))
+    assert data["compiler_args"]["options"]["--optlevel"] == NO_EFFECT
+    assert "<code>--optlevel</code> no effect in emulation" in render(data)
