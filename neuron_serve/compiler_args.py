@@ -58,7 +58,11 @@ _INF1_ONLY = {"--fast-math": "--auto-cast", "--fp32-cast": "--auto-cast"}
 # What --auto-cast-type casts to in emulation. tf32 has no torch dtype: XLA:CPU already
 # computes float32 matmuls in full precision, so it is recorded as having no effect.
 CAST_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp8_e4m3": "float8_e4m3fn"}
-DEFAULT_AUTO_CAST = "none"  # neuronx-cc's default: the model's own dtypes
+# neuronx-cc's defaults (its mixed-precision guide: FP32 matrix multiplications are cast
+# to bf16). Emulation applies them only once an auto-cast option is given: without one a
+# trace computes in the model's own dtypes, equal to eager, which every other comparison
+# relies on; ``--auto-cast matmult`` shows what neuronx-cc's default does to accuracy.
+NEURONX_CC_AUTO_CAST = "matmult"
 DEFAULT_AUTO_CAST_TYPE = "bf16"
 
 
@@ -76,7 +80,10 @@ class CompilerArgs:
 
     @property
     def auto_cast(self) -> str:
-        return self.values.get("--auto-cast", DEFAULT_AUTO_CAST)
+        """The cast mode emulated: as given, neuronx-cc's default beside an ``--auto-cast-type``, else none."""
+        if "--auto-cast" in self.values:
+            return self.values["--auto-cast"]
+        return NEURONX_CC_AUTO_CAST if "--auto-cast-type" in self.values else "none"
 
     @property
     def auto_cast_type(self) -> str:
@@ -95,6 +102,8 @@ class CompilerArgs:
         for name in self.values:
             if name in ("--auto-cast", "--auto-cast-type") and self.cast_dtype is not None:
                 out[name] = f"{EMULATED}: operands of {self.auto_cast} operators cast to {self.auto_cast_type}"
+            elif name == "--auto-cast" and self.auto_cast == "none":
+                out[name] = f"{EMULATED}: operators keep the model's dtypes"
             else:
                 out[name] = NO_EFFECT
         return out

@@ -21,10 +21,20 @@ _serve = logging.getLogger("neuron_serve")
 neuron = logging.getLogger(NEURON_LOGGER)
 
 
+def _configured(record: logging.LogRecord) -> bool:
+    """Print only once the ``Neuron`` logger's own level is set (the app note's set-up).
+
+    A level set on the root alone (``neuron-serve``'s CLI and replicas) leaves these
+    lines to the ``neuron_serve`` logger, so they are not printed twice.
+    """
+    return neuron.level != logging.NOTSET
+
+
 def _install() -> None:
     if not any(getattr(h, "_neuron_serve", False) for h in neuron.handlers):
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter(NEURON_FORMAT))
+        handler.addFilter(_configured)
         handler._neuron_serve = True  # type: ignore[attr-defined]
         neuron.addHandler(handler)
         neuron.propagate = False

@@ -115,6 +115,15 @@ def test_spellings_parse_alike():
     assert a.values["--optlevel"] == "2" and a.values["--logical-nc-config"] == "2"
 
 
+def test_what_emulation_does_with_each_auto_cast_option():
+    alone = parse_compiler_args("--auto-cast-type fp16")  # neuronx-cc's default mode, matmult
+    assert (alone.auto_cast, alone.cast_dtype) == ("matmult", "float16")
+    assert parse_compiler_args("--auto-cast none --auto-cast-type bf16").emulation() == {
+        "--auto-cast": "emulated: operators keep the model's dtypes", "--auto-cast-type": NO_EFFECT}
+    assert parse_compiler_args("--auto-cast all --auto-cast-type tf32").cast_dtype is None  # XLA:CPU is full fp32
+    assert parse_compiler_args(None).cast_dtype is None
+
+
 def test_compiler_args_key_the_support_cache(fresh_cache):
     model = torch.nn.Linear(4, 4).eval()
     x = torch.rand(2, 4)

@@ -204,3 +204,18 @@ def test_the_neuron_logger_prints_when_nothing_else_would(sort_mlp, tmp_path):
     assert "Neuron: Num Partitions: 1\n" in run.stderr
     assert "INFO:Neuron" not in run.stderr  # printed once, in the app note's format
     assert "Neuron: Creating Partition #1 for device: Device.NEURON\n" in run.stderr
+
+
+def test_a_root_level_alone_does_not_print_the_neuron_lines_twice(tmp_path):
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    script = (
+        "import logging, torch, neuron_serve\n"
+        "logging.basicConfig(level=logging.INFO, format='%(name)s| %(message)s')\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(4, 4)).eval()\n"
+        "neuron_serve.trace(m, torch.rand(2, 4), partitioner_config=neuron_serve.PartitionerConfig())\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    assert run.stderr.count("Num Partitions: 1") == 1
+    assert "neuron_serve| Num Partitions: 1" in run.stderr
