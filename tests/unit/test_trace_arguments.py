@@ -190,7 +190,7 @@ def test_the_app_notes_neuron_logger_shows_the_partitioner_lines(sort_mlp, caplo
     assert "Neuron: aten::sort:1" in lines
 
 
-def test_the_neuron_logger_prints_when_nothing_else_would(sort_mlp, tmp_path):
+def test_the_neuron_logger_prints_in_the_app_notes_format(sort_mlp, tmp_path):
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
 
