@@ -123,7 +123,7 @@ def run_cold_warm(quick: bool, out: Path, log) -> str | None:
     if not (ROOT / "bench" / "cold_warm.py").exists():
         return None
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    models = ["mlp", "encoder"] if quick else ["mlp", "encoder", "convnet"]
+    models = ["mlp", "encoder"] if quick else ["mlp", "encoder", "convnet", "mlp@1", "mlp@6"]
     command = [sys.executable, "bench/cold_warm.py", "--models", *models, "--runs", "1" if quick else "2",
                "--out", str(out / "cold_warm")]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

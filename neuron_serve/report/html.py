@@ -220,13 +220,21 @@ def _counts_table(data: dict) -> str:
     return _table(["operator", "total", "accelerator", "CPU"], rows, numeric={1, 2, 3})
 
 
+def _batch_sizes(data: dict) -> str:
+    sizes = data.get("batch_sizes")
+    if not sizes:
+        return "<p>Compiled at the trace-time batch only (dynamic_batch is off).</p>"
+    return (f"<p>Compiled batch sizes: <code>{escape(json.dumps(sizes))}</code>, each for every shape bucket. "
+            "A batch runs as the sizes of least summed cost, timed on a core when the model loads.</p>")
+
+
 def _buckets(data: dict) -> str:
     buckets = data.get("buckets")
     if not buckets:
-        return "<p>No shape buckets in the model.yaml: the model runs at its trace-time shapes.</p>"
+        return "<p>No shape buckets in the model.yaml: the model runs at its trace-time shapes.</p>" + _batch_sizes(data)
     rows = [[escape(k), f"<code>{escape(json.dumps(v))}</code>"] for k, v in buckets.items()]
     return _table(["field", "value"], rows) + ("<p>The graph is planned at the example input shapes of the model.yaml; each bucket is traced at "
-                                     "its own shapes.</p>")
+                                     "its own shapes.</p>") + _batch_sizes(data)
 
 
 def _suggestions(data: dict) -> str:
@@ -272,7 +280,7 @@ def render(data: dict) -> str:
         f"<section><h2>Subgraphs</h2>{_subgraph_table(data)}</section>",
         f"<section><h2>Operators on CPU</h2>{_cpu_table(data)}</section>",
         f"<section><h2>Operator counts</h2>{_counts_table(data)}</section>",
-        f"<section><h2>Buckets</h2>{_buckets(data)}</section>",
+        f"<section><h2>Buckets and batch sizes</h2>{_buckets(data)}</section>",
         f"<section><h2>Suggestions</h2>{_suggestions(data)}</section>",
         f"<section><h2>Measured times</h2>{_profile(data)}</section></main>",
         f'<script type="application/json" id="report-data">{payload}</script><script>{_JS}</script>',

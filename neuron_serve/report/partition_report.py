@@ -28,6 +28,7 @@ def build(config: ModelConfig, model: torch.nn.Module, captured: CapturedGraph, 
     with quiet_planner():
         data = explain(captured, analysis, settings, name=config.name, buckets=buckets)
     effective = settings or PartitionerConfig()
+    data["batch_sizes"] = config.compiled_batch_sizes()
     data["compiler_args"] = parse_compiler_args(config.compiler_args).describe() if config.compiler_args else None
     data["suggestions"] = suggest(captured, analysis, effective)
     if profile_runs:

@@ -164,7 +164,7 @@ def test_profile_times_each_subgraph_and_its_transfers():
     assert all(value > 0 for s in timed["subgraphs"] for key, value in s.items() if key.endswith("_ms"))
 
 
-def test_cli_report_json_carries_buckets(tmp_path):
+def test_cli_report_json_carries_buckets_and_batch_sizes(tmp_path):
     out = tmp_path / "encoder.json"
     result = subprocess.run(
         [sys.executable, "-m", "neuron_serve.cli", "analyze", "deployments/encoder.yaml", "--report-json", str(out)],
@@ -173,7 +173,10 @@ def test_cli_report_json_carries_buckets(tmp_path):
     assert result.returncode == 0, result.stderr
     assert f"wrote {out}" in result.stderr
     data = json.loads(out.read_text())
-    assert data["buckets"] == yaml.safe_load((ROOT / "deployments" / "encoder.yaml").read_text())["buckets"]
+    deployment = yaml.safe_load((ROOT / "deployments" / "encoder.yaml").read_text())
+    assert data["buckets"] == deployment["buckets"]
+    assert data["batch_sizes"] == [1, 4, 16]  # the default for its max_batch_size 16
+    assert "Compiled batch sizes: <code>[1, 4, 16]</code>" in render(data)
     assert (data["operator_count"], len(data["ops"]), [s["device"] for s in data["subgraphs"]]) == (155, 155, ["neuron"])
     assert data["accepted"] is True and data["profile"] is None
     assert json.loads(result.stdout)["support_percentage"] == "100.00%"  # the torch-neuronx report still prints
