@@ -40,6 +40,15 @@ HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_P
 # every model) no longer takes 30 s per model when idle. Set it to keep another value.
 DRAINING_PERIOD_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 DRAINING_PERIOD_S = "3"
+# When HAProxy should send a request again, to another replica (`option redispatch`).
+# Serve retries only a connection that failed (nothing sent). A replica that dies
+# holding requests closes their connections with no answer; HAProxy then closes the
+# client's connection without one too (it reuses server connections, `http-reuse
+# always`, and leaves such a retry to the client), so the client sees a dropped
+# connection. `empty-response` retries those on a live replica instead: inference has
+# no side effect, so running it again is safe. Set it to keep another value.
+RETRY_ON_ENV = "RAY_SERVE_HAPROXY_RETRY_ON"
+RETRY_ON = "conn-failure empty-response"
 # Where Serve's HAProxy keeps its config and error page (one directory per node under
 # it): a directory of this deployment's own, so that deployments side by side on one
 # machine never share one, and so that the error page can be found (json_error_page).
@@ -109,6 +118,7 @@ def configure(kind: str = "auto") -> str:
         for name in HAPROXY_PORT_ENV:
             os.environ.setdefault(name, str(free_port()))
         os.environ.setdefault(DRAINING_PERIOD_ENV, DRAINING_PERIOD_S)
+        os.environ.setdefault(RETRY_ON_ENV, RETRY_ON)
         reaped = reap_orphans()
         if reaped:
             print(f"stopped {len(reaped)} HAProxy process(es) left by an earlier deploy that is gone: "
