@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import grpc_load, loadgen, report, servers, workloads
+from . import efficiency, grpc_load, loadgen, report, servers, workloads
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -42,6 +42,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--one-at-a-time", action="store_true",
                         help="run each server alone (default: all up at once, each point taken on each in turn)")
     parser.add_argument("--no-internal", action="store_true", help="skip the internal figures")
+    parser.add_argument("--no-cold-warm", action="store_true", help="skip the cold/warm start figures")
     parser.add_argument("--out", type=Path, help="results directory (default bench/results/<timestamp>)")
     return parser.parse_args(argv)
 
@@ -63,7 +64,11 @@ def measure_point(server: servers.Server, workload: str, conc: int, manifest: Pa
     else:
         # A short warm-up at the same concurrency, so first-call costs are not measured.
         loadgen.run_load(server.url(wl.model), manifest, conc, 1)
+        ours = server.spec.key == "neuron-serve" and wl.model == "mlp"  # one shape bucket: costs per size apply
+        before = efficiency.scrape(server.spec.port, wl.model) if ours else None
         row.update(loadgen.run_load(server.url(wl.model), manifest, conc, seconds).as_dict())
+        if ours:
+            row["cores"] = efficiency.efficiency(before, efficiency.scrape(server.spec.port, wl.model), row["seconds"])
     log(f"  {server.spec.key:13s} {workload} c{conc}: {row['rps']:7.1f} req/s  p50 {row['p50_ms']:7.1f} ms  "
         f"p99 {row['p99_ms']:7.1f} ms  errors {row['errors']}")
     return row
@@ -158,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"bench: {len(chosen)} servers x {len(points)} points, {seconds:g}s each; results in {out}")
     rows, memory = measure_all(chosen, points, manifests, seconds, out, log, together=not args.one_at_a_time)
     internal = None if args.no_internal else run_internal(args.quick, out, log)
-    cold_warm = run_cold_warm(args.quick, out, log)
+    cold_warm = None if args.no_cold_warm else run_cold_warm(args.quick, out, log)
 
     targets = report.target_rows(rows)
     sections = [

@@ -96,6 +96,11 @@ INFERENCES = Counter(
     "neuron_serve_inferences", "Rows of successful requests (Triton's inference_count)",
     ["model", "replica"],
 )
+SIZE_COST = Gauge(
+    "neuron_serve_batch_size_cost_seconds",
+    "Seconds per call of each compiled batch size, timed on a core when the model loaded (what sizes are chosen by)",
+    ["model", "replica", "bucket", "batch_size"], multiprocess_mode="max",
+)
 LAST_INFERENCE = Gauge(
     "neuron_serve_last_inference_timestamp_seconds", "Unix time of the last successful request",
     ["model", "replica"], multiprocess_mode="max",

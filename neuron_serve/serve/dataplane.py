@@ -42,6 +42,9 @@ class ModelDataPlane:
         self.runner = ModelRunner(model, cores=config.cores_per_replica, name=self.name, on_stage=self._on_stage,
                                   on_chunk=self._on_chunk, on_padding=self._on_padding)
         metrics.COMPILE_TIME.labels(**labels).observe(model.build_info.seconds + self.runner.load_seconds)
+        for bucket, costs in enumerate(self.runner.costs):
+            for size, seconds in costs.items():
+                metrics.SIZE_COST.labels(**labels, bucket=str(bucket), batch_size=str(size)).set(seconds)
         for kind, hits in model.build_info.cache_hits.items():
             metrics.CACHE_HITS.labels(**labels, cache=kind).inc(hits)
         signature = model.signature()

@@ -173,6 +173,9 @@ def test_metrics_count_requests_and_cores_share_the_work(server):
     assert sum(chunks.values()) == sum(sizes.values())  # one per chunk, on whichever core ran it
     assert abs(chunks["0"] - chunks["1"]) <= 0.1 * max(chunks.values())
     assert "neuron_serve_partition_seconds_bucket" in after and 'device="cpu"' in after
+    # The per-call cost of every compiled size, timed at load, is what chose those sizes.
+    costs = {int(l["batch_size"]): v for l, v in _series(after, "neuron_serve_batch_size_cost_seconds") if l["model"] == "mlp"}
+    assert set(costs) == {1, 4, 16, 32, 64} and all(v > 0 for v in costs.values())
 
 
 def test_openapi_document_lists_the_oip_routes(server):
