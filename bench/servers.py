@@ -30,6 +30,7 @@ class ServerSpec:
     replica_marker: str | None = None  # cmdline prefix of replica processes (Ray actors)
     grpc_port: int | None = None       # serves OIP v2 over gRPC there
     env: dict[str, str] = field(default_factory=dict)
+    ready_line: str | None = None      # also wait for this line in its log (all of it started, not one model)
 
 
 def specs(python: str = sys.executable) -> dict[str, ServerSpec]:
@@ -37,7 +38,7 @@ def specs(python: str = sys.executable) -> dict[str, ServerSpec]:
     deploy = [cli, "deploy", "deployments/mlp.yaml", "deployments/encoder.yaml", "--host", "127.0.0.1"]
     return {s.key: s for s in [
         ServerSpec("neuron-serve", "neuron-serve", deploy + ["--port", "18400", "--grpc-port", "18401"], 18400,
-                   replica_marker="ray::ServeReplica:", grpc_port=18401),
+                   replica_marker="ray::ServeReplica:", grpc_port=18401, ready_line="/v2 (metrics: /metrics"),
         ServerSpec("ray-proxy", "Ray Serve, default HTTP proxy",
                    [python, "-m", "bench.peers.ray_app", "--port", "18200"], 18200,
                    replica_marker="ray::ServeReplica:"),
@@ -75,10 +76,10 @@ class Server:
         return f"http://127.0.0.1:{self.spec.port}/v2/models/{model}/infer"
 
     def wait_ready(self, probes: dict[str, tuple[bytes, dict]]) -> float:
-        """Block until every model answers a real request with 200; returns seconds taken."""
+        """Block until every model answers a real request with 200 (and ``ready_line`` is logged); returns seconds."""
         deadline = self.started + self.spec.startup_s
         pending = dict(probes)
-        while pending:
+        while pending or (self.spec.ready_line and self.spec.ready_line not in self.log_path.read_text(errors="replace")):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.spec.key} exited with {self.proc.returncode}; see {self.log_path}")
             if time.monotonic() > deadline:
@@ -91,8 +92,7 @@ class Server:
                             del pending[model]
                 except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                     pass
-            if pending:
-                time.sleep(1)
+            time.sleep(1 if pending else 0.2)
         return time.monotonic() - self.started
 
     def memory_mb(self) -> dict[str, float]:
