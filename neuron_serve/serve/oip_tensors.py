@@ -47,6 +47,10 @@ def tensor_from_json(name: str, datatype: str, shape: tuple[int, ...], data: Any
             f"in 'data', got {len(flat)}"
         )
     dtype = DATATYPE_TO_TORCH[datatype]
+    if dtype.is_floating_point and set(map(type, flat)) <= {float}:
+        # The common case, checked by C loops alone: the per-element checks below
+        # are a large share of a small model's request time.
+        return torch.tensor(flat, dtype=dtype).reshape(shape)
     if datatype == "BOOL":
         _check_elements(flat, lambda v: type(v) is bool, label, "BOOL data must be true or false")
     elif datatype in INTEGER_DATATYPES:
@@ -108,6 +112,8 @@ def tensor_from_bytes(
 def _flatten(data: Any, label: str) -> list[Any]:
     if not isinstance(data, list):
         raise InvalidInput(f"{label}: 'data' must be a list, got {json_type(data)}")
+    if list not in set(map(type, data)):
+        return list(data)  # already flat
     # Iterative, since nesting depth is bounded only by the JSON parser.
     flat: list[Any] = []
     stack = [iter(data)]
