@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import queue
 import threading
+import time
 from typing import Any
 
 import torch
@@ -36,8 +37,13 @@ def _to(value: Any, device: torch.device) -> Any:
     return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to("cpu").to(device), value)
 
 
-def run_pipeline(plan: PipelinePlan, chunks: list[tuple[torch.Tensor, ...]]) -> list[Any]:
-    """Run every chunk through the plan's stages on their cores; outputs come back on CPU, in order."""
+def run_pipeline(plan: PipelinePlan, chunks: list[tuple[torch.Tensor, ...]],
+                 timeline: list[tuple[int, int, str, float, float]] | None = None) -> list[Any]:
+    """Run every chunk through the plan's stages on their cores; outputs come back on CPU, in order.
+
+    ``timeline``, when given, receives (stage, chunk, device of the stage's output, start, end)
+    per stage run, perf_counter seconds: the per-stage times and the overlap between stages.
+    """
     top = plan.module
     devices = [xla().device(s.core) for s in plan.stages]
     # Copies: the stages share parameters with the user's module, which must stay on CPU.
@@ -50,7 +56,10 @@ def run_pipeline(plan: PipelinePlan, chunks: list[tuple[torch.Tensor, ...]]) -> 
 
     def stage(k: int) -> None:
         use_device(devices[k])
+        chunk = -1
         while (env := queues[k].get()) is not _DONE:
+            chunk += 1
+            start = time.perf_counter()
             try:
                 if env is not None:
                     for node in segments[k]:
@@ -58,9 +67,13 @@ def run_pipeline(plan: PipelinePlan, chunks: list[tuple[torch.Tensor, ...]]) -> 
                         if node.op == "call_module":
                             with torch.no_grad():
                                 env[node] = subs[k](*args)
-                            xla().sync()
+                            # Waiting (only when timed) makes the end time the stage's, not the dispatch's.
+                            xla().sync(wait=timeline is not None)
+                            out = torch.utils._pytree.tree_leaves(env[node])[0]
                         else:
                             env[node] = node.target(*args)
+                    if timeline is not None:
+                        timeline.append((k, chunk, str(out.device), start, time.perf_counter()))
             except BaseException as e:  # noqa: BLE001 - reported to the caller below
                 errors.append(e)
                 env = None

@@ -51,12 +51,16 @@ def test_model_that_fits_one_core_stays_one_stage(model):
 def test_pipelined_run_on_emulated_cores_equals_eager(model):
     plan = plan_pipeline(model, (torch.randn(4, 64),), cores=2, memory_bytes=BUDGET)
     chunks = [(torch.randn(4, 64),) for _ in range(5)]
-    outputs = run_pipeline(plan, chunks)
+    timeline = []
+    outputs = run_pipeline(plan, chunks, timeline)
     with torch.no_grad():
         expected = [model(*c) for c in chunks]
     assert len(outputs) == 5
     for got, want in zip(outputs, expected):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # Every chunk ran stage 0 on core 0 (xla:0) and stage 1 on core 1 (xla:1).
+    assert sorted((k, c, dev) for k, c, dev, _, _ in timeline) == [
+        (k, c, f"xla:{k}") for k in range(2) for c in range(5)]
 
 
 def test_total_too_big_is_refused_with_torchs_message(model):
