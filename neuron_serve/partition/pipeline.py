@@ -81,6 +81,12 @@ class PipelinePlan:
             return []
         return [sum(self.node_latency_sec.get(n, 0.0) for n in s.nodes) for s in self.stages]
 
+    def to_dict(self) -> dict:
+        """The plan as JSON data: mode, core memory and per stage its core, memory, nodes and bytes in."""
+        return {"mode": self.mode, "core_memory_bytes": self.core_memory_bytes,
+                "stages": [{"name": s.name, "core": s.core, "memory_bytes": s.memory_bytes,
+                            "bytes_in": s.bytes_in, "nodes": s.nodes} for s in self.stages]}
+
     def describe(self) -> str:
         """The plan as `neuron-serve analyze` prints it: one line per stage."""
         lines = [f"pipeline ({self.mode}) over {len(self.stages)} core(s), "
@@ -133,13 +139,22 @@ def plan_pipeline(
     if cores < 1:
         raise PartitionError(f"cores_per_replica must be at least 1, got {cores}")
     budget = core_memory_bytes() if memory_bytes is None else memory_bytes
-    gm = torch.fx.symbolic_trace(module)
+    try:
+        gm = torch.fx.symbolic_trace(module)
+    except torch.fx.proxy.TraceError as e:
+        raise PartitionError(f"pipeline placement splits the graph torch.fx.symbolic_trace records, and it "
+                             f"cannot trace this model: {e}") from e
     with torch.no_grad():
         ShapeProp(gm).propagate(*example_inputs)
     sizes: dict[torch.fx.Node, int] = {}
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
+        if not hasattr(node.meta.get("tensor_meta"), "shape"):
+            what = getattr(node.target, "__name__", node.target)
+            # torch's partitioner sizes each node as one output tensor and fails on anything else.
+            raise PartitionError(f"pipeline placement needs every node to output one tensor (torch's "
+                                 f"partitioner sizes nodes that way); {node.name} ({what}) does not")
         node.size_bytes = get_size_of_node(gm, node)
         sizes[node] = node.size_bytes.total_size
     largest = max(sizes, key=sizes.get)

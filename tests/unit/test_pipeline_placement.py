@@ -89,3 +89,72 @@ def test_core_memory_is_16_gib_on_neuron_and_configurable_in_emulation(monkeypat
 def test_unknown_mode_is_refused(model):
     with pytest.raises(PartitionError, match="placement mode 'sparse_nn' is not one of size_based, cost_aware, kl_based"):
         plan_pipeline(model, (torch.randn(4, 64),), cores=2, mode="sparse_nn", memory_bytes=BUDGET)
+
+
+MODEL_PY = """
+import torch
+
+class FourLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+def build():
+    return FourLayers()
+"""
+
+MODEL_YAML = """
+name: four
+model:
+  factory: four_layers:build
+inputs:
+  - name: x
+    shape: [4, 64]
+    dtype: float32
+"""
+
+
+def _analyze(tmp_path, budget):
+    import subprocess
+    import sys
+
+    (tmp_path / "four_layers.py").write_text(MODEL_PY)
+    (tmp_path / "model.yaml").write_text(MODEL_YAML)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", CORE_MEMORY_ENV: str(budget), "PJRT_DEVICE": "CPU"}
+    return subprocess.run([sys.executable, "-m", "neuron_serve.cli", "analyze", "model.yaml", "--pipeline-cores", "2"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_analyze_prints_the_pipeline_plan(tmp_path):
+    import json
+
+    result = _analyze(tmp_path, BUDGET)
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)["pipeline"]
+    assert plan["mode"] == "size_based" and plan["core_memory_bytes"] == BUDGET
+    assert [(s["name"], s["core"]) for s in plan["stages"]] == [("submod_0", 0), ("submod_1", 1)]
+    assert plan["stages"][1]["bytes_in"] == 1024
+    assert "pipeline (size_based) over 2 core(s), 40000 bytes per core:" in result.stderr
+
+
+def test_analyze_refuses_a_model_that_fits_no_core(tmp_path):
+    result = _analyze(tmp_path, 20_000)
+    assert result.returncode == 3
+    assert ("error: Devices have no enough memory for the module (75776 bytes over 2 core(s) of 20000 bytes; "
+            "largest node layers_0: 17664 bytes)") in result.stderr
+
+
+def test_a_node_with_several_outputs_is_refused_naming_it():
+    class Sorts(torch.nn.Module):
+        def forward(self, x):
+            return torch.sort(x).values
+
+    with pytest.raises(PartitionError) as e:
+        plan_pipeline(Sorts(), (torch.randn(4, 64),), cores=2, memory_bytes=BUDGET)
+    assert str(e.value) == ("pipeline placement needs every node to output one tensor (torch's partitioner sizes "
+                            "nodes that way); sort (sort) does not")
