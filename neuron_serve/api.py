@@ -22,6 +22,7 @@ from .model.sizes import check_batch_sizes, resize_rows
 from .partition.config import PartitionerConfig
 from .partition.plan import ACCEL_PREFIX, PartitionPlan, Placement, plan_partitions
 from .targets import get_target
+from .weights import check_inline_weights
 
 logger = logging.getLogger("neuron_serve")
 
@@ -59,7 +60,8 @@ def _unsupported_error(analysis: GraphAnalysis) -> UnsupportedModelError:
     )
 
 
-def _compile_partitions(plan: PartitionPlan, flat_inputs: list, compiler_workdir: str | None) -> tuple[list, dict]:
+def _compile_partitions(plan: PartitionPlan, flat_inputs: list, compiler_workdir: str | None,
+                        inline_weights: bool = True) -> tuple[list, dict]:
     """Replace each accelerator submodule by its compiled form.
 
     The split graph runs once on the example inputs; each accelerator partition is
@@ -78,7 +80,8 @@ def _compile_partitions(plan: PartitionPlan, flat_inputs: list, compiler_workdir
             source = gm.get_submodule(name)
             with progress.subgraph(name, index, accel_total):
                 try:
-                    compiled = CompiledSubgraph(source, args, name=name, compiler_workdir=compiler_workdir)
+                    compiled = CompiledSubgraph(source, args, name=name, compiler_workdir=compiler_workdir,
+                                                inline_weights=inline_weights)
                 except Exception as exc:  # torch-xla raises many types; name the operator and its line
                     raise compile_error(exc, source, name) from None
             setattr(gm, name, compiled)
@@ -99,6 +102,7 @@ def trace(
     compiler_workdir: str | None = None,
     target: str = "neuron",
     batch_sizes: Sequence[int] | None = None,
+    inline_weights_to_neff: bool = True,
 ) -> CompiledModel:
     """Capture, partition and compile ``func`` for ``target``; returns a one-bucket CompiledModel.
 
@@ -110,8 +114,13 @@ def trace(
     or grown (repeating the last row) along dim 0 to that size; a call (with
     ``dynamic_batch``) and the server then run a batch as the cheapest compiled sizes.
     Without it the model is compiled at the example's batch only.
+
+    ``inline_weights_to_neff=False`` keeps parameters and buffers out of the compiled
+    executables (they are inputs, resident on the core); see :func:`replace_weights`.
     """
-    grid = _trace_sizes(lambda example: _trace_bucket(func, example, partitioner_config, compiler_workdir, target),
+    inline = check_inline_weights(inline_weights_to_neff)
+    grid = _trace_sizes(lambda example: _trace_bucket(func, example, partitioner_config, compiler_workdir, target,
+                                                      inline_weights=inline),
                         as_args(example_inputs), batch_sizes)
     return CompiledModel([grid[-1]], smaller=[grid[:-1]])
 
@@ -143,6 +152,7 @@ def _trace_bucket(
     partitioner_config: PartitionerConfig | None,
     compiler_workdir: str | None,
     target: str,
+    inline_weights: bool = True,
 ) -> Bucket:
     if partitioner_config is not None and not isinstance(partitioner_config, PartitionerConfig):
         raise ConfigError("trace(partitioner_config=...) must be a neuron_serve.PartitionerConfig.")
@@ -159,7 +169,7 @@ def _trace_bucket(
         compiler_workdir = compiler_workdir or config.trace_kwargs.get("compiler_workdir")
     log_support(analysis)
     plan = plan_partitions(captured.gm, placement(analysis), config)
-    outputs, stage_inputs = _compile_partitions(plan, captured.flat_inputs, compiler_workdir)
+    outputs, stage_inputs = _compile_partitions(plan, captured.flat_inputs, compiler_workdir, inline_weights)
     return Bucket(
         plan.gm,
         in_spec=captured.in_spec,
