@@ -9,16 +9,18 @@ only activations cross per call.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
 import time
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.fx
 
-from ..targets.pjrt import use_device, xla
+from ..compiler_args import NONE, CompilerArgs
+from ..targets.pjrt import emulated, use_device, xla
 from .lift_weights import lift_weights
 from .passes.place_on_device import place_on_device
 
@@ -47,6 +49,27 @@ def _returns_tuple(gm: torch.fx.GraphModule) -> bool:
     return False
 
 
+@contextlib.contextmanager
+def neuron_cc_flags(args: CompilerArgs) -> Iterator[None]:
+    """On Neuron, hand ``args`` to neuronx-cc (NEURON_CC_FLAGS, which its NEFF cache keys on).
+
+    In emulation XLA:CPU compiles and the flags are only recorded; the numeric ones are
+    reproduced by FX passes before compile (see passes/auto_cast.py).
+    """
+    if emulated() or not args:
+        yield
+        return
+    previous = os.environ.get("NEURON_CC_FLAGS")
+    os.environ["NEURON_CC_FLAGS"] = " ".join(filter(None, [previous, args.neuron_cc_flags()]))
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("NEURON_CC_FLAGS", None)
+        else:
+            os.environ["NEURON_CC_FLAGS"] = previous
+
+
 class CompiledSubgraph(torch.nn.Module):
     """Runs one accelerator partition on one device; consumes and returns CPU tensors."""
 
@@ -60,6 +83,7 @@ class CompiledSubgraph(torch.nn.Module):
         compiler_workdir: str | None = None,
         inline_weights: bool = True,
         weights: dict[str, torch.Tensor] | None = None,
+        compiler_args: CompilerArgs = NONE,
     ) -> None:
         global _compiles
         super().__init__()
@@ -78,25 +102,26 @@ class CompiledSubgraph(torch.nn.Module):
         self.device = device if device is not None else torch_xla.device()
         self.example_args = [a.detach().clone() for a in example_args]
         self.compiler_workdir = compiler_workdir
+        self.compiler_args = compiler_args  # what neuronx-cc gets for this subgraph
         use_device(self.device)
         resident = _copy_to(self.source, self.device)
         self._weights_on_device = [w.to(self.device) for w in self.weights.values()]
         xla_args = [a.to(self.device) for a in example_args] + self._weights_on_device
         started = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), neuron_cc_flags(compiler_args):
             self._compiled = extract_compiled_graph(resident, xla_args)
             outputs = self._compiled(*xla_args)
         _compiles += 1
         self.compile_seconds = time.perf_counter() - started
         self._on_device = resident  # keeps the resident weights alive
         if compiler_workdir:
-            self._dump_hlo(compiler_workdir, outputs)
+            self._dump_hlo(compiler_workdir)
         logger.debug("compiled %s on %s in %.3fs", name, self.device, self.compile_seconds)
 
-    def _dump_hlo(self, workdir: str, outputs: Sequence[torch.Tensor]) -> None:
-        torch_xla = xla()
+    def _dump_hlo(self, workdir: str) -> None:
+        # The compiled outputs are already device data (their HLO is empty), so lower afresh.
         os.makedirs(workdir, exist_ok=True)
-        text = torch_xla._XLAC._get_xla_tensors_hlo(list(outputs))
+        text = self.hlo_text()
         with open(os.path.join(workdir, f"{self.name}.hlo.txt"), "w") as handle:
             handle.write(text)
 
@@ -115,7 +140,8 @@ class CompiledSubgraph(torch.nn.Module):
         Call it from the thread that will run the copy (see :func:`use_device`).
         """
         copy_ = CompiledSubgraph(self.source, self.example_args, name=self.name, device=device,
-                                 inline_weights=self.inline_weights, weights=self.weights)
+                                 compiler_args=self.compiler_args, inline_weights=self.inline_weights,
+                                 weights=self.weights)
         copy_._tuple_out = self._tuple_out  # self.source already returns a tuple
         return copy_
 
