@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -123,3 +128,26 @@ def test_save_refuses_weight_separated_model(separated, tmp_path):
 
     with pytest.raises(ArtifactError, match="inline_weights_to_neff=False cannot be saved"):
         neuron_serve.save(separated, tmp_path / "m")
+
+
+def test_move_trace_to_another_core_then_replace_weights():
+    # A second emulated core needs its own process (the device count is fixed at PJRT start-up).
+    script = textwrap.dedent("""
+        import torch, neuron_serve
+        from neuron_serve.compile.subgraph import compile_count
+        from tests.unit.test_weights import Net, X
+        traced = neuron_serve.trace(Net(0).eval(), X, inline_weights_to_neff=False)
+        neuron_serve.move_trace_to_device(traced, 1)
+        sub = traced.first.graph_module.get_submodule("accel_0")
+        print(sub.device, sorted({str(w.device) for w in sub._weights_on_device}))
+        torch.testing.assert_close(traced(X), Net(0).eval()(X), atol=1e-5, rtol=0)
+        before = compile_count()
+        neuron_serve.replace_weights(traced, Net(3).eval().state_dict())
+        torch.testing.assert_close(traced(X), Net(3).eval()(X), atol=1e-5, rtol=0)
+        print(compile_count() - before, sorted({str(w.device) for w in sub._weights_on_device}))
+    """)
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2", "PYTHONWARNINGS": "ignore"}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env,
+                         cwd=Path(__file__).parents[2])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.splitlines()[-2:] == ["xla:1 ['xla:1']", "0 ['xla:1']"]
