@@ -3,7 +3,9 @@
 Layout::
 
     manifest.json        format, versions, target, partition plan, buckets, the top
-                         graph of each bucket, and the SHA-256 of every other file
+                         graph of each bucket, each accelerator partition's
+                         compiler_args (with "no effect in emulation" or what
+                         emulation does), and the SHA-256 of every other file
     manifest.sha256      the SHA-256 of manifest.json
     model.yaml           the deployment it was built from (when built from one)
     bucket_N/<part>.pt2  each partition (accelerator and CPU) as a torch.export
@@ -37,6 +39,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from .bucketing import BucketSpec
+from .compiler_args import parse_compiler_args
 from .compile.subgraph import CompiledSubgraph
 from .errors import ArtifactError
 from .model import Bucket, CompiledModel, Partition
@@ -147,6 +150,8 @@ def _save_bucket(traced: Bucket, folder: Path, root: Path) -> dict:
                  "tuple_out": module._tuple_out if compiled else None,
                  "inputs": [[list(shape), str(dtype).removeprefix("torch.")] for shape, dtype in specs]}
         if compiled:
+            # The graph saved already holds --auto-cast's casts; the rest is what neuronx-cc gets.
+            entry["compiler_args"] = module.compiler_args.describe()
             hlo = folder / f"{partition.name}.hlo.txt"
             hlo.write_text(module.hlo_text())
             entry["hlo"] = str(hlo.relative_to(root))
@@ -177,6 +182,13 @@ def save(module: CompiledModel, path: str | Path, *, config: dict | None = None,
     if not isinstance(module, CompiledModel):
         raise ArtifactError("save() takes the module returned by neuron_serve.trace(), trace_buckets() or "
                             f"bucket_model_trace(), not a {type(module).__name__}.")
+    from .weights import is_weight_separated  # noqa: PLC0415
+
+    if is_weight_separated(module):
+        # The artifact format stores each subgraph with its weights inside; writing it
+        # would silently inline them again.
+        raise ArtifactError("save: models traced with inline_weights_to_neff=False cannot be saved as an artifact "
+                            "yet; trace with inline_weights_to_neff=True to save, or keep the traced model in process.")
     root = Path(path)
     if root.exists():
         if not (root / MANIFEST).exists() and any(root.iterdir()):
@@ -325,7 +337,8 @@ def _load_bucket(entry: dict, root: Path) -> Bucket:
         if part["compiled"]:
             _drop_device_asserts(graph)
             example = _example_args([(tuple(s), _dtype(d)) for s, d in part["inputs"]])
-            compiled = CompiledSubgraph(graph, example, name=name)
+            args = parse_compiler_args(part.get("compiler_args", {}).get("argv") or None, f"{name} compiler_args")
+            compiled = CompiledSubgraph(graph, example, name=name, compiler_args=args)
             compiled._tuple_out = part["tuple_out"]
             modules[name] = compiled
         else:

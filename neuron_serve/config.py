@@ -15,6 +15,7 @@ import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .compiler_args import parse_compiler_args
 from .errors import ConfigError
 from .model.sizes import check_batch_sizes, default_batch_sizes
 from .partition.config import DEFAULT_SUPPORT_THRESHOLD, NO_LIMIT, PartitionerConfig
@@ -182,6 +183,10 @@ class ModelConfig(_Strict):
     inputs: list[InputSpec] = Field(min_length=1)
     target: Literal["neuron", "xla"] = DEFAULT_TARGET
     partitioner: PartitionerSettings | None = None
+    compiler_args: str | list[str] | None = Field(
+        default=None, description="neuronx-cc arguments, e.g. '--auto-cast matmult --auto-cast-type bf16' "
+                                  "(--auto-cast is reproduced in emulation; other options have no effect there)",
+    )
     outputs: list[str] | None = Field(default=None, description="names of the flattened outputs (default: from the model)")
     buckets: BucketSettings | None = None
     dynamic_batch: bool = Field(True, description="accept any batch size, run as the cheapest compiled batch sizes")
@@ -214,6 +219,15 @@ class ModelConfig(_Strict):
                                  "trace-time batch); remove batch_sizes or enable dynamic_batch")
             check_batch_sizes(self.batch_sizes, limit=self.batching.max_batch_size)
         return self
+
+    @field_validator("compiler_args")
+    @classmethod
+    def _known_flags(cls, value: str | list[str] | None) -> str | list[str] | None:
+        try:
+            parse_compiler_args(value, "neuronx-cc arguments")
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        return value
 
     @field_validator("batch_sizes")
     @classmethod

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import logging
+import json
+from pathlib import Path
 
+from ..logs import partitioner_info
 from ..targets.pjrt import versions
 from .placement import GraphAnalysis
-
-logger = logging.getLogger("neuron_serve")
 
 
 def build_report(analysis: GraphAnalysis) -> dict:
@@ -33,16 +33,28 @@ def build_report(analysis: GraphAnalysis) -> dict:
 
 def log_support(analysis: GraphAnalysis) -> None:
     """The lines torch-neuronx's partitioner prints before it partitions."""
-    logger.info("The following operations are currently supported:")
+    partitioner_info("The following operations are currently supported:")
     for op in analysis.supported_counts():
-        logger.info("%s", op)
-    logger.info("The following operations are currently not supported:")
+        partitioner_info("%s", op)
+    partitioner_info("The following operations are currently not supported:")
     for record in analysis.unsupported():
         where = record.site.log_form if record.site else "<unknown call site>"
-        logger.info("%s, %s", record.op, where)
-    logger.info(
+        partitioner_info("%s, %s", record.op, where)
+    partitioner_info(
         "%s of arithmetic operations (%d of %d) are supported",
         analysis.support_percentage,
         analysis.supported_count,
         analysis.total,
     )
+
+
+REPORT_FILE = "analyze.json"
+
+
+def write_report(analysis: GraphAnalysis, workdir: str) -> Path:
+    """Write the analyze report to ``workdir``/analyze.json (analyze's ``compiler_workdir``)."""
+    folder = Path(workdir)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / REPORT_FILE
+    path.write_text(json.dumps(build_report(analysis), indent=2) + "\n")
+    return path

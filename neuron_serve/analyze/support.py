@@ -11,6 +11,7 @@ cache keeps the answers across processes, so a second start compiles none.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,14 +68,22 @@ class SupportOracle:
     target: Target
     stats: OracleStats = field(default_factory=OracleStats)
     _cache: dict = field(default_factory=dict)
+    # torch-xla's fallback counters are process-wide, so one lowering check runs at a
+    # time; with max_workers the rest (profile rules, cache reads) runs in parallel.
+    _xla_lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def decide(self, node: torch.fx.Node, op: str, gm: torch.fx.GraphModule) -> Decision:
-        self.stats.queries += 1
+    def decide(self, node: torch.fx.Node, op: str, gm: torch.fx.GraphModule, flags: tuple[str, ...] = ()) -> Decision:
+        """Can the target run ``node``? ``flags`` (the compiler arguments) are part of the cache key:
+        on Neuron the compiler frontend answers, and its answer can depend on them."""
+        with self._xla_lock:
+            self.stats.queries += 1
         decision = self.target.profile_decision(op, node)
         if decision is not None:
             return decision
         args, kwargs = self._concrete_args(node, gm)
         key = (self.target.name, str(node.target), _signature(args), _signature(kwargs), tuple(versions().values()))
+        if flags:  # keys made without compiler arguments stay as they were
+            key = (*key, ("compiler_args", tuple(flags)))
         if key not in self._cache:
             self._cache[key] = self._lookup(key, node.target, op, args, kwargs)
         return self._cache[key]
@@ -84,7 +93,10 @@ class SupportOracle:
         stored = store.get("support", key) if store is not None else None
         if stored is not None:
             return Decision(**stored)
-        decision = self._run_on_xla(target, op, args, kwargs)
+        with self._xla_lock:
+            if key in self._cache:  # another thread decided it while this one waited
+                return self._cache[key]
+            decision = self._run_on_xla(target, op, args, kwargs)
         if store is not None:
             store.put("support", key, {"supported": decision.supported, "failure_at": decision.failure_at,
                                        "reason": decision.reason})

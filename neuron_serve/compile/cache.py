@@ -3,11 +3,14 @@
 One directory (``NEURON_SERVE_CACHE_DIR``, else the user's cache dir) holds:
 
 - ``support/``: operator-support decisions, keyed by operator, argument shapes and
-  dtypes, target and versions. Each decision costs a real torch-xla compile of a
+  dtypes, target, versions and the ``compiler_args`` (on Neuron the compiler frontend
+  decides, under the flags it is given). Each decision costs a real torch-xla compile of a
   one-op graph, so a warm start skips all of them.
 - ``neuronx-cc/``: on Neuron, the Neuron compiler's own cache of NEFFs, keyed by the
-  HLO graph hash and compiler version and flags (``NEURON_COMPILE_CACHE_URL``), so a
-  warm start loads NEFFs instead of running neuronx-cc.
+  HLO graph hash and compiler version and flags (``NEURON_COMPILE_CACHE_URL``; the
+  ``compiler_args`` reach it as ``NEURON_CC_FLAGS``), so a warm start loads NEFFs
+  instead of running neuronx-cc. In emulation ``--auto-cast`` changes the graph itself
+  (casts inserted before compile), so it changes the compiled executable too.
 
 torch-xla's own persistent cache is not used: in torch-xla 2.9 no PJRT client here
 can load the executables it writes ("Deserializing serialized executable not

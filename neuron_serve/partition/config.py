@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from ..errors import ConfigError
+from .kwargs import AnalyzeParameters, check_analyze_parameters, check_trace_kwargs, normalise_op
 
 DEFAULT_SUPPORT_THRESHOLD = 0.5
 NO_LIMIT = -1
@@ -17,21 +18,6 @@ def _check_limit(name: str, value: Any) -> int:
             f"PartitionerConfig.{name} must be an integer >= 1, or -1 for no limit; got {value!r}."
         )
     return value
-
-
-def _normalise_op(name: Any) -> str:
-    if not isinstance(name, str) or not name.strip():
-        raise ConfigError(
-            f"PartitionerConfig.ops_to_partition entries must be operator names such as "
-            f"'aten::log_softmax'; got {name!r}."
-        )
-    name = name.strip()
-    if "::" not in name:
-        raise ConfigError(
-            f"PartitionerConfig.ops_to_partition entry {name!r} has no namespace; "
-            f"write it as 'aten::{name}'."
-        )
-    return name
 
 
 @dataclass(frozen=True)
@@ -89,13 +75,19 @@ class PartitionerConfig:
                 "PartitionerConfig.ops_to_partition must be a set of operator names, "
                 f"e.g. {{'{ops_to_partition}'}}, not a single string."
             )
-        ops = frozenset(_normalise_op(op) for op in (ops_to_partition or ()))
-        object.__setattr__(self, "trace_kwargs", dict(trace_kwargs or {}))
+        ops = frozenset(normalise_op(op) for op in (ops_to_partition or ()))
+        object.__setattr__(self, "trace_kwargs", check_trace_kwargs(trace_kwargs or {}))
         object.__setattr__(self, "model_support_percentage_threshold", float(threshold))
         object.__setattr__(self, "min_subgraph_size", _check_limit("min_subgraph_size", min_subgraph_size))
         object.__setattr__(self, "max_subgraph_count", _check_limit("max_subgraph_count", max_subgraph_count))
         object.__setattr__(self, "ops_to_partition", ops)
         object.__setattr__(self, "analyze_parameters", dict(analyze_parameters or {}))
+        object.__setattr__(self, "_analyze", check_analyze_parameters(self.analyze_parameters))
+
+    @property
+    def analyze(self) -> AnalyzeParameters:
+        """``analyze_parameters`` checked and with defaults filled in."""
+        return self._analyze
 
     @property
     def min_operator_percentage_threshold(self) -> float:

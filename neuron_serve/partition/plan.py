@@ -9,7 +9,6 @@ result and reported with torch-neuronx's messages.
 
 from __future__ import annotations
 
-import logging
 import operator
 from collections import Counter
 from dataclasses import dataclass, field
@@ -19,10 +18,9 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from ..errors import PartitionError
+from ..logs import partitioner_info
 from ..model import Partition
 from .config import NO_LIMIT, PartitionerConfig
-
-logger = logging.getLogger("neuron_serve")
 
 ACCEL_PREFIX = "accel_"
 CPU_PREFIX = "cpu_"
@@ -45,14 +43,15 @@ class Placement:
     supported: frozenset[str]
     target: str  # "neuron"
     device_label: str  # "Device.NEURON", as torch-neuronx logs it
+    ignored: frozenset[str] = frozenset()  # nodes placed but not counted (additional_ignored_ops)
 
     @property
     def supported_count(self) -> int:
-        return len(self.supported)
+        return len(self.supported - self.ignored)
 
     @property
     def total(self) -> int:
-        return len(self.ops)
+        return len(self.ops) - len(self.ignored)
 
     @property
     def support_fraction(self) -> float:
@@ -163,12 +162,12 @@ def _describe(gm: torch.fx.GraphModule, placement: Placement) -> list[Partition]
 
 
 def _log_plan(partitions: list[Partition]) -> None:
-    logger.info("Num Partitions: %d", len(partitions))
+    partitioner_info("Num Partitions: %d", len(partitions))
     for p in partitions:
-        logger.info("Creating Partition #%d for device: %s", p.index, p.device_label)
-        logger.info("The following operators will be included in this partition:")
+        partitioner_info("Creating Partition #%d for device: %s", p.index, p.device_label)
+        partitioner_info("The following operators will be included in this partition:")
         for op, count in p.op_counts.items():
-            logger.info("%s:%d", op, count)
+            partitioner_info("%s:%d", op, count)
 
 
 def _threshold_message(placement: Placement, config: PartitionerConfig) -> str:

@@ -22,6 +22,7 @@ import torch
 import torch.fx
 
 from ..api import placement
+from ..logs import NEURON_LOGGER
 from ..partition.config import PartitionerConfig
 from ..partition.plan import REASON_FORCED, REASON_UNSUPPORTED, PartitionPlan, plan_partitions, rule_violations
 from ..analyze.capture import CapturedGraph, is_compute_node
@@ -46,12 +47,15 @@ logger = logging.getLogger("neuron_serve")
 @contextlib.contextmanager
 def quiet_planner() -> Iterator[None]:
     """Silence the planner's INFO lines while candidate plans are tried."""
-    previous = logger.level
-    logger.setLevel(logging.WARNING)
+    loggers = [logger, logging.getLogger(NEURON_LOGGER)]
+    previous = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.WARNING)
     try:
         yield
     finally:
-        logger.setLevel(previous)
+        for log, level in zip(loggers, previous):
+            log.setLevel(level)
 
 
 def relaxed(config: PartitionerConfig) -> PartitionerConfig:

@@ -174,6 +174,9 @@ def _summary(data: dict) -> str:
     config = data["config"]
     html += "<p>Partitioner settings: " + ", ".join(
         f"<code>{k}: {escape(json.dumps(v))}</code>" for k, v in config.items()) + "</p>"
+    if data.get("compiler_args"):
+        html += "<p>Compiler arguments: " + ", ".join(
+            f"<code>{escape(k)}</code> {escape(v)}" for k, v in data["compiler_args"]["options"].items()) + "</p>"
     return html
 
 

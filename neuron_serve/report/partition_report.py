@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..compiler_args import parse_compiler_args
 from ..config import ModelConfig
 from ..partition.config import PartitionerConfig
 from ..analyze.capture import CapturedGraph
@@ -27,6 +28,7 @@ def build(config: ModelConfig, model: torch.nn.Module, captured: CapturedGraph, 
     with quiet_planner():
         data = explain(captured, analysis, settings, name=config.name, buckets=buckets)
     effective = settings or PartitionerConfig()
+    data["compiler_args"] = parse_compiler_args(config.compiler_args).describe() if config.compiler_args else None
     data["suggestions"] = suggest(captured, analysis, effective)
     if profile_runs:
         data["profile"] = profile(model, tuple(captured.flat_inputs), effective, target=config.target,

@@ -37,6 +37,7 @@ SERVER_APP = "neuron-serve"
 NEURON_CORES = "neuron_cores"  # the Ray resource each replica asks for on Neuron clusters
 STATUS_TTL_S = 1.0
 HAPROXY_ADMIN_KEY = "haproxy-admin-socket"
+METRICS_DIR_KEY = "metrics-dir"
 # How long a stopping replica waits for the requests it holds (Serve's graceful shutdown).
 DRAIN_S = 30
 ONGOING_PER_CAPACITY = 8
@@ -211,10 +212,16 @@ def connect(address: str | None) -> bool:
         if address:
             _token_auth_if_available()
             ray.init(address=address, namespace=SERVER_APP, logging_level=logging.WARNING)
+            # A model (re)deployed into a running server writes its metrics where the
+            # server app reads them: the directory the `deploy` that started it chose.
+            recorded = internal_kv._internal_kv_get(METRICS_DIR_KEY, namespace=SERVER_APP)  # noqa: SLF001
+            if recorded:
+                os.environ[metrics.MULTIPROC_ENV] = recorded.decode()
             return False
         os.environ[metrics.MULTIPROC_ENV] = tempfile.mkdtemp(prefix="neuron-serve-metrics-")
         ray.init(namespace=SERVER_APP, logging_level=logging.WARNING,
                  runtime_env={"env_vars": {metrics.MULTIPROC_ENV: os.environ[metrics.MULTIPROC_ENV]}})
+        internal_kv._internal_kv_put(METRICS_DIR_KEY, os.environ[metrics.MULTIPROC_ENV], namespace=SERVER_APP)  # noqa: SLF001
         return True
     return False
 
@@ -222,9 +229,21 @@ def connect(address: str | None) -> bool:
 def deploy(configs: list[tuple[ModelConfig, str | None]], host: str, port: int, timeout_s: float = 1800,
            grpc: dict | None = None) -> dict[str, str]:
     """Deploy every model and the server app (with the gRPC service when ``grpc`` says
-    where); wait until all are ready or one fails."""
+    where); wait until all are ready or one fails.
+
+    A model already served (`deploy --address` into a running server) is redeployed in
+    place: Ray Serve starts the new replicas, routes to them once they are built, and
+    only then drains and stops the old ones, so the model keeps answering throughout. A
+    server app already running is kept as it is (it holds the gRPC port, and serves
+    health and metrics for every model, whatever their config).
+    """
     server = server_application([c for c, _ in configs], grpc)  # refuses bad auth before starting anything
     serve.start(http_options={"host": host, "port": port})
+    try:
+        running = serve.status().applications
+    except serve.exceptions.RayServeException:
+        running = {}
+    keep_server = SERVER_APP in running and "RUNNING" in str(running[SERVER_APP].status)
     if head_processes() and ingress.json_error_page():  # only the HAProxy of a Ray started here
         logger.debug("HAProxy's error page is JSON")
         # For `neuron-serve shutdown` (another process) to drain HAProxy as deploy does.
@@ -238,7 +257,8 @@ def deploy(configs: list[tuple[ModelConfig, str | None]], host: str, port: int, 
             # serve.run waits for the application and raises a generic message when
             # its replicas cannot start; the replicas' own error is in the status.
             return {config.name: f"failed: {build_failure(config.name)}"}
-    serve.run(server, name=SERVER_APP, route_prefix="/", blocking=False)
+    if not keep_server:
+        serve.run(server, name=SERVER_APP, route_prefix="/", blocking=False)
     deadline = time.monotonic() + timeout_s
     names = {c.name for c, _ in configs}
     while True:

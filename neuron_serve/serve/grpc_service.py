@@ -31,6 +31,8 @@ from ..errors import ModelNotFound, ModelNotReady, NeuronServeError
 from . import auth, triton_ext
 from .oip_grpc import request_to_rest, response_from_rest
 
+SERVED_VERSION = "1"  # the one version of each model (dataplane's metadata lists it)
+
 logger = logging.getLogger("neuron_serve")
 
 STATUS_CODES = {
@@ -98,6 +100,14 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 f"unauthorized: {problem}; send 'authorization: Bearer <token>' metadata")
 
+    @staticmethod
+    def _version(name: str, version: str) -> None:
+        """Each model serves one version, "1" (as its metadata says); another is refused,
+        not ignored. Empty means the served one."""
+        if version not in ("", SERVED_VERSION):
+            raise _Failed(ModelNotFound.http_status, f"model {name!r} has no version {version!r}: it serves version "
+                                                     f"{SERVED_VERSION!r}; set model_version to it, or leave it empty")
+
     async def _ready_model(self, name: str) -> None:
         state = (await self.model_states()).get(name)
         if state is None:
@@ -134,6 +144,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelReady(self, request, context):
         async def work():
+            self._version(request.name, request.version)
             state = (await self.model_states()).get(request.name)
             if state is None:
                 raise _Failed(404, f"model {request.name!r} not found")
@@ -148,6 +159,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelMetadata(self, request, context):
         async def work():
+            self._version(request.name, request.version)
             meta = await self._call(context, request.name, "metadata")
             response = pb.ModelMetadataResponse(name=meta["name"], versions=meta["versions"], platform=meta["platform"])
             for kind in ("inputs", "outputs"):
@@ -158,12 +170,14 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request, context):
         async def work():
+            self._version(request.model_name, request.model_version)
             raw = await self._call(context, request.model_name, "infer", request.SerializeToString())
             return pb.ModelInferResponse.FromString(raw)
         return await self._guard(context, work)
 
     async def ModelConfig(self, request, context):
         async def work():
+            self._version(request.name, request.version)
             config = await self._call(context, request.name, "config")
             return pb.ModelConfigResponse(config=json_format.ParseDict(config, model_config_pb2.ModelConfig()))
         return await self._guard(context, work)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -39,11 +40,23 @@ HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_P
 # every model) no longer takes 30 s per model when idle. Set it to keep another value.
 DRAINING_PERIOD_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 DRAINING_PERIOD_S = "3"
+# When HAProxy should send a request again, to another replica (`option redispatch`).
+# Serve retries only a connection that failed (nothing sent). A replica that dies
+# holding requests closes their connections with no answer; HAProxy then closes the
+# client's connection without one too (it reuses server connections, `http-reuse
+# always`, and leaves such a retry to the client), so the client sees a dropped
+# connection. `empty-response` retries those on a live replica instead: inference has
+# no side effect, so running it again is safe. Set it to keep another value.
+RETRY_ON_ENV = "RAY_SERVE_HAPROXY_RETRY_ON"
+RETRY_ON = "conn-failure empty-response"
 # Where Serve's HAProxy keeps its config and error page (one directory per node under
 # it): a directory of this deployment's own, so that deployments side by side on one
 # machine never share one, and so that the error page can be found (json_error_page).
 CONFIG_FILE_ENV = "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"
 ADMIN_SOCKET_ENV = "RAY_SERVE_HAPROXY_SOCKET_PATH"
+FILES_ROOT = "/tmp"
+FILES_PREFIX = "nsh-"
+OWNER_FILE = "owner"  # the pid and start time of the `deploy` that made the directory
 HTTP_FRONTEND = "http_frontend"  # the name Serve's HAProxy config gives the HTTP port
 RETRY_AFTER_S = 1  # the error page's Retry-After
 # HAProxy answers with this page when it has no answer from a replica: one died or
@@ -105,11 +118,84 @@ def configure(kind: str = "auto") -> str:
         for name in HAPROXY_PORT_ENV:
             os.environ.setdefault(name, str(free_port()))
         os.environ.setdefault(DRAINING_PERIOD_ENV, DRAINING_PERIOD_S)
+        os.environ.setdefault(RETRY_ON_ENV, RETRY_ON)
+        reaped = reap_orphans()
+        if reaped:
+            print(f"stopped {len(reaped)} HAProxy process(es) left by an earlier deploy that is gone: "
+                  f"pid {', '.join(map(str, reaped))}", file=sys.stderr)
         # Short: Serve adds a 56-character node id, and a Unix socket path holds 97 at most.
-        files = Path(tempfile.mkdtemp(prefix="nsh-", dir="/tmp"))
+        files = Path(tempfile.mkdtemp(prefix=FILES_PREFIX, dir=FILES_ROOT))
+        (files / OWNER_FILE).write_text(_identity(os.getpid()) or "")
         os.environ.setdefault(CONFIG_FILE_ENV, str(files / "haproxy.cfg"))
         os.environ.setdefault(ADMIN_SOCKET_ENV, str(files / "admin.sock"))
     return kind
+
+
+def _identity(pid: int) -> str | None:
+    """``pid:start-time`` of a live process (a pid reused later has another start time)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return f"{pid}:{stat.rsplit(')', 1)[1].split()[19]}"  # field 22, starttime
+
+
+def _haproxy_files_dir(pid: int, root: str) -> Path | None:
+    """The deploy files directory an HAProxy of this user runs from, if it is one of ours."""
+    try:
+        if os.stat(f"/proc/{pid}").st_uid != os.getuid():
+            return None
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    if not argv or Path(argv[0]).name != "haproxy" or "-f" not in argv[:-1]:
+        return None
+    config = Path(argv[argv.index("-f") + 1])
+    for parent in config.parents:
+        if parent.parent == Path(root) and parent.name.startswith(FILES_PREFIX):
+            return parent
+    return None
+
+
+def reap_orphans(root: str = FILES_ROOT) -> list[int]:
+    """SIGKILL the HAProxy processes an earlier `deploy` on this machine left behind.
+
+    Ray Serve runs HAProxy as a child of its HAProxyManager actor; when Ray stops
+    abnormally (its processes SIGKILLed) HAProxy can outlive it and keep answering on
+    its port. Only this user's HAProxy processes whose config lies in a `deploy` files
+    directory are considered, and only when the `deploy` that made the directory (its
+    ``owner`` file: pid and start time) is gone, or, for a directory without one, when
+    HAProxy's parent is gone (it was re-parented to init). The directories of gone
+    owners are removed too. Returns the pids stopped. ``root`` is where the directories
+    are made (tests use their own).
+    """
+    reaped, dead_dirs = [], set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        files = _haproxy_files_dir(pid, root)
+        if files is None:
+            continue
+        try:
+            owner = (files / OWNER_FILE).read_text().strip()
+            orphaned = _identity(int(owner.split(":")[0])) != owner
+        except (OSError, ValueError):
+            try:
+                orphaned = "PPid:\t1\n" in Path(f"/proc/{pid}/status").read_text()
+            except OSError:
+                continue
+        if orphaned:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                reaped.append(pid)
+            except OSError:
+                continue
+            if (files / OWNER_FILE).exists():
+                dead_dirs.add(files)
+    for files in dead_dirs:
+        shutil.rmtree(files, ignore_errors=True)
+    return reaped
 
 
 def json_error_page(timeout_s: float = 30.0) -> bool:

@@ -54,6 +54,10 @@ def request_to_rest(request: pb.ModelInferRequest) -> tuple[bytes, dict[str, str
                            "give one per input, in the order of 'inputs'")
     entries, chunks = [], []
     for index, tensor in enumerate(request.inputs):
+        if raw and tensor.HasField("contents"):
+            # Both would leave one of them unread; say which the client meant.
+            raise InvalidInput(f"input '{tensor.name}': data is in both contents and raw_input_contents; "
+                               "give it in one of them")
         chunk = raw[index] if raw else _typed_bytes(tensor)
         entries.append({"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape),
                         "parameters": {"binary_data_size": len(chunk)}})

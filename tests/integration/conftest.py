@@ -49,12 +49,16 @@ class Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"neuron-serve deploy exited {self.proc.returncode}:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/v2/health/ready", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
+            # Ready when deploy says it serves (every app, the gRPC port too) and the
+            # port answers: readiness alone was seen to answer 200 before the server app
+            # and its gRPC port were up, when another server had run just before.
+            if re.search(r"^serving .* on http://", self.log.read_text(errors="replace"), re.MULTILINE):
+                try:
+                    with urllib.request.urlopen(self.url + "/v2/health/ready", timeout=2) as r:
+                        if r.status == 200:
+                            return
+                except OSError:
+                    pass
             time.sleep(1)
         self.stop()
         raise RuntimeError(f"not ready after {READY_TIMEOUT_S}s:\n{self.tail()}")

@@ -106,10 +106,12 @@ def test_killed_replica_is_restarted_and_no_request_hangs(two_replicas):
     print(f"\nreplica kill: {len(results)} requests {dict(outcomes)}; new replica serving "
           f"{recovered_at - killed_at:.1f}s after the kill; slowest request {max(d for _, d, _ in results):.2f}s")
     assert max(d for _, d, _ in results) < TIMEOUT_S + HANG_MARGIN_S  # nothing hung
-    # Only requests in flight on the killed replica may fail; everything after works.
+    # No connection is dropped: a request the killed replica held is sent again to the
+    # live one (HAProxy's retry-on empty-response), so at most a few get HAProxy's JSON
+    # 503, and only around the kill.
+    assert not [o for o in outcomes if not (o == "200" or o.startswith("503: b'{\"error\"") or o.startswith("504"))], outcomes
     assert all(-HANG_MARGIN_S < start < HANG_MARGIN_S for start, _, _ in failed), failed
     assert len(failed) <= 8, failed
-    assert outcomes["200"] > len(results) - len(failed) - 1
 
 
 RESET = ("RemoteDisconnected", "ConnectionResetError", "BrokenPipeError", "IncompleteRead")

@@ -46,3 +46,56 @@ def test_haproxy_gets_its_own_stats_and_metrics_ports():
         pytest.skip("no HAProxy binary here")
     ports = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, check=True).stdout.split()
     assert len(set(ports)) == 2 and not {"8404", "9101"} & set(ports)
+
+
+def _haproxy_in(files, port: int) -> subprocess.Popen:
+    """A real HAProxy run from a `deploy` files directory, as Ray Serve runs it."""
+    node = files / "node"
+    node.mkdir()
+    config = node / "haproxy.cfg"
+    config.write_text(f"defaults\n    mode http\n    timeout connect 1s\n    timeout client 1s\n    timeout server 1s\n"
+                      f"frontend http_frontend\n    bind 127.0.0.1:{port}\n    http-request return status 200\n")
+    proc = subprocess.Popen([ingress.haproxy_binary(), "-db", "-f", str(config)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import time  # noqa: PLC0415
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # listening: it answers
+        try:
+            import socket  # noqa: PLC0415
+
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    return proc
+
+
+def test_haproxy_left_by_a_gone_deploy_is_stopped_and_a_live_ones_kept(tmp_path):
+    import os  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    if not ingress.haproxy_binary():
+        pytest.skip("no HAProxy binary here")
+    # A root of its own, so that no other deploy's HAProxy on this machine is considered.
+    gone = Path(tempfile.mkdtemp(prefix=ingress.FILES_PREFIX, dir=tmp_path))
+    live = Path(tempfile.mkdtemp(prefix=ingress.FILES_PREFIX, dir=tmp_path))
+    # An owner that has exited: this test's own pid with another start time.
+    (gone / ingress.OWNER_FILE).write_text(f"{os.getpid()}:1")
+    (live / ingress.OWNER_FILE).write_text(ingress._identity(os.getpid()))  # noqa: SLF001
+    orphan = _haproxy_in(gone, ingress.free_port())
+    kept = _haproxy_in(live, ingress.free_port())
+    try:
+        reaped = ingress.reap_orphans(str(tmp_path))
+        assert orphan.wait(timeout=10) == -9  # SIGKILL
+        assert reaped == [orphan.pid]
+        assert not gone.exists()
+        assert kept.poll() is None and live.exists()
+    finally:
+        for proc in (orphan, kept):
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(gone, ignore_errors=True)
+        shutil.rmtree(live, ignore_errors=True)
