@@ -1,17 +1,18 @@
 """One model over several emulated cores: the plan torch's partitioner makes, its refusals, and
-the pipelined run on XLA:CPU devices against eager PyTorch."""
+the pipelined run on XLA:CPU devices against eager PyTorch (in a subprocess: two emulated cores
+need CPU_NUM_DEVICES=2 before torch_xla starts)."""
 
+import json
 import os
-
-os.environ.setdefault("PJRT_DEVICE", "CPU")
-os.environ.setdefault("CPU_NUM_DEVICES", "2")
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from neuron_serve.errors import PartitionError
 from neuron_serve.partition.pipeline import CORE_MEMORY_ENV, NEURON_CORE_MEMORY_BYTES, core_memory_bytes, plan_pipeline
-from neuron_serve.runtime.stages import run_pipeline
 
 # Each Linear(64, 64) holds 64*64*4 + 64*4 = 16640 bytes of weights plus a 1024-byte 4x64 output.
 BUDGET = 40_000
@@ -48,19 +49,36 @@ def test_model_that_fits_one_core_stays_one_stage(model):
     assert len(plan.stages) == 1
 
 
-def test_pipelined_run_on_emulated_cores_equals_eager(model):
-    plan = plan_pipeline(model, (torch.randn(4, 64),), cores=2, memory_bytes=BUDGET)
-    chunks = [(torch.randn(4, 64),) for _ in range(5)]
-    timeline = []
-    outputs = run_pipeline(plan, chunks, timeline)
-    with torch.no_grad():
-        expected = [model(*c) for c in chunks]
-    assert len(outputs) == 5
-    for got, want in zip(outputs, expected):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+RUN_PIPELINE = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_pipeline_placement import BUDGET, FourLayers
+from neuron_serve.partition.pipeline import plan_pipeline
+from neuron_serve.runtime.stages import run_pipeline
+torch.manual_seed(0)
+model = FourLayers().eval()
+plan = plan_pipeline(model, (torch.randn(4, 64),), cores=2, memory_bytes=BUDGET)
+chunks = [(torch.randn(4, 64),) for _ in range(5)]
+timeline = []
+outputs = run_pipeline(plan, chunks, timeline)
+with torch.no_grad():
+    expected = [model(*c) for c in chunks]
+for got, want in zip(outputs, expected):
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+print(json.dumps({"outputs": len(outputs), "runs": sorted([k, c, d] for k, c, d, _, _ in timeline)}))
+"""
+
+
+def test_pipelined_run_on_emulated_cores_equals_eager():
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2", "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run([sys.executable, "-c", RUN_PIPELINE, str(Path(__file__).parent)],
+                            capture_output=True, text=True, timeout=300, env=env)
+    # The subprocess asserts outputs equal eager within rtol=atol=1e-5.
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert report["outputs"] == 5
     # Every chunk ran stage 0 on core 0 (xla:0) and stage 1 on core 1 (xla:1).
-    assert sorted((k, c, dev) for k, c, dev, _, _ in timeline) == [
-        (k, c, f"xla:{k}") for k in range(2) for c in range(5)]
+    assert report["runs"] == [[k, c, f"xla:{k}"] for k in range(2) for c in range(5)]
 
 
 def test_total_too_big_is_refused_with_torchs_message(model):
@@ -120,9 +138,6 @@ inputs:
 
 
 def _analyze(tmp_path, budget):
-    import subprocess
-    import sys
-
     (tmp_path / "four_layers.py").write_text(MODEL_PY)
     (tmp_path / "model.yaml").write_text(MODEL_YAML)
     env = {**os.environ, "PYTHONWARNINGS": "ignore", CORE_MEMORY_ENV: str(budget), "PJRT_DEVICE": "CPU"}
@@ -131,8 +146,6 @@ def _analyze(tmp_path, budget):
 
 
 def test_analyze_prints_the_pipeline_plan(tmp_path):
-    import json
-
     result = _analyze(tmp_path, BUDGET)
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)["pipeline"]
