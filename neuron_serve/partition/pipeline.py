@@ -112,7 +112,7 @@ class _TimingInterpreter(torch.fx.Interpreter):
 
 
 def measure_node_latencies(gm: torch.fx.GraphModule, example_inputs: tuple, repeats: int = 5) -> dict[str, float]:
-    """Median-free mean of each node's eager time over ``repeats`` runs, after one warm-up."""
+    """Mean of each node's eager time over ``repeats`` runs, after one warm-up."""
     interp = _TimingInterpreter(gm)
     with torch.no_grad():
         interp.run(*example_inputs)
@@ -137,7 +137,7 @@ def plan_pipeline(
     if mode not in MODES:
         raise PartitionError(f"placement mode {mode!r} is not one of {', '.join(MODES)}")
     if cores < 1:
-        raise PartitionError(f"cores_per_replica must be at least 1, got {cores}")
+        raise PartitionError(f"cores must be at least 1, got {cores}")
     budget = core_memory_bytes() if memory_bytes is None else memory_bytes
     try:
         gm = torch.fx.symbolic_trace(module)
