@@ -29,6 +29,8 @@ _PUBLIC = {
     "PartitionError": ".errors",
     "UnsupportedModelError": ".errors",
     "PartitionerConfig": ".partition.config",
+    "replace_weights": ".weights",
+    "move_trace_to_device": ".weights",
 }
 
 __all__ = ["__version__", *_PUBLIC]

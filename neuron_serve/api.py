@@ -27,6 +27,7 @@ from .partition.kwargs import check_analyze_parameters, resolve
 from .partition.plan import ACCEL_PREFIX, PartitionPlan, Placement, plan_partitions
 from .positional import TRACE_ORDER, infer_keywords
 from .targets import get_target
+from .weights import check_inline_weights
 
 logger = logging.getLogger("neuron_serve")
 
@@ -76,7 +77,7 @@ def _unsupported_error(analysis: GraphAnalysis) -> UnsupportedModelError:
 
 
 def _compile_partitions(plan: PartitionPlan, flat_inputs: list, compiler_workdir: str | None,
-                        compiler_args: CompilerArgs = NONE) -> tuple[list, dict]:
+                        compiler_args: CompilerArgs = NONE, inline_weights: bool = True) -> tuple[list, dict]:
     """Replace each accelerator submodule by its compiled form.
 
     The split graph runs once on the example inputs; each accelerator partition is
@@ -98,7 +99,7 @@ def _compile_partitions(plan: PartitionPlan, flat_inputs: list, compiler_workdir
             with progress.subgraph(name, index, accel_total):
                 try:
                     compiled = CompiledSubgraph(source, args, name=name, compiler_workdir=compiler_workdir,
-                                                compiler_args=compiler_args)
+                                                compiler_args=compiler_args, inline_weights=inline_weights)
                 except Exception as exc:  # torch-xla raises many types; name the operator and its line
                     raise compile_error(exc, source, name) from None
             setattr(gm, name, compiled)
@@ -120,6 +121,7 @@ def trace(
     compiler_workdir: str | None = None,
     target: str = "neuron",
     batch_sizes: Sequence[int] | None = None,
+    inline_weights_to_neff: bool = True,
 ) -> CompiledModel:
     """Capture, partition and compile ``func`` for ``target``; returns a one-bucket CompiledModel.
 
@@ -135,9 +137,13 @@ def trace(
     ``compiler_args`` are neuronx-cc's (checked against its options; ``--auto-cast``
     is reproduced in emulation); keyword arguments passed positionally are inferred in
     torch-neuronx's order with a DeprecationWarning.
+
+    ``inline_weights_to_neff=False`` keeps parameters and buffers out of the compiled
+    executables (they are inputs, resident on the core); see :func:`replace_weights`.
     """
+    inline = check_inline_weights(inline_weights_to_neff)
     grid = _trace_sizes(lambda example, where: _trace_bucket(func, example, partitioner_config, compiler_workdir,
-                                                             target, compiler_args, where),
+                                                             target, compiler_args, where, inline_weights=inline),
                         as_args(example_inputs), batch_sizes)
     return CompiledModel([grid[-1]], smaller=[grid[:-1]])
 
@@ -175,6 +181,7 @@ def _trace_bucket(
     target: str,
     compiler_args: Any = None,
     where: tuple[str, ...] = (),
+    inline_weights: bool = True,
 ) -> Bucket:
     if partitioner_config is not None and not isinstance(partitioner_config, PartitionerConfig):
         raise ConfigError("trace(partitioner_config=...) must be a neuron_serve.PartitionerConfig.")
@@ -193,7 +200,8 @@ def _trace_bucket(
         raise _unsupported_error(analysis)
     log_support(analysis)
     plan = plan_partitions(captured.gm, placement(analysis), config)
-    outputs, stage_inputs = _compile_partitions(plan, captured.flat_inputs, compiler_workdir, cc_args)
+    outputs, stage_inputs = _compile_partitions(plan, captured.flat_inputs, compiler_workdir, cc_args,
+                                                inline_weights)
     report = build_report(analysis)
     if cc_args:
         report["compiler_args"] = cc_args.describe()

@@ -182,6 +182,13 @@ def save(module: CompiledModel, path: str | Path, *, config: dict | None = None,
     if not isinstance(module, CompiledModel):
         raise ArtifactError("save() takes the module returned by neuron_serve.trace(), trace_buckets() or "
                             f"bucket_model_trace(), not a {type(module).__name__}.")
+    from .weights import is_weight_separated  # noqa: PLC0415
+
+    if is_weight_separated(module):
+        # The artifact format stores each subgraph with its weights inside; writing it
+        # would silently inline them again.
+        raise ArtifactError("save: models traced with inline_weights_to_neff=False cannot be saved as an artifact "
+                            "yet; trace with inline_weights_to_neff=True to save, or keep the traced model in process.")
     root = Path(path)
     if root.exists():
         if not (root / MANIFEST).exists() and any(root.iterdir()):

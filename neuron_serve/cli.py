@@ -45,6 +45,12 @@ def _analyze(args: argparse.Namespace) -> int:
     else:
         plan = plan_partitions(copy.deepcopy(captured.gm), placement(analysis), partitioner)
         report["partitions"] = plan.describe()
+    if args.pipeline_cores:
+        from .partition.pipeline import plan_pipeline  # noqa: PLC0415
+
+        stages = plan_pipeline(model, config.example_inputs(), args.pipeline_cores, args.pipeline_mode)
+        print(stages.describe(), file=sys.stderr)
+        report["pipeline"] = stages.to_dict()
     text = json.dumps(report, indent=2)
     if args.json:
         Path(args.json).write_text(text + "\n")
@@ -156,6 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("--profile", type=int, nargs="?", const=5, default=0, metavar="RUNS",
                          help="with --html/--report-json: compile, run the example inputs RUNS times (default 5) "
                               "and add the measured times")
+    analyze.add_argument("--pipeline-cores", type=int, default=0, metavar="N",
+                         help="also plan the model as a pipeline over N cores (core memory: 16 GiB, or "
+                              "$NEURON_SERVE_CORE_MEMORY_BYTES in emulation) and print its stages")
+    analyze.add_argument("--pipeline-mode", choices=("size_based", "cost_aware", "kl_based"), default="size_based",
+                         help="with --pipeline-cores: split by memory (size_based) or torch's latency cost model")
     analyze.set_defaults(func=_analyze)
 
     build = sub.add_parser("build", help="compile a model.yaml ahead of time into an artifact directory")

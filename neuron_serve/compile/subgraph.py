@@ -21,10 +21,18 @@ import torch.fx
 
 from ..compiler_args import NONE, CompilerArgs
 from ..targets.pjrt import emulated, use_device, xla
+from .lift_weights import lift_weights
 from .passes.fold_weight_layout import fold_weight_layout
 from .passes.place_on_device import place_on_device
 
 logger = logging.getLogger("neuron_serve")
+
+_compiles = 0  # executables compiled in this process; replace_weights must not add any
+
+
+def compile_count() -> int:
+    """How many subgraph executables this process has compiled (every trace, load and core copy)."""
+    return _compiles
 
 
 def _copy_to(source: torch.fx.GraphModule, device: Any) -> torch.fx.GraphModule:
@@ -74,8 +82,11 @@ class CompiledSubgraph(torch.nn.Module):
         name: str = "subgraph",
         device: Any = None,
         compiler_workdir: str | None = None,
+        inline_weights: bool = True,
+        weights: dict[str, torch.Tensor] | None = None,
         compiler_args: CompilerArgs = NONE,
     ) -> None:
+        global _compiles
         super().__init__()
         torch_xla = xla()
         from torch_xla._dynamo.dynamo_bridge import extract_compiled_graph  # noqa: PLC0415
@@ -83,17 +94,25 @@ class CompiledSubgraph(torch.nn.Module):
         self.name = name
         self.source = copy.deepcopy(gm)  # CPU copy, to load onto further cores
         self._tuple_out = _returns_tuple(self.source)
+        self.inline_weights = inline_weights
+        # Weights apart from the executable: lifted into trailing inputs, kept on the device.
+        self.weights: dict[str, torch.Tensor] = {}
+        if not inline_weights:
+            lifted = lift_weights(self.source) if weights is None else {}
+            self.weights = weights if weights is not None else lifted
         self.device = device if device is not None else torch_xla.device()
         self.example_args = [a.detach().clone() for a in example_args]
         self.compiler_workdir = compiler_workdir
         self.compiler_args = compiler_args  # what neuronx-cc gets for this subgraph
         use_device(self.device)
         resident = _copy_to(self.source, self.device)
-        xla_args = [a.to(self.device) for a in example_args]
+        self._weights_on_device = [w.to(self.device) for w in self.weights.values()]
+        xla_args = [a.to(self.device) for a in example_args] + self._weights_on_device
         started = time.perf_counter()
         with torch.no_grad(), neuron_cc_flags(compiler_args):
             self._compiled = extract_compiled_graph(resident, xla_args)
             outputs = self._compiled(*xla_args)
+        _compiles += 1
         self.compile_seconds = time.perf_counter() - started
         self._on_device = resident  # keeps the resident weights alive
         if compiler_workdir:
@@ -113,7 +132,7 @@ class CompiledSubgraph(torch.nn.Module):
         # The compiled module replays its executable; lowering again needs a fresh copy.
         lowered = _copy_to(self.source, self.device)
         with torch.no_grad():
-            outputs = lowered(*[a.to(self.device) for a in self.example_args])
+            outputs = lowered(*[a.to(self.device) for a in self.example_args], *self._weights_on_device)
         return xla()._XLAC._get_xla_tensors_hlo(list(outputs))
 
     def load_to(self, device: Any) -> "CompiledSubgraph":
@@ -122,13 +141,22 @@ class CompiledSubgraph(torch.nn.Module):
         Call it from the thread that will run the copy (see :func:`use_device`).
         """
         copy_ = CompiledSubgraph(self.source, self.example_args, name=self.name, device=device,
-                                 compiler_args=self.compiler_args)
+                                 compiler_args=self.compiler_args, inline_weights=self.inline_weights,
+                                 weights=self.weights)
         copy_._tuple_out = self._tuple_out  # self.source already returns a tuple
         return copy_
 
+    def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Hand the executable other weights (same names, shapes, dtypes); nothing is compiled."""
+        if self.inline_weights:
+            raise ValueError(f"{self.name} holds its weights inside the executable")
+        self.weights = {name: weights[name].detach().clone() for name in self.weights}
+        with torch.no_grad():
+            self._weights_on_device = [w.to(self.device) for w in self.weights.values()]
+
     def forward(self, *args: torch.Tensor) -> Any:
         with torch.no_grad():
-            outputs = self._compiled(*[a.to(self.device) for a in args])
+            outputs = self._compiled(*[a.to(self.device) for a in args], *self._weights_on_device)
             cpu = tuple(o.cpu() for o in outputs)
         return cpu if self._tuple_out else cpu[0]
 
@@ -141,7 +169,7 @@ class CompiledSubgraph(torch.nn.Module):
         wait = xla()._XLAC._xla_wait_device_ops
         with torch.no_grad():
             started = time.perf_counter()
-            on_device = [a.to(self.device) for a in args]
+            on_device = [a.to(self.device) for a in args] + self._weights_on_device
             wait(devices=[])
             moved = time.perf_counter()
             outputs = self._compiled(*on_device)

@@ -1,0 +1,45 @@
+"""Lift a subgraph's parameters and buffers into graph inputs (weights apart from the executable).
+
+With ``inline_weights_to_neff=False`` the compiled executable must not hold the weights
+as constants: it takes them as inputs, so another checkpoint of the same architecture
+can be swapped in by handing it other tensors, without compiling again.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+
+def lift_weights(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
+    """Turn every get_attr of a parameter or buffer of ``gm`` into a trailing placeholder.
+
+    Modifies ``gm`` in place (the attributes are removed from it) and returns the
+    lifted tensors by their state-dict name, in the order the new inputs take them.
+    """
+    named = {**dict(gm.named_parameters()), **dict(gm.named_buffers())}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    anchor = placeholders[-1] if placeholders else None
+    lifted: dict[str, torch.Tensor] = {}
+    inputs: dict[str, torch.fx.Node] = {}
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr" or node.target not in named:
+            continue
+        if node.target not in inputs:
+            if anchor is None:
+                ctx = gm.graph.inserting_before(next(iter(gm.graph.nodes)))
+            else:
+                ctx = gm.graph.inserting_after(anchor)
+            with ctx:
+                anchor = gm.graph.placeholder("w_" + node.target.replace(".", "_"))
+            anchor.meta = dict(node.meta)
+            inputs[node.target] = anchor
+            lifted[node.target] = named[node.target].detach()
+        node.replace_all_uses_with(inputs[node.target])
+        gm.graph.erase_node(node)
+    for name in lifted:
+        owner, _, attr = name.rpartition(".")
+        delattr(gm.get_submodule(owner) if owner else gm, attr)
+    gm.graph.lint()
+    gm.recompile()
+    return lifted
