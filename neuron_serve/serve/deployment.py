@@ -219,6 +219,11 @@ def connect(address: str | None) -> bool:
                 os.environ[metrics.MULTIPROC_ENV] = recorded.decode()
             return False
         os.environ[metrics.MULTIPROC_ENV] = tempfile.mkdtemp(prefix="neuron-serve-metrics-")
+        # Ray starts workers at niceness 15 so a laptop's other work comes first; here the
+        # replicas are the work, and at 15 any other process (a load generator, a log
+        # shipper) takes the CPU from requests in flight. A cluster joined with --address
+        # keeps its own setting.
+        os.environ.setdefault(ray_constants.RAY_WORKER_NICENESS, "0")
         ray.init(namespace=SERVER_APP, logging_level=logging.WARNING,
                  runtime_env={"env_vars": {metrics.MULTIPROC_ENV: os.environ[metrics.MULTIPROC_ENV]}})
         internal_kv._internal_kv_put(METRICS_DIR_KEY, os.environ[metrics.MULTIPROC_ENV], namespace=SERVER_APP)  # noqa: SLF001

@@ -1,6 +1,7 @@
 """The served models over HTTP, through the clients users already have."""
 
 import json
+import os
 import re
 import sys
 import urllib.error
@@ -176,6 +177,13 @@ def test_metrics_count_requests_and_cores_share_the_work(server):
     # The per-call cost of every compiled size, timed at load, is what chose those sizes.
     costs = {int(l["batch_size"]): v for l, v in _series(after, "neuron_serve_batch_size_cost_seconds") if l["model"] == "mlp"}
     assert set(costs) == {1, 4, 16, 32, 64} and all(v > 0 for v in costs.values())
+
+
+def test_replicas_run_at_normal_priority(server):
+    # Ray's default worker niceness (15) would let any other process on the host take
+    # the CPU from requests in flight.
+    pids = server.replica_pids("mlp")
+    assert pids and {os.getpriority(os.PRIO_PROCESS, pid) for pid in pids} == {0}
 
 
 def test_openapi_document_lists_the_oip_routes(server):
