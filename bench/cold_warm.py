@@ -26,6 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from neuron_serve.config import load_deployment
+
 ROOT = Path(__file__).resolve().parents[1]
 
 START = """
@@ -85,7 +87,7 @@ def measure(model: str, runs: int, work: Path) -> dict:
     config = _config(model, work)
     cores = yaml.safe_load(config.read_text()).get("cores_per_replica", 1)
     cache = work / f"cache-{model}"
-    sizes = yaml.safe_load(config.read_text()).get("batch_sizes") or "trace-time batch"
+    sizes = load_deployment(str(config))[0].compiled_batch_sizes() or "trace-time batch"
     cold = _start(str(config), cache, cores)
     warm = [_start(str(config), cache, cores) for _ in range(runs)]
     artifact = work / f"artifact-{model}"
