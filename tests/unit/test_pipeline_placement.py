@@ -2,6 +2,7 @@
 the pipelined run on XLA:CPU devices against eager PyTorch (in a subprocess: two emulated cores
 need CPU_NUM_DEVICES=2 before torch_xla starts)."""
 
+import inspect
 import json
 import os
 import subprocess
@@ -109,22 +110,8 @@ def test_unknown_mode_is_refused(model):
         plan_pipeline(model, (torch.randn(4, 64),), cores=2, mode="sparse_nn", memory_bytes=BUDGET)
 
 
-MODEL_PY = """
-import torch
-
-class FourLayers(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.relu(layer(x))
-        return x
-
-def build():
-    return FourLayers()
-"""
+# The factory module the CLI test's model.yaml names: FourLayers as defined above.
+MODEL_PY = "import torch\n\n\n" + inspect.getsource(FourLayers) + "\n\ndef build():\n    return FourLayers()\n"
 
 MODEL_YAML = """
 name: four
