@@ -29,6 +29,7 @@ _PUBLIC = {
     "PartitionError": ".errors",
     "UnsupportedModelError": ".errors",
     "PartitionerConfig": ".partition.config",
+    "ModelPlacement": ".partition.placement",
     "replace_weights": ".weights",
     "move_trace_to_device": ".weights",
 }

@@ -24,6 +24,8 @@ from .model import Bucket, CompiledModel, graph
 from .model.sizes import check_batch_sizes, resize_rows
 from .partition.config import PartitionerConfig
 from .partition.kwargs import check_analyze_parameters, resolve
+from .partition.pipeline import pipeline_partitions
+from .partition.placement import ModelPlacement, as_placement
 from .partition.plan import ACCEL_PREFIX, PartitionPlan, Placement, plan_partitions
 from .positional import TRACE_ORDER, infer_keywords
 from .targets import get_target
@@ -122,6 +124,7 @@ def trace(
     target: str = "neuron",
     batch_sizes: Sequence[int] | None = None,
     inline_weights_to_neff: bool = True,
+    placement: ModelPlacement | dict | None = None,
 ) -> CompiledModel:
     """Capture, partition and compile ``func`` for ``target``; returns a one-bucket CompiledModel.
 
@@ -140,12 +143,24 @@ def trace(
 
     ``inline_weights_to_neff=False`` keeps parameters and buffers out of the compiled
     executables (they are inputs, resident on the core); see :func:`replace_weights`.
+
+    ``placement=ModelPlacement(mode="pipeline", cores_per_pipeline=2)`` (or the same as a dict)
+    splits the model into stages over that many cores, by memory or balanced latency; the
+    runtime pipelines chunks through them (see :class:`~neuron_serve.ModelPlacement`).
     """
     inline = check_inline_weights(inline_weights_to_neff)
+    where_to = as_placement(placement)
     grid = _trace_sizes(lambda example, where: _trace_bucket(func, example, partitioner_config, compiler_workdir,
-                                                             target, compiler_args, where, inline_weights=inline),
+                                                             target, compiler_args, where, inline_weights=inline,
+                                                             model_placement=where_to),
                         as_args(example_inputs), batch_sizes)
-    return CompiledModel([grid[-1]], smaller=[grid[:-1]])
+    return _placed(CompiledModel([grid[-1]], smaller=[grid[:-1]]), where_to)
+
+
+def _placed(model: CompiledModel, placement: ModelPlacement) -> CompiledModel:
+    # The runtime reads the stages' cores from the partitions; only the copying is a setting.
+    model.saturate_host = placement.saturates_host
+    return model
 
 
 def _trace_sizes(trace_one: Callable[[tuple, tuple], Bucket], example: tuple, batch_sizes: Sequence[int] | None,
@@ -182,6 +197,7 @@ def _trace_bucket(
     compiler_args: Any = None,
     where: tuple[str, ...] = (),
     inline_weights: bool = True,
+    model_placement: ModelPlacement | None = None,
 ) -> Bucket:
     if partitioner_config is not None and not isinstance(partitioner_config, PartitionerConfig):
         raise ConfigError("trace(partitioner_config=...) must be a neuron_serve.PartitionerConfig.")
@@ -199,12 +215,19 @@ def _trace_bucket(
     if partitioner_config is None and analysis.unsupported():
         raise _unsupported_error(analysis)
     log_support(analysis)
-    plan = plan_partitions(captured.gm, placement(analysis), config)
+    pipelined = model_placement is not None and model_placement.pipelined
+    if pipelined:
+        plan, stages = pipeline_partitions(captured.gm, captured.flat_inputs, placement(analysis), config,
+                                           model_placement.cores_per_pipeline, model_placement.balance_mode)
+    else:
+        plan = plan_partitions(captured.gm, placement(analysis), config)
     outputs, stage_inputs = _compile_partitions(plan, captured.flat_inputs, compiler_workdir, cc_args,
                                                 inline_weights)
     report = build_report(analysis)
     if cc_args:
         report["compiler_args"] = cc_args.describe()
+    if pipelined:
+        report["pipeline"] = {**stages.to_dict(), "stage_latency_sec": stages.stage_latency_sec()}
     return Bucket(
         plan.gm,
         in_spec=captured.in_spec,
@@ -287,13 +310,16 @@ def trace_buckets(
     compiler_workdir: str | None = None,
     target: str = "neuron",
     batch_sizes: Sequence[int] | None = None,
+    placement: ModelPlacement | dict | None = None,
 ) -> CompiledModel:
-    """The declarative form: trace ``model`` once per bucket of ``buckets`` (and per batch size, see trace)."""
+    """The declarative form: trace ``model`` once per bucket of ``buckets`` (and per batch size, and
+    placement, see trace)."""
     example = as_args(example_inputs)
+    where_to = as_placement(placement)
     grids = [
         _trace_sizes(lambda args, where: _trace_bucket(model, args, partitioner_config, compiler_workdir, target,
-                                                       compiler_args, where),
+                                                       compiler_args, where, model_placement=where_to),
                      buckets.example_inputs(example, i), batch_sizes, workdirs.bucket_part(i, len(buckets.sizes)))
         for i in range(len(buckets.sizes))
     ]
-    return CompiledModel([g[-1] for g in grids], smaller=[g[:-1] for g in grids], spec=buckets)
+    return _placed(CompiledModel([g[-1] for g in grids], smaller=[g[:-1] for g in grids], spec=buckets), where_to)

@@ -41,12 +41,13 @@ def _compile(config: ModelConfig, base_dir: str | Path | None) -> CompiledModel:
     if config.buckets is None:
         with progress.reporting(progress.BuildProgress(config.name, 1, batch_sizes=steps)):
             return trace(model, example, partitioner_config=partitioner, target=config.target, batch_sizes=sizes,
-                         compiler_args=config.compiler_args)
+                         compiler_args=config.compiler_args, placement=config.model_placement())
     spec = BucketSpec.build(sizes=config.buckets.sizes, inputs=config.buckets.inputs,
                             pad_values=config.buckets.pad_values, input_names=[i.name for i in config.inputs])
     with progress.reporting(progress.BuildProgress(config.name, len(spec.sizes), batch_sizes=steps)):
         return trace_buckets(model, example, spec, partitioner_config=partitioner, target=config.target,
-                             batch_sizes=sizes, compiler_args=config.compiler_args)
+                             batch_sizes=sizes, compiler_args=config.compiler_args,
+                             placement=config.model_placement())
 
 
 def _check_inputs(module: CompiledModel, config: ModelConfig, path: Path) -> None:

@@ -19,6 +19,7 @@ from .compiler_args import parse_compiler_args
 from .errors import ConfigError
 from .model.sizes import check_batch_sizes, default_batch_sizes
 from .partition.config import DEFAULT_SUPPORT_THRESHOLD, NO_LIMIT, PartitionerConfig
+from .partition.placement import ModelPlacement
 
 DTYPES = {
     "float32": torch.float32,
@@ -109,6 +110,32 @@ class PartitionerSettings(_Strict):
         )
 
 
+class PlacementSettings(_Strict):
+    """Where the accelerator work runs (see neuron_serve.ModelPlacement): a full copy per core, or a
+    pipeline of stages, one per core, split by memory or balanced latency."""
+
+    mode: Literal["replicate", "pipeline"] = Field(
+        "replicate", description="replicate: every core runs the whole model; pipeline: stages over cores"
+    )
+    cores_per_pipeline: int | None = Field(
+        default=None, ge=1, description="pipeline: cores one copy of the pipeline spans (default cores_per_replica)"
+    )
+    balance: Literal["size_based", "cost_aware", "kl_based"] | None = Field(
+        default=None, description="pipeline: split by memory (size_based, default) or balance measured latency "
+                                  "plus transfer cost (cost_aware, kl_based), as torch's partitioner does",
+    )
+    saturate_host: bool | None = Field(
+        default=None, description="pipeline: copy the pipeline onto every further group of the replica's cores "
+                                  "(default true)",
+    )
+
+    def to_placement(self, cores_per_replica: int) -> ModelPlacement:
+        cores = self.cores_per_pipeline
+        if self.mode == "pipeline" and cores is None:
+            cores = cores_per_replica
+        return ModelPlacement(self.mode, cores, self.balance, self.saturate_host)
+
+
 class BucketSettings(_Strict):
     """Declarative shape buckets (see neuron_serve.BucketSpec)."""
 
@@ -196,6 +223,7 @@ class ModelConfig(_Strict):
                     "plus it); needs dynamic_batch",
     )
     cores_per_replica: int = Field(1, ge=1)
+    placement: PlacementSettings = Field(default_factory=PlacementSettings)
     replicas: int = Field(1, ge=1)
     autoscaling: AutoscalingSettings | None = None
     batching: BatchingSettings = Field(default_factory=BatchingSettings)
@@ -213,12 +241,27 @@ class ModelConfig(_Strict):
                 raise ValueError(f"buckets name unknown inputs {unknown}; inputs are {names}")
         if self.partitioner is not None:
             self.partitioner.to_config()  # PartitionerConfig's own checks, with its messages
+        self._check_placement()
         if self.batch_sizes is not None:
             if not self.dynamic_batch:
                 raise ValueError("batch_sizes needs dynamic_batch: true (without it a request must have the "
                                  "trace-time batch); remove batch_sizes or enable dynamic_batch")
             check_batch_sizes(self.batch_sizes, limit=self.batching.max_batch_size)
         return self
+
+    def _check_placement(self) -> None:
+        try:
+            placed = self.placement.to_placement(self.cores_per_replica)  # ModelPlacement's own checks
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        if placed.pipelined and placed.cores_per_pipeline > self.cores_per_replica:
+            raise ValueError(f"placement.cores_per_pipeline is {placed.cores_per_pipeline} but the replica has "
+                             f"{self.cores_per_replica} core(s); set cores_per_replica to at least "
+                             f"{placed.cores_per_pipeline} or lower placement.cores_per_pipeline")
+
+    def model_placement(self) -> ModelPlacement:
+        """The placement ``trace`` takes."""
+        return self.placement.to_placement(self.cores_per_replica)
 
     @field_validator("compiler_args")
     @classmethod

@@ -25,6 +25,11 @@ class Partition:
     device: str  # the target's name, or "cpu"
     device_label: str  # "Device.NEURON" / "Device.CPU"
     op_counts: dict[str, int]
+    # Pipelined models: the core (within one pipeline copy) that runs this stage, the memory
+    # the stage holds there and the activation bytes arriving from before it.
+    core: int = 0
+    memory_bytes: int | None = None
+    bytes_in: int | None = None
 
     @property
     def size(self) -> int:
@@ -34,8 +39,16 @@ class Partition:
     def on_cpu(self) -> bool:
         return self.device == "cpu"
 
+    @property
+    def is_stage(self) -> bool:
+        """A stage of a pipelined model (placed by memory on a core of its pipeline)."""
+        return self.memory_bytes is not None
+
     def describe(self) -> dict:
-        return {"index": self.index, "device": self.device, "op_counts": dict(self.op_counts), "size": self.size}
+        described = {"index": self.index, "device": self.device, "op_counts": dict(self.op_counts), "size": self.size}
+        if self.is_stage:
+            described.update(core=self.core, memory_bytes=self.memory_bytes, bytes_in=self.bytes_in)
+        return described
 
 
 def leading_dim(shapes: list[torch.Size | None]) -> int:

@@ -81,6 +81,8 @@ class CompiledModel(torch.nn.Module):
         self.input_names = list(input_names) if input_names else [f"input_{i}" for i in range(self.num_inputs)]
         self.output_names = list(output_names) if output_names else _output_names(self.buckets[0])
         self.build_info = BuildInfo()
+        # Pipelined models: copy the pipeline onto every further group of cores (torch's saturate_host).
+        self.saturate_host = True
 
     # -- what was compiled ------------------------------------------------------------
 
@@ -108,6 +110,11 @@ class CompiledModel(torch.nn.Module):
     def partition_devices(self) -> list[str]:
         """The device of each partition, in execution order (of the first bucket)."""
         return [p.device for p in self.first.partitions]
+
+    @property
+    def pipeline_span(self) -> int:
+        """Cores one copy of the model spans: 1 when replicated, else the most stages' cores of any compiled shape."""
+        return 1 + max(p.core for i in range(len(self.buckets)) for b in self.grid(i) for p in b.partitions)
 
     @property
     def report(self) -> dict:

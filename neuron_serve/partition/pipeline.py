@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.fx
@@ -22,8 +22,12 @@ from torch.fx.experimental.partitioner_utils import Device, NodeLatency, Partiti
 from torch.fx.experimental.partitioner_utils import PartitionerConfig as TorchPartitionerConfig
 from torch.fx.passes.graph_manipulation import get_size_of_node
 from torch.fx.passes.shape_prop import ShapeProp
+from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
 from ..errors import PartitionError
+from ..logs import partitioner_info
+from .config import PartitionerConfig
+from .plan import ACCEL_PREFIX, PartitionPlan, Placement, describe_partitions, log_plan, split_shared_attrs
 
 GIB = 1 << 30
 # A NeuronCore-v2 (Inferentia2, Trainium1) has 16 GiB of device memory.
@@ -61,13 +65,13 @@ class Stage:
     name: str  # the submodule's attribute on PipelinePlan.module ("submod_0", ...)
     core: int
     memory_bytes: int  # weights plus activations of its nodes, as torch's partitioner counted them
-    nodes: list[str]
+    nodes: list[str]  # the planned graph's compute nodes this stage runs
     bytes_in: int = 0  # activations arriving from the previous stages
 
 
 @dataclass
 class PipelinePlan:
-    """The stages in execution order and the module that calls them (torch's module_with_submodules)."""
+    """The stages in execution order and the module that calls them, one submodule per stage."""
 
     module: torch.fx.GraphModule
     stages: list[Stage]
@@ -132,18 +136,37 @@ def plan_pipeline(
 ) -> PipelinePlan:
     """Split ``module`` into stages over ``cores`` cores of ``memory_bytes`` each (default: the target's).
 
+    The graph is torch.fx.symbolic_trace's; stages are named ``submod_<i>``, as torch names them.
     Raises PartitionError with torch's messages when the model does not fit.
+    """
+    try:
+        gm = torch.fx.symbolic_trace(module)
+    except torch.fx.proxy.TraceError as e:
+        raise PartitionError(f"pipeline placement splits the graph torch.fx.symbolic_trace records, and it "
+                             f"cannot trace this model: {e}") from e
+    return plan_graph(gm, example_inputs, cores, mode, memory_bytes, transfer_rate_bytes_per_sec, prefix="submod_")
+
+
+def plan_graph(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    cores: int,
+    mode: str = "size_based",
+    memory_bytes: int | None = None,
+    transfer_rate_bytes_per_sec: float = DEFAULT_TRANSFER_RATE_BYTES_PER_SEC,
+    prefix: str = "stage_",
+) -> PipelinePlan:
+    """Split ``gm`` (changed in place) into stages ``<prefix>0``, ``<prefix>1``... as torch's partitioner assigns
+    its nodes; each stage owns the weights it reads (a weight read by two stages is copied into both).
+
+    ``example_inputs`` are the graph's placeholders' values (they size the activations).
     """
     if mode not in MODES:
         raise PartitionError(f"placement mode {mode!r} is not one of {', '.join(MODES)}")
     if cores < 1:
         raise PartitionError(f"cores must be at least 1, got {cores}")
     budget = core_memory_bytes() if memory_bytes is None else memory_bytes
-    try:
-        gm = torch.fx.symbolic_trace(module)
-    except torch.fx.proxy.TraceError as e:
-        raise PartitionError(f"pipeline placement splits the graph torch.fx.symbolic_trace records, and it "
-                             f"cannot trace this model: {e}") from e
+    split_shared_attrs(gm)
     with torch.no_grad():
         ShapeProp(gm).propagate(*example_inputs)
     sizes: dict[torch.fx.Node, int] = {}
@@ -166,32 +189,37 @@ def plan_pipeline(
     if total > budget * cores:
         raise PartitionError(f"Devices have no enough memory for the module ({total} bytes over {cores} "
                              f"core(s) of {budget} bytes; largest node {largest}: {sizes[largest]} bytes)")
-    latencies = measure_node_latencies(gm, example_inputs) if mode != "size_based" else {}
+    latencies = measure_node_latencies(gm, tuple(example_inputs)) if mode != "size_based" else {}
     by_node = {n: NodeLatency(0.0, latencies.get(n.name, 0.0)) for n in gm.graph.nodes}
     devices = [Device(f"core{i}", budget, i) for i in range(cores)]
     config = TorchPartitionerConfig(devices, mode=PartitionMode[mode], node_to_latency_mapping=by_node,
                                     transfer_rate_bytes_per_sec=transfer_rate_bytes_per_sec)
+    partitioner = Partitioner()
     try:
-        result = Partitioner().partition_graph(gm, module, config)
+        partitioner.partition_graph(gm, gm, config)
     except RuntimeError as e:
         raise PartitionError(f"{e} (cores: {cores}, {budget} bytes each)") from e
-    return PipelinePlan(result.module_with_submodules, _stages(result, gm), mode, budget, latencies)
+    return PipelinePlan(gm, _fuse_stages(gm, partitioner.partitions, prefix), mode, budget, latencies)
 
 
-def _stages(result, gm: torch.fx.GraphModule) -> list[Stage]:
-    top = result.module_with_submodules
-    dag = {d.submodule_node.target: d for d in result.dag.nodes}
-    # split_module names each stage's inputs after the traced nodes they carry.
-    meta = {n.name: n.meta.get("tensor_meta") for n in gm.graph.nodes}
+_COMPUTE = ("call_function", "call_module", "call_method")
+
+
+def _fuse_stages(gm: torch.fx.GraphModule, partitions: list, prefix: str) -> list[Stage]:
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    # torch's partitions hold placeholders too; a stage takes those as inputs, and owns its get_attrs.
+    groups = [sorted((n for n in p.nodes if n.op in _COMPUTE or n.op == "get_attr"), key=order.__getitem__)
+              for p in partitions]
+    keep = [(p, g) for p, g in zip(partitions, groups) if any(n.op in _COMPUTE for n in g)]
+    keep.sort(key=lambda pg: order[pg[1][0]])
     stages = []
-    for node in top.graph.nodes:
-        if node.op != "call_module":
-            continue
-        sub = getattr(top, node.target)
-        names = [n.name for n in sub.graph.nodes if n.op not in ("placeholder", "output")]
-        d = dag[node.target]
-        bytes_in = sum(_tensor_bytes(meta.get(n.name)) for n in sub.graph.nodes if n.op == "placeholder")
-        stages.append(Stage(node.target, d.logical_device_ids[0], d.size_bytes, names, bytes_in))
+    for index, (partition, nodes) in enumerate(keep):
+        inside = set(nodes)
+        arriving = {i for n in nodes for i in n.all_input_nodes if i not in inside and i.op != "get_attr"}
+        bytes_in = sum(_tensor_bytes(i.meta.get("tensor_meta")) for i in arriving)
+        stages.append(Stage(f"{prefix}{index}", partition.logical_device_ids[0], partition.used_mem_bytes,
+                            [n.name for n in nodes if n.op in _COMPUTE], bytes_in))
+    fuse_by_partitions(gm, [dict.fromkeys(g) for _, g in keep], prefix=prefix)
     return stages
 
 
@@ -199,3 +227,29 @@ def _tensor_bytes(meta) -> int:
     if meta is None or not hasattr(meta, "shape"):
         return 0
     return int(torch.Size(meta.shape).numel()) * torch.empty((), dtype=meta.dtype).element_size()
+
+
+def pipeline_partitions(gm: torch.fx.GraphModule, flat_inputs: Sequence[Any], placement: Placement,
+                        config: PartitionerConfig, cores: int, mode: str) -> tuple[PartitionPlan, PipelinePlan]:
+    """A captured graph as pipeline stages ``accel_0``, ``accel_1``... that ``trace`` compiles like any
+    accelerator partition, each Partition carrying its stage's core, memory and incoming bytes.
+
+    Every operator must run on the accelerator: a stage is one compiled executable on one core.
+    """
+    on_cpu = [(node, op, "unsupported") for node, op in placement.ops.items() if node not in placement.supported]
+    on_cpu += [(node, op, "listed in ops_to_partition") for node, op in placement.ops.items()
+               if node in placement.supported and op in config.ops_to_partition]
+    if on_cpu:
+        node, op, why = on_cpu[0]
+        raise PartitionError(f"placement mode pipeline runs every operator on the accelerator, but {len(on_cpu)} "
+                             f"would run on CPU, e.g. {op} ({node}, {why}); use placement mode replicate for a "
+                             f"model with CPU partitions")
+    plan = plan_graph(gm, flat_inputs, cores, mode, prefix=ACCEL_PREFIX)
+    partitions = describe_partitions(gm, placement)
+    by_name = {s.name: s for s in plan.stages}
+    for p in partitions:
+        stage = by_name[p.name]
+        p.core, p.memory_bytes, p.bytes_in = stage.core, stage.memory_bytes, stage.bytes_in
+    log_plan(partitions)
+    partitioner_info("Pipeline (%s): %s", mode, ", ".join(f"{s.name} on core {s.core}" for s in plan.stages))
+    return PartitionPlan(gm, partitions), plan

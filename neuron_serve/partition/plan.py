@@ -97,7 +97,8 @@ class _PlacedSupport(OperatorSupportBase):
         return node.name in self.on_side
 
 
-def _split_shared_attrs(gm: torch.fx.GraphModule) -> None:
+def split_shared_attrs(gm: torch.fx.GraphModule) -> None:
+    """Give every reader of a weight its own get_attr (see below)."""
     # A weight read by operators on both sides gets one get_attr per reader, so each
     # subgraph owns its weights (kept resident on its device) instead of taking them
     # as per-call inputs.
@@ -129,18 +130,19 @@ def plan_partitions(gm: torch.fx.GraphModule, placement: Placement, config: Part
             cpu_reasons[node] = REASON_FORCED
         else:
             accel.add(node)
-    _split_shared_attrs(gm)
+    split_shared_attrs(gm)
     gm = _fuse(gm, accel, ACCEL_PREFIX)
     gm = _fuse(gm, set(cpu_reasons), CPU_PREFIX)
-    partitions = _describe(gm, placement)
-    _log_plan(partitions)
+    partitions = describe_partitions(gm, placement)
+    log_plan(partitions)
     broken = rule_violations(placement, partitions, config)
     if broken:
         raise PartitionError(broken[0].message)
     return PartitionPlan(gm, partitions, cpu_reasons)
 
 
-def _describe(gm: torch.fx.GraphModule, placement: Placement) -> list[Partition]:
+def describe_partitions(gm: torch.fx.GraphModule, placement: Placement) -> list[Partition]:
+    """One Partition per submodule ``gm`` calls, with its device and operator counts."""
     partitions = []
     for node in gm.graph.nodes:
         if node.op != "call_module":
@@ -161,7 +163,8 @@ def _describe(gm: torch.fx.GraphModule, placement: Placement) -> list[Partition]
     return partitions
 
 
-def _log_plan(partitions: list[Partition]) -> None:
+def log_plan(partitions: list[Partition]) -> None:
+    """torch-neuronx's partitioner log lines."""
     partitioner_info("Num Partitions: %d", len(partitions))
     for p in partitions:
         partitioner_info("Creating Partition #%d for device: %s", p.index, p.device_label)

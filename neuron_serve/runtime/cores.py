@@ -107,6 +107,10 @@ class CorePool:
     def __len__(self) -> int:
         return len(self.cores)
 
+    def lead_every(self, span: int, copies: int) -> None:
+        """Hand out only the first core of each of ``copies`` groups of ``span`` cores (pipelined models)."""
+        self._order = itertools.cycle(self.cores[: copies * span : span])
+
     def next(self) -> Core:
         with self._lock:
             return next(self._order)

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from .. import batching
-from ..errors import NeuronServeError
+from ..errors import ConfigError, NeuronServeError
 from ..model import CompiledModel, sizes
 from . import collate
 from .cores import CorePool
@@ -33,6 +33,15 @@ logger = logging.getLogger("neuron_serve")
 ChunkHook = Callable[[int, int, int], None]  # (core, compiled batch size, padded rows) per chunk
 PaddingHook = Callable[[int], None]  # padded rows of one batch (all its chunks, every shape bucket)
 TIMED_CALLS = 3  # calls timed per compiled size at load (after one warm-up); their median is its cost
+
+
+def _copies(model: CompiledModel, cores: int) -> tuple[int, int]:
+    """(cores one copy of the model spans, copies on ``cores`` cores)."""
+    span = model.pipeline_span
+    if span > cores:
+        raise ConfigError(f"the model is pipelined over {span} cores but the replica has {cores}; set "
+                          f"cores_per_replica to at least {span}")
+    return span, (cores // span if model.saturate_host or span == 1 else 1)
 
 
 class ModelRunner:
@@ -47,9 +56,13 @@ class ModelRunner:
         self.on_padding = on_padding
         self.cores = CorePool(cores)
         self.cpu_pool = ThreadPoolExecutor(max(2, os.cpu_count() or 2), thread_name_prefix="cpu-subgraph")
-        # Per shape bucket, compiled batch size -> that bucket at that size, loaded on every core.
+        self.span, self.copies = _copies(model, cores)
+        self.cores.lead_every(self.span, self.copies)
+        # Per shape bucket, compiled batch size -> that bucket at that size, loaded on every core
+        # (a pipelined model: each stage on its core of every pipeline copy).
         self.pipelines = [
-            {b.batch_size: Pipeline(b, self.cores, self.cpu_pool, on_stage) for b in model.grid(i)}
+            {b.batch_size: Pipeline(b, self.cores, self.cpu_pool, on_stage, self.span, self.copies)
+             for b in model.grid(i)}
             for i in range(len(model.buckets))
         ]
         # Per shape bucket, seconds per call of each compiled size, measured here.
@@ -60,6 +73,9 @@ class ModelRunner:
         logger.info("model %s ready on %d core(s) in %.1fs; batch sizes %s cost %s ms per call", name,
                     len(self.cores), self.load_seconds, model.batch_sizes,
                     [round(self.costs[0][n] * 1000, 2) for n in model.batch_sizes])
+        if self.span > 1:
+            logger.info("model %s pipelined over %d core(s) per copy; %d copies on cores %s", name, self.span,
+                        self.copies, self.groups)
 
     def _measure(self, grid: dict[int, Pipeline]) -> dict[int, float]:
         """Seconds per call of each compiled size on core 0: the median of a few timed calls after a warm-up."""
@@ -157,6 +173,11 @@ class ModelRunner:
         if self.on_chunk:
             self.on_chunk(core.index, size, padded)
         return await self.pipelines[bucket][size].run(flat, core)
+
+    @property
+    def groups(self) -> list[list[int]]:
+        """The cores of each copy of the model (one core each when replicated)."""
+        return [list(range(lead, lead + self.span)) for lead in range(0, self.copies * self.span, self.span)]
 
     def close(self) -> None:
         self.cpu_pool.shutdown(wait=False)

@@ -1,13 +1,11 @@
-"""One model over several emulated cores: the plan torch's partitioner makes, its refusals, and
-the pipelined run on XLA:CPU devices against eager PyTorch (in a subprocess: two emulated cores
-need CPU_NUM_DEVICES=2 before torch_xla starts)."""
+"""One model over several emulated cores: the plan torch's partitioner makes and its refusals.
+(tests/unit/runtime/test_pipelined_runner.py runs the compiled stages on their cores.)"""
 
 import inspect
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -48,38 +46,6 @@ def test_over_budget_model_splits_into_two_stages_on_two_cores(model):
 def test_model_that_fits_one_core_stays_one_stage(model):
     plan = plan_pipeline(model, (torch.randn(4, 64),), cores=2, memory_bytes=10**9)
     assert len(plan.stages) == 1
-
-
-RUN_PIPELINE = """
-import json, sys, torch
-sys.path.insert(0, sys.argv[1])
-from test_pipeline_placement import BUDGET, FourLayers
-from neuron_serve.partition.pipeline import plan_pipeline
-from neuron_serve.runtime.stages import run_pipeline
-torch.manual_seed(0)
-model = FourLayers().eval()
-plan = plan_pipeline(model, (torch.randn(4, 64),), cores=2, memory_bytes=BUDGET)
-chunks = [(torch.randn(4, 64),) for _ in range(5)]
-timeline = []
-outputs = run_pipeline(plan, chunks, timeline)
-with torch.no_grad():
-    expected = [model(*c) for c in chunks]
-for got, want in zip(outputs, expected):
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-print(json.dumps({"outputs": len(outputs), "runs": sorted([k, c, d] for k, c, d, _, _ in timeline)}))
-"""
-
-
-def test_pipelined_run_on_emulated_cores_equals_eager():
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2", "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run([sys.executable, "-c", RUN_PIPELINE, str(Path(__file__).parent)],
-                            capture_output=True, text=True, timeout=300, env=env)
-    # The subprocess asserts outputs equal eager within rtol=atol=1e-5.
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout.splitlines()[-1])
-    assert report["outputs"] == 5
-    # Every chunk ran stage 0 on core 0 (xla:0) and stage 1 on core 1 (xla:1).
-    assert report["runs"] == [[k, c, f"xla:{k}"] for k in range(2) for c in range(5)]
 
 
 def test_total_too_big_is_refused_with_torchs_message(model):
