@@ -52,6 +52,17 @@ CORE_BATCHES = Counter(
     "neuron_serve_core_chunks_total", "Chunks (compiled-size calls of the whole model) run per core",
     ["model", "replica", "core"],
 )
+# Pipelined models (placement mode pipeline): what each stage holds on its core and what crosses into it.
+STAGE_MEMORY = Gauge(
+    "neuron_serve_stage_memory_bytes",
+    "Memory of one pipeline stage on its core (weights plus activations, as the partitioner sized it)",
+    ["model", "replica", "bucket", "batch_size", "partition", "core"], multiprocess_mode="max",
+)
+STAGE_INPUT_BYTES = Counter(
+    "neuron_serve_stage_input_bytes_total",
+    "Activation bytes handed to a pipeline stage on its core (from the previous stage's core or the request)",
+    ["model", "replica", "partition", "core"],
+)
 SIZE_CHUNKS = Counter(
     "neuron_serve_batch_size_chunks_total", "Chunks run per compiled batch size",
     ["model", "replica", "batch_size"],

@@ -20,6 +20,7 @@ from ..model import Bucket, graph
 from .cores import Core, CorePool
 
 StageTimer = Callable[[str, str, int, float], None]  # (partition, device, core, seconds)
+TransferHook = Callable[[str, int, int], None]  # (pipeline stage, core, input bytes) per stage run
 
 
 class Pipeline:
@@ -32,11 +33,13 @@ class Pipeline:
     """
 
     def __init__(self, bucket: Bucket, cores: CorePool, cpu_pool: Executor, on_stage: StageTimer | None = None,
-                 span: int = 1, copies: int | None = None):
+                 span: int = 1, copies: int | None = None, on_transfer: TransferHook | None = None):
         self.bucket = bucket
         self.cores = cores
         self.cpu_pool = cpu_pool
         self.on_stage = on_stage
+        self.on_transfer = on_transfer
+        self.stages = {p.name for p in bucket.partitions if p.is_stage}
         self.devices = {p.name: p.device for p in bucket.partitions}
         self.offset = {p.name: p.core for p in bucket.partitions}
         gm = bucket.graph_module
@@ -61,6 +64,8 @@ class Pipeline:
 
         async def stage(name: str, args: tuple) -> Any:
             on, module = self._place(name, core)
+            if self.on_transfer and name in self.stages:
+                self.on_transfer(name, on.index, sum(a.nbytes for a in args if isinstance(a, torch.Tensor)))
             started = time.perf_counter()
             if module is not None:  # an execution on the core, counted in its activity
                 result = await loop.run_in_executor(on.executor, on.execute, _call, module, args)

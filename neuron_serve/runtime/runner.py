@@ -26,7 +26,7 @@ from ..errors import ConfigError, NeuronServeError
 from ..model import CompiledModel, sizes
 from . import collate
 from .cores import CorePool
-from .pipeline import Pipeline, StageTimer
+from .pipeline import Pipeline, StageTimer, TransferHook
 
 logger = logging.getLogger("neuron_serve")
 
@@ -48,7 +48,8 @@ class ModelRunner:
     """A compiled model, loaded on every core of this replica."""
 
     def __init__(self, model: CompiledModel, *, cores: int, name: str = "model", on_stage: StageTimer | None = None,
-                 on_chunk: ChunkHook | None = None, on_padding: PaddingHook | None = None):
+                 on_chunk: ChunkHook | None = None, on_padding: PaddingHook | None = None,
+                 on_transfer: TransferHook | None = None):
         started = time.perf_counter()
         self.model = model
         self.name = name
@@ -61,7 +62,7 @@ class ModelRunner:
         # Per shape bucket, compiled batch size -> that bucket at that size, loaded on every core
         # (a pipelined model: each stage on its core of every pipeline copy).
         self.pipelines = [
-            {b.batch_size: Pipeline(b, self.cores, self.cpu_pool, on_stage, self.span, self.copies)
+            {b.batch_size: Pipeline(b, self.cores, self.cpu_pool, on_stage, self.span, self.copies, on_transfer)
              for b in model.grid(i)}
             for i in range(len(model.buckets))
         ]
@@ -178,6 +179,12 @@ class ModelRunner:
     def groups(self) -> list[list[int]]:
         """The cores of each copy of the model (one core each when replicated)."""
         return [list(range(lead, lead + self.span)) for lead in range(0, self.copies * self.span, self.span)]
+
+    def stage_memory(self) -> list[tuple[int, int, str, int, int]]:
+        """(shape bucket, batch size, stage, core, bytes) for every pipeline stage on every core it is loaded on."""
+        return [(bucket, size, p.name, lead + p.core, p.memory_bytes)
+                for bucket, grid in enumerate(self.pipelines) for size, pipeline in grid.items()
+                for p in pipeline.bucket.partitions if p.is_stage for lead in range(0, self.copies * self.span, self.span)]
 
     def close(self) -> None:
         self.cpu_pool.shutdown(wait=False)

@@ -40,11 +40,14 @@ class ModelDataPlane:
         labels = {"model": self.name, "replica": self.replica}
         self._labels = labels
         self.runner = ModelRunner(model, cores=config.cores_per_replica, name=self.name, on_stage=self._on_stage,
-                                  on_chunk=self._on_chunk, on_padding=self._on_padding)
+                                  on_chunk=self._on_chunk, on_padding=self._on_padding, on_transfer=self._on_transfer)
         metrics.COMPILE_TIME.labels(**labels).observe(model.build_info.seconds + self.runner.load_seconds)
         for bucket, costs in enumerate(self.runner.costs):
             for size, seconds in costs.items():
                 metrics.SIZE_COST.labels(**labels, bucket=str(bucket), batch_size=str(size)).set(seconds)
+        for bucket, size, stage, core, size_bytes in self.runner.stage_memory():
+            metrics.STAGE_MEMORY.labels(**labels, bucket=str(bucket), batch_size=str(size), partition=stage,
+                                        core=str(core)).set(size_bytes)
         for kind, hits in model.build_info.cache_hits.items():
             metrics.CACHE_HITS.labels(**labels, cache=kind).inc(hits)
         signature = model.signature()
@@ -71,6 +74,9 @@ class ModelDataPlane:
 
     def _on_stage(self, partition: str, device: str, core: int, seconds: float) -> None:
         metrics.PARTITION_TIME.labels(**self._labels, partition=partition, device=device, core=str(core)).observe(seconds)
+
+    def _on_transfer(self, stage: str, core: int, size_bytes: int) -> None:
+        metrics.STAGE_INPUT_BYTES.labels(**self._labels, partition=stage, core=str(core)).inc(size_bytes)
 
     def _on_chunk(self, core: int, batch_size: int, padded: int) -> None:
         # One per chunk, however many accelerator partitions the chunk runs through.
