@@ -45,10 +45,15 @@ def _analyze(args: argparse.Namespace) -> int:
     else:
         plan = plan_partitions(copy.deepcopy(captured.gm), placement(analysis), partitioner)
         report["partitions"] = plan.describe()
-    if args.pipeline_cores:
-        from .partition.pipeline import plan_pipeline  # noqa: PLC0415
+    placed = config.model_placement()
+    cores = args.pipeline_cores or (placed.cores_per_pipeline if placed.pipelined else 0)
+    if cores:
+        from .partition.pipeline import plan_graph  # noqa: PLC0415
+        from .partition.plan import ACCEL_PREFIX  # noqa: PLC0415
 
-        stages = plan_pipeline(model, config.example_inputs(), args.pipeline_cores, args.pipeline_mode)
+        # The captured graph and names trace compiles: the plan a deployment of this model.yaml runs.
+        stages = plan_graph(copy.deepcopy(captured.gm), captured.flat_inputs, cores,
+                            args.pipeline_mode or placed.balance_mode, prefix=ACCEL_PREFIX)
         print(stages.describe(), file=sys.stderr)
         report["pipeline"] = stages.to_dict()
     text = json.dumps(report, indent=2)
@@ -163,10 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
                          help="with --html/--report-json: compile, run the example inputs RUNS times (default 5) "
                               "and add the measured times")
     analyze.add_argument("--pipeline-cores", type=int, default=0, metavar="N",
-                         help="also plan the model as a pipeline over N cores (core memory: 16 GiB, or "
-                              "$NEURON_SERVE_CORE_MEMORY_BYTES in emulation) and print its stages")
-    analyze.add_argument("--pipeline-mode", choices=("size_based", "cost_aware", "kl_based"), default="size_based",
-                         help="with --pipeline-cores: split by memory (size_based) or torch's latency cost model")
+                         help="plan the model as a pipeline over N cores (core memory: 16 GiB, or "
+                              "$NEURON_SERVE_CORE_MEMORY_BYTES in emulation) and print its stages; default: "
+                              "the model.yaml's placement, when it is a pipeline")
+    analyze.add_argument("--pipeline-mode", choices=("size_based", "cost_aware", "kl_based"), default=None,
+                         help="split by memory (size_based) or torch's latency cost model (default: the model.yaml's "
+                              "placement.balance, else size_based)")
     analyze.set_defaults(func=_analyze)
 
     build = sub.add_parser("build", help="compile a model.yaml ahead of time into an artifact directory")

@@ -11,6 +11,7 @@ import json
 from html import escape
 
 from .layout import BOX_PAD, NODE_H, NODE_W, Layout, layout
+from .stages import section as pipeline_section
 
 _CSS = """
 body{font:14px/1.45 system-ui,-apple-system,'Segoe UI',sans-serif;margin:0;color:#1f2328;background:#fafafa}
@@ -278,6 +279,7 @@ def render(data: dict) -> str:
         f"<section><h2>Graph</h2>{_legend(data)}<div id=detail>Click an operator for its placement and call site."
         f"</div><div class=graph>{graph_svg(data)}</div></section>",
         f"<section><h2>Subgraphs</h2>{_subgraph_table(data)}</section>",
+        pipeline_section(data),
         f"<section><h2>Operators on CPU</h2>{_cpu_table(data)}</section>",
         f"<section><h2>Operator counts</h2>{_counts_table(data)}</section>",
         f"<section><h2>Buckets and batch sizes</h2>{_buckets(data)}</section>",

@@ -16,6 +16,7 @@ from .explain import explain, quiet_planner
 from .html import render
 from ..analyze.placement import GraphAnalysis
 from .profile import profile
+from .stages import pipeline_data
 from .suggest import suggest
 
 
@@ -31,6 +32,7 @@ def build(config: ModelConfig, model: torch.nn.Module, captured: CapturedGraph, 
     data["batch_sizes"] = config.compiled_batch_sizes()
     data["compiler_args"] = parse_compiler_args(config.compiler_args).describe() if config.compiler_args else None
     data["suggestions"] = suggest(captured, analysis, effective)
+    data["pipeline"] = pipeline_data(config, captured)
     if profile_runs:
         data["profile"] = profile(model, tuple(captured.flat_inputs), effective, target=config.target,
                                   runs=profile_runs)
