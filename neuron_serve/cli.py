@@ -171,9 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="plan the model as a pipeline over N cores (core memory: 16 GiB, or "
                               "$NEURON_SERVE_CORE_MEMORY_BYTES in emulation) and print its stages; default: "
                               "the model.yaml's placement, when it is a pipeline")
-    analyze.add_argument("--pipeline-mode", choices=("size_based", "cost_aware", "kl_based"), default=None,
-                         help="split by memory (size_based) or torch's latency cost model (default: the model.yaml's "
-                              "placement.balance, else size_based)")
+    analyze.add_argument("--pipeline-mode", choices=("size_based", "cost_aware", "kl_based", "latency"), default=None,
+                         help="split by memory (size_based), torch's latency cost model (cost_aware, kl_based) or "
+                              "into stages of even measured latency (latency); default: the model.yaml's "
+                              "placement.balance, else size_based")
     analyze.set_defaults(func=_analyze)
 
     build = sub.add_parser("build", help="compile a model.yaml ahead of time into an artifact directory")

@@ -120,9 +120,10 @@ class PlacementSettings(_Strict):
     cores_per_pipeline: int | None = Field(
         default=None, ge=1, description="pipeline: cores one copy of the pipeline spans (default cores_per_replica)"
     )
-    balance: Literal["size_based", "cost_aware", "kl_based"] | None = Field(
-        default=None, description="pipeline: split by memory (size_based, default) or balance measured latency "
-                                  "plus transfer cost (cost_aware, kl_based), as torch's partitioner does",
+    balance: Literal["size_based", "cost_aware", "kl_based", "latency"] | None = Field(
+        default=None, description="pipeline: split by memory (size_based, default), by torch's latency cost model "
+                                  "(cost_aware, kl_based: one input's end-to-end latency), or into stages of even "
+                                  "measured latency (latency)",
     )
     saturate_host: bool | None = Field(
         default=None, description="pipeline: copy the pipeline onto every further group of the replica's cores "

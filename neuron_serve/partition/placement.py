@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import ConfigError
 
 MODES = ("replicate", "pipeline")
-BALANCES = ("size_based", "cost_aware", "kl_based")
+BALANCES = ("size_based", "cost_aware", "kl_based", "latency")
 DEFAULT_BALANCE = "size_based"
 
 
@@ -25,8 +25,10 @@ class ModelPlacement:
     """``ModelPlacement(mode="pipeline", cores_per_pipeline=2, balance="kl_based")``.
 
     ``balance``: ``size_based`` packs nodes into stages by memory (weights plus activations
-    against one core's memory); ``cost_aware`` and ``kl_based`` balance measured node
-    latencies plus the transfer cost between cores, as torch's partitioner does.
+    against one core's memory); ``cost_aware`` and ``kl_based`` are torch's partitioner's
+    latency modes (measured node latencies plus the transfer cost between cores, minimising
+    one input's end-to-end latency); ``latency`` evens out the stages' measured latency,
+    which sets a pipeline's throughput.
     """
 
     mode: str = "replicate"

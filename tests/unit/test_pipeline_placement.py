@@ -72,7 +72,7 @@ def test_core_memory_is_16_gib_on_neuron_and_configurable_in_emulation(monkeypat
 
 
 def test_unknown_mode_is_refused(model):
-    with pytest.raises(PartitionError, match="placement mode 'sparse_nn' is not one of size_based, cost_aware, kl_based"):
+    with pytest.raises(PartitionError, match="placement mode 'sparse_nn' is not one of size_based, cost_aware, kl_based, latency"):
         plan_pipeline(model, (torch.randn(4, 64),), cores=2, mode="sparse_nn", memory_bytes=BUDGET)
 
 

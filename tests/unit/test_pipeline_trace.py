@@ -67,8 +67,8 @@ def test_a_model_that_fits_no_pipeline_is_refused_at_trace(model, monkeypatch):
     ({"mode": "pipelined"}, "placement.mode: 'pipelined' is not one of replicate, pipeline"),
     ({"mode": "pipeline"}, "placement.cores_per_pipeline: pipeline mode needs a whole number of cores >= 1 to "
                            "split the model over, got None"),
-    ({"mode": "pipeline", "cores_per_pipeline": 2, "balance": "latency"},
-     "placement.balance: 'latency' is not one of size_based, cost_aware, kl_based"),
+    ({"mode": "pipeline", "cores_per_pipeline": 2, "balance": "fastest"},
+     "placement.balance: 'fastest' is not one of size_based, cost_aware, kl_based, latency"),
     ({"balance": "kl_based"}, "placement.balance applies to mode: pipeline; remove it or set placement.mode to pipeline"),
     ({"mode": "pipeline", "cores": 2}, "placement.cores: unknown field; the fields are mode, cores_per_pipeline, "
                                        "balance, saturate_host"),
@@ -100,7 +100,7 @@ def test_model_yaml_placement_defaults_to_the_replicas_cores():
      "  (top level): Value error, placement.saturate_host applies to mode: pipeline; remove it or set "
      "placement.mode to pipeline"),
     ({"mode": "pipeline", "balance": "fast"},
-     "  placement.balance: Input should be 'size_based', 'cost_aware' or 'kl_based' (use one of the values listed)"),
+     "  placement.balance: Input should be 'size_based', 'cost_aware', 'kl_based' or 'latency' (use one of the values listed)"),
 ])
 def test_model_yaml_placement_errors_name_the_field(placement, line):
     with pytest.raises(ConfigError) as e:
