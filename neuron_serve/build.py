@@ -62,6 +62,10 @@ def _check_inputs(module: CompiledModel, config: ModelConfig, path: Path) -> Non
             f"batch_sizes: {path} was built for batch sizes {module.batch_sizes}, but this model.yaml asks for "
             f"{config.batch_sizes}; rebuild the artifact from this model.yaml or remove batch_sizes."
         )
+    if module.pipelined != config.model_placement().pipelined:
+        built_as = f"pipelined over {module.pipeline_span} core(s)" if module.pipelined else "replicated"
+        raise ArtifactError(f"placement: {path} was built {built_as}, but this model.yaml asks for placement mode "
+                            f"{config.placement.mode}; rebuild the artifact from this model.yaml.")
     if not fits:
         raise ArtifactError(
             f"model.artifact: {path} was built for inputs {[(list(b.shape), str(b.dtype)) for b in built]} "
@@ -92,6 +96,8 @@ def build(config: ModelConfig, base_dir: str | Path | None = None) -> CompiledMo
         _check_inputs(module, config, path)
     else:
         module = _compile(config, base_dir)
+    # An artifact keeps its stages' cores; whether to copy the pipeline onto idle cores is the deployment's choice.
+    module.saturate_host = config.model_placement().saturates_host
     if config.dynamic_batch:
         dynamic_batch(module)
     _name(module, config)

@@ -112,6 +112,11 @@ class CompiledModel(torch.nn.Module):
         return [p.device for p in self.first.partitions]
 
     @property
+    def pipelined(self) -> bool:
+        """Traced with placement mode pipeline: its accelerator partitions are stages placed on cores."""
+        return any(p.is_stage for p in self.first.partitions)
+
+    @property
     def pipeline_span(self) -> int:
         """Cores one copy of the model spans: 1 when replicated, else the most stages' cores of any compiled shape."""
         return 1 + max(p.core for i in range(len(self.buckets)) for b in self.grid(i) for p in b.partitions)

@@ -106,3 +106,39 @@ def test_model_yaml_placement_errors_name_the_field(placement, line):
     with pytest.raises(ConfigError) as e:
         parse_config({**BASE, "cores_per_replica": 2, "placement": placement})
     assert str(e.value).splitlines()[1:] == [line]
+
+
+def test_a_saved_pipelined_model_loads_with_its_stages_on_their_cores(traced, model, tmp_path):
+    neuron_serve.save(traced, tmp_path / "four")
+    loaded = neuron_serve.load(tmp_path / "four")
+    assert [p.describe() for p in loaded.partitions] == [p.describe() for p in traced.partitions]
+    assert loaded.pipelined and loaded.pipeline_span == 2
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_every_shape_bucket_is_pipelined_and_answers_as_eager(model, monkeypatch):
+    # 50000 bytes per core: at sequence length 2 and 4 the four layers need two cores.
+    monkeypatch.setenv(CORE_MEMORY_ENV, "50000")
+    spec = neuron_serve.BucketSpec.build(sizes=[2, 4], inputs={"x": 1}, outputs={0: 1}, input_names=["x"])
+    traced = neuron_serve.dynamic_batch(neuron_serve.trace_buckets(model, torch.randn(2, 4, 64), spec,
+                                                                   placement=PIPELINE))
+    assert [[(p.name, p.core) for p in bucket] for bucket in traced.partitions] == \
+        [[("accel_0", 0), ("accel_1", 1)]] * 2
+    for rows, length in ((2, 1), (3, 3), (1, 4)):
+        x = torch.randn(rows, length, 64)
+        with torch.no_grad():
+            torch.testing.assert_close(traced(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_an_artifact_built_pipelined_is_refused_by_a_model_yaml_asking_to_replicate(traced, tmp_path):
+    from neuron_serve.build import build  # noqa: PLC0415
+    from neuron_serve.errors import ArtifactError  # noqa: PLC0415
+
+    neuron_serve.save(traced, tmp_path / "four")
+    config = parse_config({**BASE, "model": {"artifact": str(tmp_path / "four")}, "dynamic_batch": False})
+    with pytest.raises(ArtifactError) as e:
+        build(config)
+    assert str(e.value) == (f"placement: {tmp_path / 'four'} was built pipelined over 2 core(s), but this model.yaml "
+                            f"asks for placement mode replicate; rebuild the artifact from this model.yaml.")
