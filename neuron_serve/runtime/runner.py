@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from .. import batching
-from ..errors import NeuronServeError
+from ..errors import ConfigError, NeuronServeError
 from ..model import CompiledModel, sizes
 from . import collate
 from .cores import CorePool
@@ -40,6 +40,10 @@ class ModelRunner:
 
     def __init__(self, model: CompiledModel, *, cores: int, name: str = "model", on_stage: StageTimer | None = None,
                  on_chunk: ChunkHook | None = None, on_padding: PaddingHook | None = None):
+        if model.stateful:
+            # Requests of different clients would share one state, and each core would need its own.
+            raise ConfigError(f"model {name}: models traced with input_output_aliases (state on the core) cannot be "
+                              f"served yet; call the traced model in process.")
         started = time.perf_counter()
         self.model = model
         self.name = name
