@@ -45,6 +45,8 @@ class DeviceState:
         current = self.tensors[slot]
         if value is current:
             return
+        if value.device.type != "xla":  # computed on the host (the trace-time check keeps this from happening)
+            value = value.to(self.device)
         xla()._XLAC._replace_xla_tensor(current, value)
 
     def cpu(self) -> list[torch.Tensor]:
