@@ -244,7 +244,8 @@ def _trace_bucket(
         stage_inputs=stage_inputs,
     )
     if states:
-        bucket.state = shared_state if shared_state is not None else DeviceState([s.name for s in states], [s.tensor for s in states])
+        bucket.state = shared_state if shared_state is not None else DeviceState(
+            [s.name for s in states], [s.tensor for s in states])
         bucket.aliases = aliases
     return bucket
 
@@ -291,49 +292,18 @@ def bucket_model_trace(
         raise ConfigError("bucket_model_trace(bucket_config=...) must be a neuron_serve.BucketModelConfig.")
     if not example_inputs:
         raise ConfigError("bucket_model_trace needs one example input per bucket; got none.")
-    shared = _shared_state(bucket_config)
+    shared = state_aliases.shared_state(bucket_config.shared_state_buffer,
+                                        bucket_config.shared_state_buffer_preprocessor)
     buckets = []
     for index, example in enumerate(example_inputs):
         model, aliases = func(**bucket_config.kwargs_for(index, len(example_inputs)))
         states = state_aliases.check_aliases(model, aliases, "bucket_model_trace")
         if shared is not None:
-            states = _bind_shared(states, bucket_config.shared_state_buffer, index)
+            states = state_aliases.bind_shared(states, bucket_config.shared_state_buffer, index)
         buckets.append(_trace_bucket(model, as_args(example), partitioner_config, compiler_workdir, target,
                                      compiler_args, workdirs.bucket_part(index, len(example_inputs)),
                                      states=states, shared_state=shared))
     return CompiledModel(buckets, kernel=bucket_config.bucket_kernel())
-
-
-def _shared_state(config: BucketModelConfig) -> DeviceState | None:
-    """The one device-resident state every bucket model reads and updates, from ``shared_state_buffer``."""
-    if config.shared_state_buffer is None:
-        return None
-    if config.shared_state_buffer_preprocessor is not None:
-        raise ConfigError("BucketModelConfig(shared_state_buffer_preprocessor=...) is not supported: every bucket "
-                          "model reads and updates the whole shared state in place on the core. Size each bucket "
-                          "model's state tensors like the shared buffer and leave the preprocessor out.")
-    buffer = config.shared_state_buffer
-    for i, tensor in enumerate(buffer):
-        if not isinstance(tensor, torch.Tensor):
-            raise ConfigError(f"BucketModelConfig(shared_state_buffer=...): entry {i} is a {type(tensor).__name__}, "
-                              f"not a tensor.")
-    return DeviceState([f"shared_state_buffer[{i}]" for i in range(len(buffer))], buffer)
-
-
-def _bind_shared(states: list, buffer: list[torch.Tensor], bucket: int) -> list:
-    """Bucket ``bucket``'s aliased tensors, in order, as the shared buffer's entries (same shapes and dtypes)."""
-    if len(states) != len(buffer):
-        raise ConfigError(f"bucket_model_trace: bucket {bucket}'s model aliases {len(states)} state tensor(s) "
-                          f"(input_output_aliases returned by func) but shared_state_buffer has {len(buffer)}; "
-                          f"each shared entry is the initial value of one aliased tensor, in order.")
-    bound = []
-    for spec, initial in zip(states, buffer):
-        if tuple(initial.shape) != tuple(spec.tensor.shape) or initial.dtype != spec.tensor.dtype:
-            raise ConfigError(f"bucket_model_trace: bucket {bucket}'s state '{spec.name}' has shape "
-                              f"{tuple(spec.tensor.shape)} and dtype {spec.tensor.dtype}, but its shared_state_buffer "
-                              f"entry has shape {tuple(initial.shape)} and dtype {initial.dtype}.")
-        bound.append(state_aliases.StateSpec(spec.name, initial.detach(), spec.output))
-    return bound
 
 
 def trace_buckets(

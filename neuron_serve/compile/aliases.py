@@ -6,7 +6,9 @@ calls, the compiled graph takes it as an input, and output 1 is its new value, w
 back over it after every call. Here each state's reads (``get_attr`` nodes of the
 captured graph) become trailing graph inputs before partitioning, so no pass folds it
 into the executable as a constant, and the partition plan is checked so the state only
-ever meets accelerator subgraphs: it never crosses to the host on a call.
+ever meets accelerator subgraphs: it never crosses to the host on a call. With
+``bucket_model_trace``'s ``shared_state_buffer`` every bucket model's states are bound
+to one :class:`~neuron_serve.model.state.DeviceState`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 import torch.fx
 
 from ..errors import ConfigError
-from ..model.state import Alias
+from ..model.state import Alias, DeviceState
 
 STATE_PREFIX = "state_"
 
@@ -168,3 +170,34 @@ def plan_state_flow(gm: torch.fx.GraphModule, states: list[StateSpec], num_input
         if [u.target for u in readers] == [part]:
             donate.setdefault(part, []).append(list(readers[0].args).index(node))
     return aliases, keep, donate
+
+
+def shared_state(buffer: list[torch.Tensor] | None, preprocessor: Any) -> DeviceState | None:
+    """The one device-resident state every bucket model reads and updates, from ``shared_state_buffer``."""
+    if buffer is None:
+        return None
+    if preprocessor is not None:
+        raise ConfigError("BucketModelConfig(shared_state_buffer_preprocessor=...) is not supported: every bucket "
+                          "model reads and updates the whole shared state in place on the core. Size each bucket "
+                          "model's state tensors like the shared buffer and leave the preprocessor out.")
+    for i, tensor in enumerate(buffer):
+        if not isinstance(tensor, torch.Tensor):
+            raise ConfigError(f"BucketModelConfig(shared_state_buffer=...): entry {i} is a {type(tensor).__name__}, "
+                              f"not a tensor.")
+    return DeviceState([f"shared_state_buffer[{i}]" for i in range(len(buffer))], buffer)
+
+
+def bind_shared(states: list[StateSpec], buffer: list[torch.Tensor], bucket: int) -> list[StateSpec]:
+    """Bucket ``bucket``'s aliased tensors, in order, as the shared buffer's entries (same shapes and dtypes)."""
+    if len(states) != len(buffer):
+        raise ConfigError(f"bucket_model_trace: bucket {bucket}'s model aliases {len(states)} state tensor(s) "
+                          f"(input_output_aliases returned by func) but shared_state_buffer has {len(buffer)}; "
+                          f"each shared entry is the initial value of one aliased tensor, in order.")
+    bound = []
+    for spec, initial in zip(states, buffer):
+        if tuple(initial.shape) != tuple(spec.tensor.shape) or initial.dtype != spec.tensor.dtype:
+            raise ConfigError(f"bucket_model_trace: bucket {bucket}'s state '{spec.name}' has shape "
+                              f"{tuple(spec.tensor.shape)} and dtype {spec.tensor.dtype}, but its shared_state_buffer "
+                              f"entry has shape {tuple(initial.shape)} and dtype {initial.dtype}.")
+        bound.append(StateSpec(spec.name, initial.detach(), spec.output))
+    return bound
