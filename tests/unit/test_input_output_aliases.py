@@ -92,6 +92,21 @@ def test_aliases_given_positionally_are_inferred_with_a_warning():
     torch.testing.assert_close(traced.states[0].cpu(), expected, atol=TOLERANCE, rtol=TOLERANCE)
 
 
+def test_state_with_weights_apart_from_the_executable():
+    model = _accumulator()
+    traced = neuron_serve.trace(model, torch.rand(2, 4), input_output_aliases={model.total: 1},
+                                inline_weights_to_neff=False)
+    other = Accumulator().eval()  # another checkpoint; the state is not a weight
+    neuron_serve.replace_weights(traced, {k: v for k, v in other.state_dict().items() if k != "total"})
+    for _ in range(3):
+        x = torch.rand(2, 4)
+        y, total = traced(x)
+        expected_y, expected_total = other(x)
+        other.total.copy_(expected_total)
+        torch.testing.assert_close(y, expected_y, atol=TOLERANCE, rtol=TOLERANCE)
+        torch.testing.assert_close(total.cpu(), expected_total, atol=TOLERANCE, rtol=TOLERANCE)
+
+
 @pytest.mark.parametrize("aliases, message", [
     (lambda m: {m.total.clone(): 1}, r"a key \(shape \(4,\), torch.float32\) is not a parameter or buffer of "
                                      r"Accumulator; use the module's own tensor"),
