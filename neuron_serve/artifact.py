@@ -158,7 +158,7 @@ def _save_bucket(traced: Bucket, folder: Path, root: Path) -> dict:
         parts[partition.name] = entry
     return {
         "graph": _graph_to_json(traced.graph_module),
-        "partitions": [vars(p) for p in traced.partitions],
+        "partitions": [_partition_entry(p) for p in traced.partitions],
         "modules": parts,
         "in_spec": pytree.treespec_dumps(traced.in_spec),
         "out_spec": pytree.treespec_dumps(traced.out_spec),
@@ -171,6 +171,15 @@ def _save_bucket(traced: Bucket, folder: Path, root: Path) -> dict:
         "report": traced.report,
         "target": traced.target,
     }
+
+
+def _partition_entry(partition: Partition) -> dict:
+    # A replicated model's manifest stays as before pipeline stages existed; stages add their core and sizes.
+    entry = dict(vars(partition))
+    if not partition.is_stage:
+        for name in ("core", "memory_bytes", "bytes_in"):
+            entry.pop(name)
+    return entry
 
 
 def save(module: CompiledModel, path: str | Path, *, config: dict | None = None, source: str | None = None) -> Path:

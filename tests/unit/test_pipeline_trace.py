@@ -142,3 +142,11 @@ def test_an_artifact_built_pipelined_is_refused_by_a_model_yaml_asking_to_replic
         build(config)
     assert str(e.value) == (f"placement: {tmp_path / 'four'} was built pipelined over 2 core(s), but this model.yaml "
                             f"asks for placement mode replicate; rebuild the artifact from this model.yaml.")
+
+
+def test_state_on_the_core_and_a_pipeline_are_refused_together(model):
+    with pytest.raises(ConfigError) as e:
+        neuron_serve.trace(model, torch.randn(4, 64), input_output_aliases={model.layers[0].weight: 0},
+                           placement=PIPELINE)
+    assert str(e.value) == ("trace(input_output_aliases=...) cannot be combined with placement mode pipeline: the "
+                            "state lives on one core. Use placement mode replicate.")
