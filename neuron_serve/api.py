@@ -287,12 +287,14 @@ def trace_buckets(
     compiler_workdir: str | None = None,
     target: str = "neuron",
     batch_sizes: Sequence[int] | None = None,
+    inline_weights_to_neff: bool = True,
 ) -> CompiledModel:
     """The declarative form: trace ``model`` once per bucket of ``buckets`` (and per batch size, see trace)."""
     example = as_args(example_inputs)
+    inline = check_inline_weights(inline_weights_to_neff)
     grids = [
         _trace_sizes(lambda args, where: _trace_bucket(model, args, partitioner_config, compiler_workdir, target,
-                                                       compiler_args, where),
+                                                       compiler_args, where, inline),
                      buckets.example_inputs(example, i), batch_sizes, workdirs.bucket_part(i, len(buckets.sizes)))
         for i in range(len(buckets.sizes))
     ]

@@ -62,7 +62,8 @@ def weight_specs(model: CompiledModel) -> dict[str, torch.Tensor]:
     return found
 
 
-def _check_state_dict(current: dict[str, torch.Tensor], state_dict: Any) -> None:
+def check_state_dict(current: dict[str, torch.Tensor], state_dict: Any) -> None:
+    """Refuse (ConfigError naming the weight) a state dict whose names, shapes or dtypes differ from ``current``."""
     if not isinstance(state_dict, dict):
         raise ConfigError(f"replace_weights(state_dict=...) must be a dict of tensors (model.state_dict()), "
                           f"got {type(state_dict).__name__}.")
@@ -100,7 +101,7 @@ def replace_weights(neuron_model: CompiledModel, state_dict: dict[str, torch.Ten
     if not is_weight_separated(model):
         raise ConfigError("replace_weights: this model's weights are compiled into its executable; trace it with "
                           "neuron_serve.trace(..., inline_weights_to_neff=False) to replace weights.")
-    _check_state_dict(weight_specs(model), state_dict)
+    check_state_dict(weight_specs(model), state_dict)
     with torch.no_grad():
         for _, _, sub in _parts(model):
             if isinstance(sub, CompiledSubgraph):

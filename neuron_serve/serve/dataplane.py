@@ -45,6 +45,7 @@ class ModelDataPlane:
         for bucket, costs in enumerate(self.runner.costs):
             for size, seconds in costs.items():
                 metrics.SIZE_COST.labels(**labels, bucket=str(bucket), batch_size=str(size)).set(seconds)
+        metrics.BUILD_COMPILES.labels(**labels).inc(model.build_info.compiles)
         for kind, hits in model.build_info.cache_hits.items():
             metrics.CACHE_HITS.labels(**labels, cache=kind).inc(hits)
         signature = model.signature()

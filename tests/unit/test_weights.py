@@ -123,13 +123,6 @@ def test_move_trace_to_device(separated):
         neuron_serve.move_trace_to_device(separated, 99)
 
 
-def test_save_refuses_weight_separated_model(separated, tmp_path):
-    from neuron_serve.artifact import ArtifactError
-
-    with pytest.raises(ArtifactError, match="inline_weights_to_neff=False cannot be saved"):
-        neuron_serve.save(separated, tmp_path / "m")
-
-
 def test_move_trace_to_another_core_then_replace_weights():
     # A second emulated core needs its own process (the device count is fixed at PJRT start-up).
     script = textwrap.dedent("""
