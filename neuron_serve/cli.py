@@ -13,8 +13,9 @@ from pathlib import Path
 from .analyze.capture import capture
 from .api import placement
 from .analyze.placement import analyze_graph
-from .analyze.report import build_report, log_support
+from .analyze.report import build_report, log_support, write_report
 from .compile import cache as compile_cache
+from .compiler_args import parse_compiler_args
 from .config import build_model, load_config, load_deployment, parse_config
 from .errors import NeuronServeError
 from .partition.config import PartitionerConfig
@@ -24,9 +25,17 @@ from .targets import get_target
 
 def _analyze(args: argparse.Namespace) -> int:
     config = load_config(args.config)
-    model = build_model(config, Path(args.config).resolve().parent)
+    base_dir = Path(args.config).resolve().parent
+    model = build_model(config, base_dir)
     captured = capture(model, config.example_inputs())
-    analysis = analyze_graph(captured, get_target(config.target))
+    settings = config.partitioner_config(base_dir)
+    params = (settings or PartitionerConfig()).analyze  # model.yaml's partitioner.analyze_parameters
+    cc_args = (settings.trace_kwargs.get("compiler_args") if settings else None) \
+        or parse_compiler_args(config.compiler_args)
+    analysis = analyze_graph(captured, get_target(config.target), ignored_ops=params.additional_ignored_ops,
+                             max_workers=params.max_workers, compiler_flags=tuple(cc_args.cache_key()))
+    if params.compiler_workdir:
+        print(f"wrote {write_report(analysis, params.compiler_workdir)}", file=sys.stderr)
     report = build_report(analysis)
     log_support(analysis)
     if args.html or args.report_json:
@@ -36,7 +45,7 @@ def _analyze(args: argparse.Namespace) -> int:
         data = partition_report.build(config, model, captured, analysis, profile_runs=args.profile)
         for path in partition_report.write(data, html=args.html, json_path=args.report_json):
             print(f"wrote {path}", file=sys.stderr)
-    partitioner = config.partitioner_config() or PartitionerConfig(model_support_percentage_threshold=0.0)
+    partitioner = settings or PartitionerConfig(model_support_percentage_threshold=0.0)
     if config.partitioner is None and analysis.unsupported():
         report["partitions"] = None
         logging.getLogger("neuron_serve").warning(
