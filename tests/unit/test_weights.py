@@ -69,9 +69,11 @@ def test_replace_weights_swaps_checkpoint_without_compiling(separated):
 
 
 def test_replace_weights_updates_cpu_partitions_too():
-    config = neuron_serve.PartitionerConfig(ops_to_partition={"aten::relu"})
+    # mul by the scale buffer on CPU: a CPU partition holding a weight
+    config = neuron_serve.PartitionerConfig(ops_to_partition={"aten::relu", "aten::mul"})
     traced = neuron_serve.trace(Net(0).eval(), X, partitioner_config=config, inline_weights_to_neff=False)
-    assert "cpu" in traced.partition_devices
+    assert [dict(traced.first.graph_module.get_submodule(p.name).named_buffers()).keys() for p in traced.partitions
+            if p.on_cpu] == [set(), {"scale"}]
     second = Net(2).eval()
     before = compile_count()
     neuron_serve.replace_weights(traced, second.state_dict())

@@ -39,8 +39,9 @@ XM = torch.rand(2, 16, generator=torch.Generator().manual_seed(3))
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """Net(0) with relu forced to CPU (accelerator and CPU partitions), traced weight-separated and saved."""
-    config = neuron_serve.PartitionerConfig(ops_to_partition={"aten::relu"})
+    """Net(0) with relu and the scale's mul forced to CPU (CPU partitions with and without a weight), traced
+    weight-separated and saved."""
+    config = neuron_serve.PartitionerConfig(ops_to_partition={"aten::relu", "aten::mul"})
     traced = neuron_serve.trace(Net(0).eval(), X, partitioner_config=config, inline_weights_to_neff=False)
     path = tmp_path_factory.mktemp("separated") / "net"
     neuron_serve.save(traced, path)
