@@ -125,6 +125,20 @@ def test_model_yaml_weights_swap_a_checkpoint_into_a_factory_model(checkpoints):
     assert built.build_info.compiles == 1  # the trace's; the swap adds none
 
 
+def test_neuron_serve_build_saves_the_swapped_in_checkpoint(checkpoints, tmp_path):
+    import yaml
+
+    from neuron_serve.cli import main
+
+    config = tmp_path / "mlp.yaml"
+    config.write_text(yaml.safe_dump(_config(model=FACTORY, inline_weights_to_neff=False,
+                                             weights=str(checkpoints / "second.pt"))))
+    assert main(["build", str(config), "-o", str(tmp_path / "out")]) == 0
+    served = yaml.safe_load((tmp_path / "out" / "model.yaml").read_text())
+    assert served["inline_weights_to_neff"] is False and "weights" not in served  # weights.pt holds them now
+    torch.testing.assert_close(neuron_serve.load(tmp_path / "out")(XM), _mlp(1)(XM), atol=ATOL, rtol=0)
+
+
 def test_model_yaml_weights_serve_a_new_checkpoint_of_an_artifact_without_compiling(built_artifact, checkpoints):
     base = _config(model={"artifact": str(built_artifact)})
     plain = build(parse_config(base))
