@@ -15,12 +15,14 @@ from .analyze.explain_failure import compile_error
 from .analyze.placement import GraphAnalysis, analyze_graph
 from .analyze.report import build_report, log_support, write_report
 from .bucketing import BucketModelConfig, BucketSpec
+from .compile import aliases as state_aliases
 from .compile import workdir as workdirs
 from .compiler_args import NONE, CompilerArgs
 from .compile.passes.auto_cast import auto_cast
 from .compile.subgraph import CompiledSubgraph
 from .errors import ConfigError, UnsupportedModelError
 from .model import Bucket, CompiledModel, graph
+from .model.state import DeviceState
 from .model.sizes import check_batch_sizes, resize_rows
 from .partition.config import PartitionerConfig
 from .partition.kwargs import check_analyze_parameters, resolve
@@ -77,7 +79,8 @@ def _unsupported_error(analysis: GraphAnalysis) -> UnsupportedModelError:
 
 
 def _compile_partitions(plan: PartitionPlan, flat_inputs: list, compiler_workdir: str | None,
-                        compiler_args: CompilerArgs = NONE, inline_weights: bool = True) -> tuple[list, dict]:
+                        compiler_args: CompilerArgs = NONE, inline_weights: bool = True,
+                        donate: dict[str, list[int]] | None = None) -> tuple[list, dict]:
     """Replace each accelerator submodule by its compiled form.
 
     The split graph runs once on the example inputs; each accelerator partition is
@@ -99,7 +102,8 @@ def _compile_partitions(plan: PartitionPlan, flat_inputs: list, compiler_workdir
             with progress.subgraph(name, index, accel_total):
                 try:
                     compiled = CompiledSubgraph(source, args, name=name, compiler_workdir=compiler_workdir,
-                                                compiler_args=compiler_args, inline_weights=inline_weights)
+                                                compiler_args=compiler_args, inline_weights=inline_weights,
+                                                donate=(donate or {}).get(name, ()))
                 except Exception as exc:  # torch-xla raises many types; name the operator and its line
                     raise compile_error(exc, source, name) from None
             setattr(gm, name, compiled)
@@ -116,6 +120,7 @@ def trace(
     func: Callable,
     example_inputs: Any,
     *,
+    input_output_aliases: dict | None = None,
     partitioner_config: PartitionerConfig | None = None,
     compiler_args: str | list[str] | None = None,
     compiler_workdir: str | None = None,
@@ -140,10 +145,20 @@ def trace(
 
     ``inline_weights_to_neff=False`` keeps parameters and buffers out of the compiled
     executables (they are inputs, resident on the core); see :func:`replace_weights`.
+
+    ``input_output_aliases={model.cache: 1}`` makes parameters or buffers of ``func``
+    state tensors: they stay on the core across calls and output 1 (of the flattened
+    outputs) is written over ``model.cache`` after every call. The call returns every
+    output, as torch-neuronx does; an aliased one is the state tensor on the core.
     """
     inline = check_inline_weights(inline_weights_to_neff)
+    states = state_aliases.check_aliases(func, input_output_aliases)
+    if states and batch_sizes is not None:
+        raise ConfigError("trace(input_output_aliases=...) cannot be combined with batch_sizes: each compiled batch "
+                          "size would need its own state. Trace at one batch size.")
     grid = _trace_sizes(lambda example, where: _trace_bucket(func, example, partitioner_config, compiler_workdir,
-                                                             target, compiler_args, where, inline_weights=inline),
+                                                             target, compiler_args, where, inline_weights=inline,
+                                                             states=states),
                         as_args(example_inputs), batch_sizes)
     return CompiledModel([grid[-1]], smaller=[grid[:-1]])
 
@@ -182,6 +197,8 @@ def _trace_bucket(
     compiler_args: Any = None,
     where: tuple[str, ...] = (),
     inline_weights: bool = True,
+    states: list[state_aliases.StateSpec] = (),
+    shared_state: DeviceState | None = None,
 ) -> Bucket:
     if partitioner_config is not None and not isinstance(partitioner_config, PartitionerConfig):
         raise ConfigError("trace(partitioner_config=...) must be a neuron_serve.PartitionerConfig.")
@@ -192,6 +209,11 @@ def _trace_bucket(
     tgt = get_target(target)
     args = as_args(example_inputs)
     captured = capture(func, args)
+    user_inputs = list(captured.flat_inputs)
+    if states:
+        state_aliases.check_outputs(captured.gm, states)
+        state_aliases.lift_states(captured.gm, states)
+        captured.flat_inputs = [*user_inputs, *(s.tensor for s in states)]
     analysis = analyze_graph(captured, tgt, ignored_ops=params.additional_ignored_ops,
                              max_workers=params.max_workers, compiler_flags=tuple(cc_args.cache_key()))
     if params.compiler_workdir:
@@ -200,16 +222,20 @@ def _trace_bucket(
         raise _unsupported_error(analysis)
     log_support(analysis)
     plan = plan_partitions(captured.gm, placement(analysis), config)
+    aliases, keep, donate = (state_aliases.plan_state_flow(plan.gm, states, len(user_inputs), ACCEL_PREFIX)
+                             if states else ([], {}, {}))
     outputs, stage_inputs = _compile_partitions(plan, captured.flat_inputs, compiler_workdir, cc_args,
-                                                inline_weights)
+                                                inline_weights, donate)
+    for name, indices in keep.items():
+        plan.gm.get_submodule(name).keep_on_device = set(indices)
     report = build_report(analysis)
     if cc_args:
         report["compiler_args"] = cc_args.describe()
-    return Bucket(
+    bucket = Bucket(
         plan.gm,
         in_spec=captured.in_spec,
         out_spec=captured.out_spec,
-        input_shapes=[(t.shape, t.dtype) if isinstance(t, torch.Tensor) else (None, None) for t in captured.flat_inputs],
+        input_shapes=[(t.shape, t.dtype) if isinstance(t, torch.Tensor) else (None, None) for t in user_inputs],
         output_shapes=[t.shape if isinstance(t, torch.Tensor) else None for t in outputs],
         output_dtypes=[t.dtype if isinstance(t, torch.Tensor) else None for t in outputs],
         partitions=plan.partitions,
@@ -217,6 +243,11 @@ def _trace_bucket(
         target=tgt.name,
         stage_inputs=stage_inputs,
     )
+    if states:
+        bucket.state = shared_state if shared_state is not None else DeviceState(
+            [s.name for s in states], [s.tensor for s in states])
+        bucket.aliases = aliases
+    return bucket
 
 
 def dynamic_batch(neuron_script: CompiledModel) -> CompiledModel:
@@ -230,6 +261,9 @@ def dynamic_batch(neuron_script: CompiledModel) -> CompiledModel:
     """
     if not isinstance(neuron_script, CompiledModel):
         raise ConfigError("dynamic_batch() takes the module returned by neuron_serve.trace() or bucket_model_trace().")
+    if neuron_script.stateful:
+        raise ConfigError("dynamic_batch() cannot chunk a model with input_output_aliases: every chunk would update "
+                          "the state. Call it with the traced batch size.")
     for index in range(len(neuron_script.buckets)):
         for bucket in neuron_script.grid(index):
             batching.enable(bucket)
@@ -250,31 +284,26 @@ def bucket_model_trace(
 
     As in torch-neuronx, ``func(**func_kwargs)`` returns ``(model, input_output_aliases)``
     and ``bucket_config.bucket_kernel()`` returns the kernel mapping the list of inputs
-    to (padded inputs, bucket index).
+    to (padded inputs, bucket index). Each bucket model's aliased tensors are state on
+    the core (see :func:`trace`); with ``shared_state_buffer`` they are one state, shared
+    by every bucket model: entry k is the initial value of each model's k-th aliased tensor.
     """
     if not isinstance(bucket_config, BucketModelConfig):
         raise ConfigError("bucket_model_trace(bucket_config=...) must be a neuron_serve.BucketModelConfig.")
     if not example_inputs:
         raise ConfigError("bucket_model_trace needs one example input per bucket; got none.")
-    state = bucket_config.shared_state_buffer
-    preprocess = bucket_config.shared_state_buffer_preprocessor() if bucket_config.shared_state_buffer_preprocessor else None
+    shared = state_aliases.shared_state(bucket_config.shared_state_buffer,
+                                        bucket_config.shared_state_buffer_preprocessor)
     buckets = []
     for index, example in enumerate(example_inputs):
         model, aliases = func(**bucket_config.kwargs_for(index, len(example_inputs)))
-        if aliases:
-            raise ConfigError(
-                "bucket_model_trace: input_output_aliases (device-resident state) is not supported; return an "
-                "empty dict and pass state through shared_state_buffer instead."
-            )
-        args = as_args(example)
-        if state is not None:
-            shapes = [list(t.shape) for t in args]
-            extra = preprocess(shapes, state, torch.tensor(index)) if preprocess else state
-            args = (*args, *extra)
-        buckets.append(_trace_bucket(model, args, partitioner_config, compiler_workdir, target, compiler_args,
-                                     workdirs.bucket_part(index, len(example_inputs))))
-    return CompiledModel(buckets, kernel=bucket_config.bucket_kernel(), state=state, state_preprocessor=preprocess,
-                         num_inputs=len(as_args(example_inputs[0])))
+        states = state_aliases.check_aliases(model, aliases, "bucket_model_trace")
+        if shared is not None:
+            states = state_aliases.bind_shared(states, bucket_config.shared_state_buffer, index)
+        buckets.append(_trace_bucket(model, as_args(example), partitioner_config, compiler_workdir, target,
+                                     compiler_args, workdirs.bucket_part(index, len(example_inputs)),
+                                     states=states, shared_state=shared))
+    return CompiledModel(buckets, kernel=bucket_config.bucket_kernel())
 
 
 def trace_buckets(

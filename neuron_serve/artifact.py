@@ -195,6 +195,9 @@ def save(module: CompiledModel, path: str | Path, *, config: dict | None = None,
                             f"bucket_model_trace(), not a {type(module).__name__}.")
     from .weights import is_weight_separated, weight_specs  # noqa: PLC0415
 
+    if module.stateful:
+        raise ArtifactError("save: models traced with input_output_aliases (state on the core) cannot be saved as an "
+                            "artifact yet; keep the traced model in process.")
     separated = is_weight_separated(module)
     root = Path(path)
     if root.exists():
@@ -232,9 +235,6 @@ def save(module: CompiledModel, path: str | Path, *, config: dict | None = None,
 
 
 def _spec_to_json(module: CompiledModel, root: Path) -> dict:
-    if module.state is not None:
-        raise ArtifactError("save: a bucketed model with shared_state_buffer cannot be saved; pass the state as "
-                            "model inputs instead.")
     if module.spec is not None:
         spec = module.spec
         return {"declarative": {"sizes": spec.sizes, "inputs": {str(k): v for k, v in spec.inputs.items()},

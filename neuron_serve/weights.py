@@ -139,4 +139,7 @@ def move_trace_to_device(neuron_model: CompiledModel, device_id: int) -> Compile
     for bucket, name, sub in list(_parts(model)):
         if isinstance(sub, CompiledSubgraph) and str(sub.device) != str(device):
             setattr(bucket.graph_module, name, sub.load_to(device))
+    for state in model._device_states():  # input_output_aliases: the state follows its executables
+        if str(state.device) != str(device):
+            state.to(device)
     return model

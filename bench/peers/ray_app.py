@@ -38,6 +38,9 @@ def configure_ingress(port: int, haproxy: bool) -> None:
         for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
             os.environ.setdefault(name, str(_free_port()))
     os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", str(port + 10))
+    # neuron-serve's deploy starts Ray workers at niceness 0 rather than Ray's 15; the Ray
+    # peers get the same, so a busy host slows every server alike and the ratios compare runtimes.
+    os.environ.setdefault("RAY_worker_niceness", "0")
 
 
 def serve_models(deployment, port: int, env_vars: dict[str, str]) -> None:

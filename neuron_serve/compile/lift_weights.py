@@ -19,6 +19,12 @@ def lift_weights(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
     """
     named = {**dict(gm.named_parameters()), **dict(gm.named_buffers())}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    # A partition's inputs can come after nodes that read weights (a state tensor's input
+    # is the last); inputs depend on nothing, so gather them first and add the weights after.
+    first = next((n for n in gm.graph.nodes if n.op != "placeholder"), None)
+    if first is not None:
+        for node in placeholders:
+            first.prepend(node)
     anchor = placeholders[-1] if placeholders else None
     lifted: dict[str, torch.Tensor] = {}
     inputs: dict[str, torch.fx.Node] = {}

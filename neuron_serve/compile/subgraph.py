@@ -35,6 +35,14 @@ def compile_count() -> int:
     return _compiles
 
 
+def _alias_count() -> int:
+    """Input buffers torch-xla has compiled as aliased to an output, in this process."""
+    import torch_xla.debug.metrics as metrics  # noqa: PLC0415
+
+    data = metrics.metric_data("InputOutputAliasCount")
+    return int(data[1]) if data else 0
+
+
 def _copy_to(source: torch.fx.GraphModule, device: Any,
              weights: list[torch.Tensor] = ()) -> tuple[torch.fx.GraphModule, set[int]]:
     """A copy of ``source``, weights laid out for their matmuls, with every tensor it creates on ``device``.
@@ -97,6 +105,7 @@ class CompiledSubgraph(torch.nn.Module):
         inline_weights: bool = True,
         weights: dict[str, torch.Tensor] | None = None,
         compiler_args: CompilerArgs = NONE,
+        donate: Sequence[int] = (),
     ) -> None:
         global _compiles
         super().__init__()
@@ -120,16 +129,32 @@ class CompiledSubgraph(torch.nn.Module):
         resident, self._transposed = _copy_to(self.source, self.device, list(self.weights.values()))
         self._weights_on_device = _on_device(list(self.weights.values()), self._transposed, self.device)
         xla_args = [a.to(self.device) for a in example_args] + self._weights_on_device
+        # State inputs (input_output_aliases) whose buffer the executable may reuse for
+        # their new value: torch-xla compiles donated inputs as aliased to an output.
+        self.donate = list(donate)
+        # Outputs left on the device: new values of state tensors, never copied to the host.
+        self.keep_on_device: set[int] = set()
+        self._donate(xla_args)
+        aliased_before = _alias_count()
         started = time.perf_counter()
         with torch.no_grad(), neuron_cc_flags(compiler_args):
             self._compiled = extract_compiled_graph(resident, xla_args)
             outputs = self._compiled(*xla_args)
+        self.aliased_buffers = _alias_count() - aliased_before  # inputs XLA aliased to outputs
         _compiles += 1
         self.compile_seconds = time.perf_counter() - started
         self._on_device = resident  # keeps the resident weights alive
         if compiler_workdir:
             self._dump_hlo(compiler_workdir)
         logger.debug("compiled %s on %s in %.3fs", name, self.device, self.compile_seconds)
+
+    def _donate(self, on_device: list[torch.Tensor]) -> None:
+        for index in self.donate:
+            xla()._XLAC._set_buffer_donation(on_device[index], True)
+
+    def _outputs(self, outputs: Sequence[torch.Tensor]) -> Any:
+        kept = tuple(o if i in self.keep_on_device else o.cpu() for i, o in enumerate(outputs))
+        return kept if self._tuple_out else kept[0]
 
     def _dump_hlo(self, workdir: str) -> None:
         # The compiled outputs are already device data (their HLO is empty), so lower afresh.
@@ -154,8 +179,9 @@ class CompiledSubgraph(torch.nn.Module):
         """
         copy_ = CompiledSubgraph(self.source, self.example_args, name=self.name, device=device,
                                  compiler_args=self.compiler_args, inline_weights=self.inline_weights,
-                                 weights=self.weights)
+                                 weights=self.weights, donate=self.donate)
         copy_._tuple_out = self._tuple_out  # self.source already returns a tuple
+        copy_.keep_on_device = set(self.keep_on_device)
         return copy_
 
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -168,9 +194,9 @@ class CompiledSubgraph(torch.nn.Module):
 
     def forward(self, *args: torch.Tensor) -> Any:
         with torch.no_grad():
-            outputs = self._compiled(*[a.to(self.device) for a in args], *self._weights_on_device)
-            cpu = tuple(o.cpu() for o in outputs)
-        return cpu if self._tuple_out else cpu[0]
+            on_device = [a.to(self.device) for a in args]
+            self._donate(on_device)
+            return self._outputs(self._compiled(*on_device, *self._weights_on_device))
 
     def timed(self, *args: torch.Tensor) -> tuple[Any, dict[str, float]]:
         """forward() with its phases timed apart: to the device, compute, back to CPU.
@@ -182,12 +208,13 @@ class CompiledSubgraph(torch.nn.Module):
         with torch.no_grad():
             started = time.perf_counter()
             on_device = [a.to(self.device) for a in args] + self._weights_on_device
+            self._donate(on_device)
             wait(devices=[])
             moved = time.perf_counter()
             outputs = self._compiled(*on_device)
             wait(devices=[])
             computed = time.perf_counter()
-            cpu = tuple(o.cpu() for o in outputs)
+            result = self._outputs(outputs)
             done = time.perf_counter()
         phases = {"to_device_s": moved - started, "compute_s": computed - moved, "to_cpu_s": done - computed}
-        return (cpu if self._tuple_out else cpu[0]), phases
+        return result, phases

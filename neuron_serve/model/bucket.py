@@ -12,6 +12,7 @@ import torch.utils._pytree as pytree
 from .. import batching
 from ..errors import InvalidInput
 from . import graph
+from .state import Alias, DeviceState
 
 Shape = tuple[int, ...]
 
@@ -83,6 +84,14 @@ class Bucket(torch.nn.Module):
         # Rows one compiled call takes: the chunk size of dynamic batching and of serving.
         self.batch_size = batch_size if batch_size is not None else leading_dim([s for s, _ in input_shapes])
         self.dynamic_batch_enabled = False
+        # input_output_aliases: state tensors on the core, passed after the inputs and
+        # updated from the outputs ``aliases`` name after every call (see model/state.py).
+        self.state: DeviceState | None = None
+        self.aliases: list[Alias] = []
+
+    @property
+    def stateful(self) -> bool:
+        return self.state is not None
 
     def flatten(self, args: tuple, kwargs: dict) -> list[Any]:
         flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
@@ -112,6 +121,14 @@ class Bucket(torch.nn.Module):
         return self.run_flat(flat)
 
     def run_flat(self, flat: list[Any]) -> Any:
+        call = graph.call_submodule(self.graph_module)
         with torch.no_grad():
-            outputs = graph.run(self.graph_module, flat, graph.call_submodule(self.graph_module))
+            if self.state is None:
+                outputs = graph.run(self.graph_module, flat, call)
+            else:
+                outputs = graph.run(self.graph_module, [*flat, *self.state.tensors], call)
+                for alias in self.aliases:
+                    self.state.update(alias.slot, outputs[alias.output])
+                    # As torch-neuronx: the aliased output is the state itself, on the core.
+                    outputs[alias.output] = self.state.tensors[alias.slot]
         return pytree.tree_unflatten(outputs, self.out_spec)

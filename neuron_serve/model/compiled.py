@@ -49,8 +49,6 @@ class CompiledModel(torch.nn.Module):
         *,
         kernel: Callable | None = None,
         spec: BucketSpec | None = None,
-        state: list[torch.Tensor] | None = None,
-        state_preprocessor: Callable | None = None,
         input_names: Sequence[str] | None = None,
         output_names: Sequence[str] | None = None,
         num_inputs: int | None = None,
@@ -74,10 +72,8 @@ class CompiledModel(torch.nn.Module):
         self.costs: dict[int, float] | None = None
         self.spec = spec
         self.kernel = spec.kernel if spec is not None and kernel is None else kernel
-        self.state = state
-        self.state_preprocessor = state_preprocessor
         tensors = [i for i, (shape, _) in enumerate(self.buckets[0].input_shapes) if shape is not None]
-        # The tensor inputs the caller passes (a shared state buffer adds others after them).
+        # The tensor inputs the caller passes.
         self._tensor_inputs = tensors[:num_inputs] if num_inputs is not None else tensors
         self.num_inputs = len(self._tensor_inputs)
         self.input_names = list(input_names) if input_names else [f"input_{i}" for i in range(self.num_inputs)]
@@ -120,6 +116,38 @@ class CompiledModel(torch.nn.Module):
         return self.first.target
 
     @property
+    def stateful(self) -> bool:
+        """Whether the model keeps state tensors on the core across calls (input_output_aliases)."""
+        return any(b.stateful for i in range(len(self.buckets)) for b in self.grid(i))
+
+    @property
+    def states(self) -> list[torch.Tensor]:
+        """The state tensors on the core, as torch-neuronx's ``traced.states``: each bucket's, shared ones once.
+
+        They always hold the current state (``.cpu()`` reads one); ``load_states`` overwrites them.
+        """
+        found: list[torch.Tensor] = []
+        for state in self._device_states():
+            found.extend(state.tensors)
+        return found
+
+    def load_states(self, values: Sequence[torch.Tensor]) -> None:
+        """Overwrite the state tensors (in ``states`` order) from the host, e.g. to reset a KV cache."""
+        values = list(values)
+        if len(values) != len(self.states):
+            raise ValueError(f"load_states: the model has {len(self.states)} state tensors; got {len(values)}")
+        for state in self._device_states():
+            state.load(values[:len(state)])
+            values = values[len(state):]
+
+    def _device_states(self) -> list:
+        seen: list = []
+        for bucket in self.buckets:
+            if bucket.state is not None and all(bucket.state is not s for s in seen):
+                seen.append(bucket.state)
+        return seen
+
+    @property
     def dynamic_batch_enabled(self) -> bool:
         return all(b.dynamic_batch_enabled for i in range(len(self.buckets)) for b in self.grid(i))
 
@@ -149,7 +177,7 @@ class CompiledModel(torch.nn.Module):
     # -- running ----------------------------------------------------------------------
 
     def place(self, inputs: Sequence[torch.Tensor]) -> tuple[int, list[torch.Tensor]]:
-        """The bucket that runs rows ``inputs`` and the inputs it takes (padded, plus any shared state).
+        """The bucket that runs rows ``inputs`` and the inputs it takes (padded).
 
         Raises InvalidInput when the inputs do not fit that bucket in any dim but dim 0
         (the rows, which the runtime chunks by the bucket's batch size).
@@ -162,10 +190,6 @@ class CompiledModel(torch.nn.Module):
         if not 0 <= bucket < len(self.buckets):
             raise InvalidInput(f"the bucket kernel chose bucket {bucket}, but there are {len(self.buckets)}.")
         padded = list(padded)
-        if self.state is not None:
-            shapes = [list(t.shape) for t in padded]
-            extra = self.state_preprocessor(shapes, self.state, index) if self.state_preprocessor else self.state
-            padded += list(extra)
         batching.check_batch(padded, [shape for shape, _ in self.buckets[bucket].input_shapes])
         return bucket, padded
 

@@ -14,7 +14,6 @@ import asyncio
 import logging
 import os
 import time
-import statistics
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -22,7 +21,7 @@ from typing import Callable
 import torch
 
 from .. import batching
-from ..errors import NeuronServeError
+from ..errors import ConfigError, NeuronServeError
 from ..model import CompiledModel, sizes
 from . import collate
 from .cores import CorePool
@@ -32,7 +31,7 @@ logger = logging.getLogger("neuron_serve")
 
 ChunkHook = Callable[[int, int, int], None]  # (core, compiled batch size, padded rows) per chunk
 PaddingHook = Callable[[int], None]  # padded rows of one batch (all its chunks, every shape bucket)
-TIMED_CALLS = 3  # calls timed per compiled size at load (after one warm-up); their median is its cost
+TIMED_CALLS = 3  # calls timed per compiled size at load (after one warm-up); the fastest is its cost
 
 
 class ModelRunner:
@@ -40,6 +39,10 @@ class ModelRunner:
 
     def __init__(self, model: CompiledModel, *, cores: int, name: str = "model", on_stage: StageTimer | None = None,
                  on_chunk: ChunkHook | None = None, on_padding: PaddingHook | None = None):
+        if model.stateful:
+            # Requests of different clients would share one state, and each core would need its own.
+            raise ConfigError(f"model {name}: models traced with input_output_aliases (state on the core) cannot be "
+                              f"served yet; call the traced model in process.")
         started = time.perf_counter()
         self.model = model
         self.name = name
@@ -62,7 +65,8 @@ class ModelRunner:
                     [round(self.costs[0][n] * 1000, 2) for n in model.batch_sizes])
 
     def _measure(self, grid: dict[int, Pipeline]) -> dict[int, float]:
-        """Seconds per call of each compiled size on core 0: the median of a few timed calls after a warm-up."""
+        """Seconds per call of each compiled size on core 0: the fastest of a few timed calls after a
+        warm-up. Replicas load while others compile, and preemption only ever adds time."""
         if len(grid) == 1:
             return {n: 1.0 for n in grid}  # nothing to choose between
         core = self.cores.cores[0]
@@ -80,7 +84,7 @@ class ModelRunner:
                 logger.warning("model %s: cannot time batch size %d on zeros (%s: %s); choosing sizes by rows",
                                self.name, size, type(exc).__name__, exc)
                 return {n: float(n) for n in grid}
-            costs[size] = statistics.median(times[1:])
+            costs[size] = min(times[1:])
         return costs
 
     def use_costs(self, costs: list[dict[int, float]]) -> None:
@@ -120,7 +124,13 @@ class ModelRunner:
             groups[bucket].append(i)
         if self.on_padding:
             self.on_padding(sum(self._padding(b, [placed[i] for i in members]) for b, members in groups.items()))
-        await asyncio.gather(*(self._run_group(b, members, requests, placed, results) for b, members in groups.items()))
+        runs = [self._run_group(b, members, requests, placed, results) for b, members in groups.items()]
+        # One group (the usual case) is awaited directly: gather would wrap it in a task, one
+        # more turn of the event loop on every batch.
+        if len(runs) == 1:
+            await runs[0]
+        elif runs:
+            await asyncio.gather(*runs)
         return results
 
     def _padding(self, bucket: int, inputs: list[list[torch.Tensor]]) -> int:
@@ -148,7 +158,10 @@ class ModelRunner:
     async def _run_rows(self, bucket: int, batch: list[torch.Tensor]) -> list[torch.Tensor]:
         rows = batch[0].shape[0]
         chunks = sizes.split(batch, rows, self.plan(bucket, rows))
-        outputs = await asyncio.gather(*(self._run_chunk(bucket, *chunk) for chunk in chunks))
+        if len(chunks) == 1:
+            outputs = [await self._run_chunk(bucket, *chunks[0])]
+        else:
+            outputs = await asyncio.gather(*(self._run_chunk(bucket, *chunk) for chunk in chunks))
         return batching.join_chunks(list(outputs), rows)
 
     async def _run_chunk(self, bucket: int, size: int, flat: list[torch.Tensor], padded: int) -> list[torch.Tensor]:
