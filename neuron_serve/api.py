@@ -341,15 +341,17 @@ def trace_buckets(
     compiler_workdir: str | None = None,
     target: str = "neuron",
     batch_sizes: Sequence[int] | None = None,
+    inline_weights_to_neff: bool = True,
     placement: ModelPlacement | dict | None = None,
 ) -> CompiledModel:
     """The declarative form: trace ``model`` once per bucket of ``buckets`` (and per batch size, and
     placement, see trace)."""
     example = as_args(example_inputs)
+    inline = check_inline_weights(inline_weights_to_neff)
     where_to = as_placement(placement)
     grids = [
         _trace_sizes(lambda args, where: _trace_bucket(model, args, partitioner_config, compiler_workdir, target,
-                                                       compiler_args, where, model_placement=where_to),
+                                                       compiler_args, where, inline, model_placement=where_to),
                      buckets.example_inputs(example, i), batch_sizes, workdirs.bucket_part(i, len(buckets.sizes)))
         for i in range(len(buckets.sizes))
     ]

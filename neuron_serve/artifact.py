@@ -16,9 +16,13 @@ Layout::
     bucket_N_batch_B/    bucket N at each smaller compiled batch size B (bucket_N holds
                          the largest), laid out as bucket_N
     bucket_kernel.pt     a torch.jit.script bucket kernel, when the model has one
+    weights.pt           weight-separated models (inline_weights_to_neff=False) only:
+                         every weight by state-dict name (torch.save of a dict of
+                         tensors, read back with weights_only=True); their accelerator
+                         partitions' programs take the weights as inputs and hold none
 
-Loading reads only JSON, ExportedPrograms and TorchScript: no pickle of arbitrary
-objects and no original model class. Accelerator partitions are compiled again on
+Loading reads only JSON, ExportedPrograms, TorchScript and a state dict of plain
+tensors: no pickle of arbitrary objects and no original model class. Accelerator partitions are compiled again on
 load (through the compile cache where the runtime can reuse executables).
 """
 
@@ -41,7 +45,7 @@ import torch.utils._pytree as pytree
 from .bucketing import BucketSpec
 from .compiler_args import parse_compiler_args
 from .compile.subgraph import CompiledSubgraph
-from .errors import ArtifactError
+from .errors import ArtifactError, ConfigError
 from .model import Bucket, CompiledModel, Partition
 from .targets.pjrt import emulated, versions, xla
 
@@ -52,6 +56,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 MANIFEST_HASH = "manifest.sha256"
 KERNEL_FILE = "bucket_kernel.pt"
+WEIGHTS_FILE = "weights.pt"
 
 
 def _sha256(path: Path) -> str:
@@ -130,7 +135,7 @@ def _example_args(specs: list) -> tuple:
     return tuple(torch.zeros(shape, dtype=dtype) for shape, dtype in specs)
 
 
-def _save_bucket(traced: Bucket, folder: Path, root: Path) -> dict:
+def _save_bucket(traced: Bucket, folder: Path, root: Path, separated: bool) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     parts = {}
     for partition in traced.partitions:
@@ -141,8 +146,12 @@ def _save_bucket(traced: Bucket, folder: Path, root: Path) -> dict:
                                 "with neuron_serve.trace() before saving it.")
         compiled = isinstance(module, CompiledSubgraph)
         graph = module.source if compiled else module
+        args = _example_args(specs)
+        if compiled and separated:
+            # The lifted graph takes its weights after the activations; they go to weights.pt.
+            args += _example_args([(w.shape, w.dtype) for w in module.weights.values()])
         with torch.no_grad():
-            program = torch.export.export(graph, _example_args(specs), strict=False)
+            program = torch.export.export(graph, args, strict=False)
         program.example_inputs = None  # else saved as a pickle, which load() refuses to read
         file = folder / f"{partition.name}.pt2"
         torch.export.save(program, file)
@@ -155,6 +164,8 @@ def _save_bucket(traced: Bucket, folder: Path, root: Path) -> dict:
             hlo = folder / f"{partition.name}.hlo.txt"
             hlo.write_text(module.hlo_text())
             entry["hlo"] = str(hlo.relative_to(root))
+            if separated:
+                entry["weights"] = list(module.weights)  # state-dict names, in input order
         parts[partition.name] = entry
     return {
         "graph": _graph_to_json(traced.graph_module),
@@ -191,16 +202,12 @@ def save(module: CompiledModel, path: str | Path, *, config: dict | None = None,
     if not isinstance(module, CompiledModel):
         raise ArtifactError("save() takes the module returned by neuron_serve.trace(), trace_buckets() or "
                             f"bucket_model_trace(), not a {type(module).__name__}.")
-    from .weights import is_weight_separated  # noqa: PLC0415
+    from .weights import is_weight_separated, weight_specs  # noqa: PLC0415
 
     if module.stateful:
         raise ArtifactError("save: models traced with input_output_aliases (state on the core) cannot be saved as an "
                             "artifact yet; keep the traced model in process.")
-    if is_weight_separated(module):
-        # The artifact format stores each subgraph with its weights inside; writing it
-        # would silently inline them again.
-        raise ArtifactError("save: models traced with inline_weights_to_neff=False cannot be saved as an artifact "
-                            "yet; trace with inline_weights_to_neff=True to save, or keep the traced model in process.")
+    separated = is_weight_separated(module)
     root = Path(path)
     if root.exists():
         if not (root / MANIFEST).exists() and any(root.iterdir()):
@@ -214,10 +221,15 @@ def save(module: CompiledModel, path: str | Path, *, config: dict | None = None,
     if module.kernel is not None:
         manifest["bucket_spec"] = _spec_to_json(module, root)
     manifest["target"] = module.target
-    manifest["buckets"] = [_save_bucket(b, root / f"bucket_{i}", root) for i, b in enumerate(buckets)]
+    manifest["buckets"] = [_save_bucket(b, root / f"bucket_{i}", root, separated) for i, b in enumerate(buckets)]
     # Each shape bucket at its smaller compiled batch sizes (the bucket itself holds the largest).
-    manifest["smaller"] = [[_save_bucket(b, root / f"bucket_{i}_batch_{b.batch_size}", root) for b in smaller]
-                           for i, smaller in enumerate(module.smaller)]
+    manifest["smaller"] = [[_save_bucket(b, root / f"bucket_{i}_batch_{b.batch_size}", root, separated)
+                            for b in smaller] for i, smaller in enumerate(module.smaller)]
+    if separated:
+        # Once for every bucket and batch size (they share the weights), cloned so that
+        # tied weights are stored as separate tensors of the state dict.
+        torch.save({name: w.detach().cpu().clone() for name, w in weight_specs(module).items()}, root / WEIGHTS_FILE)
+        manifest["weights"] = WEIGHTS_FILE
     if config is not None:
         import yaml  # noqa: PLC0415
 
@@ -335,7 +347,27 @@ def _drop_device_asserts(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _load_bucket(entry: dict, root: Path) -> Bucket:
+def read_weights(file: str | Path, field: str) -> dict[str, torch.Tensor]:
+    """A state dict saved with ``torch.save`` (tensors only; nothing else is unpickled).
+
+    ``field`` names what pointed at the file, for the error.
+    """
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ConfigError(f"{field}: no such file {file}; give the path of a state dict saved with "
+                          "torch.save(model.state_dict(), path).") from None
+    except Exception as exc:  # noqa: BLE001  # torch.load raises many types; all mean "not a state dict"
+        raise ConfigError(f"{field}: {file} is not a state dict saved with torch.save(model.state_dict(), path) "
+                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}).") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise ConfigError(f"{field}: {file} holds a {type(state).__name__}, not a dict of tensors; save it with "
+                          "torch.save(model.state_dict(), path).")
+    return state
+
+
+def _load_bucket(entry: dict, root: Path, weights: dict[str, torch.Tensor] | None) -> Bucket:
     modules: dict[str, torch.nn.Module] = {}
     for name, part in entry["modules"].items():
         _check_no_pickle(root / part["file"])
@@ -347,10 +379,16 @@ def _load_bucket(entry: dict, root: Path) -> Bucket:
             _drop_device_asserts(graph)
             example = _example_args([(tuple(s), _dtype(d)) for s, d in part["inputs"]])
             args = parse_compiler_args(part.get("compiler_args", {}).get("argv") or None, f"{name} compiler_args")
-            compiled = CompiledSubgraph(graph, example, name=name, compiler_args=args)
+            separated = {n: weights[n] for n in part["weights"]} if "weights" in part else None
+            compiled = CompiledSubgraph(graph, example, name=name, compiler_args=args,
+                                        inline_weights=separated is None, weights=separated)
             compiled._tuple_out = part["tuple_out"]
             modules[name] = compiled
         else:
+            if weights is not None:  # weights.pt is the model's one copy of record
+                with torch.no_grad():
+                    for key, tensor in [*graph.named_parameters(), *graph.named_buffers()]:
+                        tensor.copy_(weights[key])
             modules[name] = graph
     output_dtypes = entry.get("output_dtypes") or [None] * len(entry["output_shapes"])
     traced = Bucket(
@@ -379,8 +417,9 @@ def load(path: str | Path) -> CompiledModel:
     root = Path(path)
     manifest = read_manifest(root)
     xla()
-    buckets = [_load_bucket(entry, root) for entry in manifest["buckets"]]
-    smaller = [[_load_bucket(entry, root) for entry in entries]
+    weights = read_weights(root / manifest["weights"], f"artifact {root}") if manifest.get("weights") else None
+    buckets = [_load_bucket(entry, root, weights) for entry in manifest["buckets"]]
+    smaller = [[_load_bucket(entry, root, weights) for entry in entries]
                for entries in manifest.get("smaller", [[] for _ in buckets])]
     spec_json = manifest.get("bucket_spec")
     if spec_json is None:

@@ -13,9 +13,10 @@ from pathlib import Path
 from .analyze.capture import capture
 from .api import placement
 from .analyze.placement import analyze_graph
-from .analyze.report import build_report, log_support
+from .analyze.report import build_report, log_support, write_report
 from .compile import cache as compile_cache
-from .config import build_model, load_config, load_deployment
+from .compiler_args import parse_compiler_args
+from .config import build_model, load_config, load_deployment, parse_config
 from .errors import NeuronServeError
 from .partition.config import PartitionerConfig
 from .partition.plan import plan_partitions
@@ -24,9 +25,17 @@ from .targets import get_target
 
 def _analyze(args: argparse.Namespace) -> int:
     config = load_config(args.config)
-    model = build_model(config, Path(args.config).resolve().parent)
+    base_dir = Path(args.config).resolve().parent
+    model = build_model(config, base_dir)
     captured = capture(model, config.example_inputs())
-    analysis = analyze_graph(captured, get_target(config.target))
+    settings = config.partitioner_config(base_dir)
+    params = (settings or PartitionerConfig()).analyze  # model.yaml's partitioner.analyze_parameters
+    cc_args = (settings.trace_kwargs.get("compiler_args") if settings else None) \
+        or parse_compiler_args(config.compiler_args)
+    analysis = analyze_graph(captured, get_target(config.target), ignored_ops=params.additional_ignored_ops,
+                             max_workers=params.max_workers, compiler_flags=tuple(cc_args.cache_key()))
+    if params.compiler_workdir:
+        print(f"wrote {write_report(analysis, params.compiler_workdir)}", file=sys.stderr)
     report = build_report(analysis)
     log_support(analysis)
     if args.html or args.report_json:
@@ -36,7 +45,7 @@ def _analyze(args: argparse.Namespace) -> int:
         data = partition_report.build(config, model, captured, analysis, profile_runs=args.profile)
         for path in partition_report.write(data, html=args.html, json_path=args.report_json):
             print(f"wrote {path}", file=sys.stderr)
-    partitioner = config.partitioner_config() or PartitionerConfig(model_support_percentage_threshold=0.0)
+    partitioner = settings or PartitionerConfig(model_support_percentage_threshold=0.0)
     if config.partitioner is None and analysis.unsupported():
         report["partitions"] = None
         logging.getLogger("neuron_serve").warning(
@@ -79,6 +88,8 @@ def _build(args: argparse.Namespace) -> int:
     # The artifact's own model.yaml serves it as is: its model source is the artifact.
     served = config.model_dump(mode="json", exclude_none=True)
     served["model"] = {"artifact": "."}
+    # The artifact's weights already are the checkpoint's, when one was swapped in.
+    served.pop("weights", None)
     artifact.save(built, out, config=served, source=str(args.config))
     print(f"built {config.name} in {built.build_info.seconds:.1f}s -> {out} (serve it: neuron-serve deploy {out})", file=sys.stderr)
     return 0
@@ -92,8 +103,20 @@ def _deploy(args: argparse.Namespace) -> int:
     from .serve import auth, deployment, failure, lifecycle  # noqa: PLC0415 - Ray is only needed to serve
 
     configs = [load_deployment(path) for path in args.configs]
-    for config, _ in configs:
+    if args.weights:
+        if len(configs) != 1:
+            print("error: --weights names one checkpoint; deploy one model with it (or give each model.yaml "
+                  "its own 'weights')", file=sys.stderr)
+            return 2
+        config, base_dir = configs[0]
+        weights = str(Path(args.weights).expanduser().resolve())
+        configs = [(parse_config({**config.model_dump(), "weights": weights}, f"{args.configs[0]} with --weights"),
+                    base_dir)]
+    from .build import check_weights  # noqa: PLC0415
+
+    for config, base_dir in configs:
         auth.resolve_token(config)  # a missing token fails here, before Ray starts
+        check_weights(config, base_dir)  # so does a checkpoint that does not fit its artifact
     names = [c.name for c, _ in configs]
     if len(set(names)) != len(names):
         print(f"error: model names must differ, got {names}", file=sys.stderr)
@@ -185,6 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
     deploy = sub.add_parser("deploy", help="build and serve one or more model.yaml files (or built artifacts) over HTTP")
     deploy.add_argument("configs", nargs="+", metavar="model.yaml|DIR",
                         help="model.yaml files, or artifact directories written by 'neuron-serve build'")
+    deploy.add_argument("--weights", metavar="CHECKPOINT",
+                        help="serve this state dict (torch.save(model.state_dict(), path)) instead of the model's own "
+                             "weights, without compiling; the one model deployed must be weight-separated "
+                             "(inline_weights_to_neff: false), as model.yaml's 'weights'")
     deploy.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS, else start one here)")
     deploy.add_argument("--host", help="HTTP host (default: the first model.yaml's http.host)")
     deploy.add_argument("--port", type=int, help="HTTP port (default: the first model.yaml's http.port)")

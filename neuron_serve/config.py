@@ -93,6 +93,46 @@ class InputSpec(_Strict):
         return torch.randint(0, self.high or 2, self.shape, dtype=dtype)
 
 
+def _check_compiler_args(value: str | list[str] | None) -> str | list[str] | None:
+    try:
+        parse_compiler_args(value, "neuronx-cc arguments")
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+    return value
+
+
+def _under(base_dir: str | Path | None, path: str | None) -> str | None:
+    """A path of model.yaml, relative to its folder (replicas may run elsewhere)."""
+    if path is None or base_dir is None:
+        return path
+    resolved = Path(path).expanduser()
+    return str(resolved if resolved.is_absolute() else Path(base_dir) / resolved)
+
+
+class TraceKwargsSettings(_Strict):
+    """PartitionerConfig.trace_kwargs: what every accelerator subgraph is traced with."""
+
+    compiler_workdir: str | None = Field(
+        default=None, min_length=1, description="folder for each compiled subgraph's HLO (relative to the model.yaml)")
+    compiler_args: str | list[str] | None = Field(
+        default=None, description="neuronx-cc arguments for every accelerator subgraph (as the top-level compiler_args)")
+
+    @field_validator("compiler_args")
+    @classmethod
+    def _known_flags(cls, value: str | list[str] | None) -> str | list[str] | None:
+        return _check_compiler_args(value)
+
+
+class AnalyzeParametersSettings(_Strict):
+    """PartitionerConfig.analyze_parameters: the analysis deciding what the accelerator runs."""
+
+    compiler_workdir: str | None = Field(
+        default=None, min_length=1, description="folder to write the analyze report to (relative to the model.yaml)")
+    additional_ignored_ops: list[str] = Field(
+        default_factory=list, description="operators left out of the support percentage, e.g. aten::relu")
+    max_workers: int = Field(1, ge=1, description="threads running the operator support checks")
+
+
 class PartitionerSettings(_Strict):
     """PartitionerConfig as YAML; same names and defaults."""
 
@@ -100,13 +140,24 @@ class PartitionerSettings(_Strict):
     min_subgraph_size: int = NO_LIMIT
     max_subgraph_count: int = NO_LIMIT
     ops_to_partition: list[str] = Field(default_factory=list)
+    trace_kwargs: TraceKwargsSettings | None = None
+    analyze_parameters: AnalyzeParametersSettings | None = None
 
-    def to_config(self) -> PartitionerConfig:
+    def to_config(self, base_dir: str | Path | None = None) -> PartitionerConfig:
+        trace_kwargs = self.trace_kwargs.model_dump(exclude_none=True) if self.trace_kwargs else None
+        analyze = self.analyze_parameters.model_dump(exclude_none=True) if self.analyze_parameters else None
+        for given in (trace_kwargs, analyze):
+            if given and "compiler_workdir" in given:
+                given["compiler_workdir"] = _under(base_dir, given["compiler_workdir"])
+        if analyze:
+            analyze["additional_ignored_ops"] = set(analyze["additional_ignored_ops"])
         return PartitionerConfig(
             model_support_percentage_threshold=self.model_support_percentage_threshold,
             min_subgraph_size=self.min_subgraph_size,
             max_subgraph_count=self.max_subgraph_count,
             ops_to_partition=set(self.ops_to_partition),
+            trace_kwargs=trace_kwargs,
+            analyze_parameters=analyze,
         )
 
 
@@ -215,6 +266,18 @@ class ModelConfig(_Strict):
         default=None, description="neuronx-cc arguments, e.g. '--auto-cast matmult --auto-cast-type bf16' "
                                   "(--auto-cast is reproduced in emulation; other options have no effect there)",
     )
+    inline_weights_to_neff: bool | None = Field(
+        default=None,
+        description="false: weights stay out of the compiled executables (trace(inline_weights_to_neff=False)), "
+                    "so 'weights' can swap in another checkpoint without compiling. Default: true for a factory, "
+                    "as the artifact was built for an artifact",
+    )
+    weights: str | None = Field(
+        default=None, min_length=1,
+        description="a checkpoint of the same architecture (torch.save(model.state_dict(), path); relative to the "
+                    "model.yaml) served instead of the model's own weights, without compiling; needs a model traced "
+                    "with inline_weights_to_neff: false",
+    )
     outputs: list[str] | None = Field(default=None, description="names of the flattened outputs (default: from the model)")
     buckets: BucketSettings | None = None
     dynamic_batch: bool = Field(True, description="accept any batch size, run as the cheapest compiled batch sizes")
@@ -242,6 +305,12 @@ class ModelConfig(_Strict):
                 raise ValueError(f"buckets name unknown inputs {unknown}; inputs are {names}")
         if self.partitioner is not None:
             self.partitioner.to_config()  # PartitionerConfig's own checks, with its messages
+            if self.compiler_args is not None and (self.partitioner.trace_kwargs or TraceKwargsSettings()).compiler_args:
+                raise ValueError("compiler_args is given both at the top level and in partitioner.trace_kwargs; "
+                                 "give it once")
+        if self.weights is not None and self.model.factory is not None and self.inline_weights_to_neff is not False:
+            raise ValueError("weights: a checkpoint can only be swapped into a weight-separated model; set "
+                             "inline_weights_to_neff: false (or serve an artifact built with it)")
         self._check_placement()
         if self.batch_sizes is not None:
             if not self.dynamic_batch:
@@ -267,11 +336,7 @@ class ModelConfig(_Strict):
     @field_validator("compiler_args")
     @classmethod
     def _known_flags(cls, value: str | list[str] | None) -> str | list[str] | None:
-        try:
-            parse_compiler_args(value, "neuronx-cc arguments")
-        except ConfigError as exc:
-            raise ValueError(str(exc)) from None
-        return value
+        return _check_compiler_args(value)
 
     @field_validator("batch_sizes")
     @classmethod
@@ -287,8 +352,13 @@ class ModelConfig(_Strict):
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         return tuple(spec.example() for spec in self.inputs)
 
-    def partitioner_config(self) -> PartitionerConfig | None:
-        return self.partitioner.to_config() if self.partitioner else None
+    def partitioner_config(self, base_dir: str | Path | None = None) -> PartitionerConfig | None:
+        """The partitioner section as a PartitionerConfig; its folders relative to ``base_dir``."""
+        return self.partitioner.to_config(base_dir) if self.partitioner else None
+
+    def weights_path(self, base_dir: str | Path | None = None) -> str | None:
+        """The ``weights`` checkpoint's path, relative to ``base_dir`` (the model.yaml's folder)."""
+        return _under(base_dir, self.weights)
 
 
 _HINTS = {

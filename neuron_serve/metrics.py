@@ -83,6 +83,12 @@ COMPILE_TIME = Histogram(
     "neuron_serve_build_seconds", "Time to build (capture, partition, compile, load) a model on a replica",
     ["model", "replica"], buckets=(0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800),
 )
+BUILD_COMPILES = Counter(
+    "neuron_serve_build_compiles_total",
+    "Subgraph executables the model's build compiled on a replica (a trace compiles each accelerator subgraph at "
+    "each compiled size; loading an artifact compiles them again in emulation; swapping in 'weights' compiles none)",
+    ["model", "replica"],
+)
 CACHE_HITS = Counter(
     "neuron_serve_compile_cache_hits_total", "Operator-support and compile cache hits",
     ["model", "replica", "cache"],

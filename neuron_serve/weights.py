@@ -62,12 +62,21 @@ def weight_specs(model: CompiledModel) -> dict[str, torch.Tensor]:
     return found
 
 
-def _check_state_dict(current: dict[str, torch.Tensor], state_dict: Any) -> None:
+def _storage(tensor: torch.Tensor) -> tuple:
+    return tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.dtype
+
+
+def check_state_dict(current: dict[str, torch.Tensor], state_dict: Any) -> None:
+    """Refuse (ConfigError naming the weight) a state dict whose names, shapes or dtypes differ from ``current``."""
     if not isinstance(state_dict, dict):
         raise ConfigError(f"replace_weights(state_dict=...) must be a dict of tensors (model.state_dict()), "
                           f"got {type(state_dict).__name__}.")
     missing = [n for n in current if n not in state_dict]
-    unexpected = [n for n in state_dict if n not in current]
+    # A tied weight (an embedding shared with the LM head) is traced under one name, but
+    # model.state_dict() (and torch.save of it) lists it under each, sharing one storage.
+    traced = {_storage(state_dict[n]) for n in current if isinstance(state_dict.get(n), torch.Tensor)}
+    unexpected = [n for n, t in state_dict.items()
+                  if n not in current and not (isinstance(t, torch.Tensor) and _storage(t) in traced)]
     problems = []
     if missing:
         problems.append(f"missing weight(s) {', '.join(missing)}")
@@ -100,7 +109,7 @@ def replace_weights(neuron_model: CompiledModel, state_dict: dict[str, torch.Ten
     if not is_weight_separated(model):
         raise ConfigError("replace_weights: this model's weights are compiled into its executable; trace it with "
                           "neuron_serve.trace(..., inline_weights_to_neff=False) to replace weights.")
-    _check_state_dict(weight_specs(model), state_dict)
+    check_state_dict(weight_specs(model), state_dict)
     with torch.no_grad():
         for _, _, sub in _parts(model):
             if isinstance(sub, CompiledSubgraph):

@@ -22,7 +22,7 @@ import torch.fx
 from ..compiler_args import NONE, CompilerArgs
 from ..targets.pjrt import emulated, use_device, xla
 from .lift_weights import lift_weights
-from .passes.fold_weight_layout import fold_weight_layout
+from .passes.fold_weight_layout import fold_input_layout, fold_weight_layout
 from .passes.place_on_device import place_on_device
 
 logger = logging.getLogger("neuron_serve")
@@ -43,9 +43,21 @@ def _alias_count() -> int:
     return int(data[1]) if data else 0
 
 
-def _copy_to(source: torch.fx.GraphModule, device: Any) -> torch.fx.GraphModule:
-    """A copy of ``source``, weights laid out for their matmuls, with every tensor it creates on ``device``."""
-    return place_on_device(fold_weight_layout(copy.deepcopy(source)), device).to(device)
+def _copy_to(source: torch.fx.GraphModule, device: Any,
+             weights: list[torch.Tensor] = ()) -> tuple[torch.fx.GraphModule, set[int]]:
+    """A copy of ``source``, weights laid out for their matmuls, with every tensor it creates on ``device``.
+
+    ``weights`` are the lifted weight inputs (trailing); also returns the indices of
+    those the copy takes transposed (see :func:`_on_device`).
+    """
+    gm = fold_weight_layout(copy.deepcopy(source))
+    transposed = fold_input_layout(gm, list(weights)) if weights else set()
+    return place_on_device(gm, device).to(device), transposed
+
+
+def _on_device(weights: list[torch.Tensor], transposed: set[int], device: Any) -> list[torch.Tensor]:
+    """Lifted weights as the compiled graph takes them: transposed once here, never per call."""
+    return [(w.t().contiguous() if i in transposed else w).to(device) for i, w in enumerate(weights)]
 
 
 def _returns_tuple(gm: torch.fx.GraphModule) -> bool:
@@ -114,8 +126,8 @@ class CompiledSubgraph(torch.nn.Module):
         self.compiler_workdir = compiler_workdir
         self.compiler_args = compiler_args  # what neuronx-cc gets for this subgraph
         use_device(self.device)
-        resident = _copy_to(self.source, self.device)
-        self._weights_on_device = [w.to(self.device) for w in self.weights.values()]
+        resident, self._transposed = _copy_to(self.source, self.device, list(self.weights.values()))
+        self._weights_on_device = _on_device(list(self.weights.values()), self._transposed, self.device)
         xla_args = [a.to(self.device) for a in example_args] + self._weights_on_device
         # State inputs (input_output_aliases) whose buffer the executable may reuse for
         # their new value: torch-xla compiles donated inputs as aliased to an output.
@@ -155,7 +167,7 @@ class CompiledSubgraph(torch.nn.Module):
         """The HLO torch-xla lowers this subgraph to (what the compiler compiles)."""
         use_device(self.device)
         # The compiled module replays its executable; lowering again needs a fresh copy.
-        lowered = _copy_to(self.source, self.device)
+        lowered, _ = _copy_to(self.source, self.device, list(self.weights.values()))
         with torch.no_grad():
             outputs = lowered(*[a.to(self.device) for a in self.example_args], *self._weights_on_device)
         return xla()._XLAC._get_xla_tensors_hlo(list(outputs))
@@ -178,7 +190,7 @@ class CompiledSubgraph(torch.nn.Module):
             raise ValueError(f"{self.name} holds its weights inside the executable")
         self.weights = {name: weights[name].detach().clone() for name in self.weights}
         with torch.no_grad():
-            self._weights_on_device = [w.to(self.device) for w in self.weights.values()]
+            self._weights_on_device = _on_device(list(self.weights.values()), self._transposed, self.device)
 
     def forward(self, *args: torch.Tensor) -> Any:
         with torch.no_grad():

@@ -32,6 +32,8 @@ class BuildInfo:
     seconds: float = 0.0
     cache_hits: dict[str, int] = field(default_factory=dict)
     artifact: str | None = None
+    compiles: int = 0  # subgraph executables compiled by the build (not counting loads onto cores)
+    weights: str | None = None  # the checkpoint swapped in (model.yaml 'weights')
 
 
 class CompiledModel(torch.nn.Module):

@@ -30,7 +30,10 @@ def build(config: ModelConfig, model: torch.nn.Module, captured: CapturedGraph, 
         data = explain(captured, analysis, settings, name=config.name, buckets=buckets)
     effective = settings or PartitionerConfig()
     data["batch_sizes"] = config.compiled_batch_sizes()
-    data["compiler_args"] = parse_compiler_args(config.compiler_args).describe() if config.compiler_args else None
+    # The top-level compiler_args, or partitioner.trace_kwargs' (model.yaml refuses both).
+    compiler_args = (settings.trace_kwargs.get("compiler_args") if settings else None) \
+        or parse_compiler_args(config.compiler_args)
+    data["compiler_args"] = compiler_args.describe() if compiler_args else None
     data["suggestions"] = suggest(captured, analysis, effective)
     data["pipeline"] = pipeline_data(config, captured)
     if profile_runs:

@@ -48,6 +48,7 @@ class ModelDataPlane:
         for bucket, size, stage, core, size_bytes in self.runner.stage_memory():
             metrics.STAGE_MEMORY.labels(**labels, bucket=str(bucket), batch_size=str(size), partition=stage,
                                         core=str(core)).set(size_bytes)
+        metrics.BUILD_COMPILES.labels(**labels).inc(model.build_info.compiles)
         for kind, hits in model.build_info.cache_hits.items():
             metrics.CACHE_HITS.labels(**labels, cache=kind).inc(hits)
         signature = model.signature()

@@ -64,3 +64,25 @@ def test_bad_model_yaml_names_the_field(tmp_path, text, message):
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_analyze_takes_the_model_yaml_partitioner_kwargs(tmp_path):
+    # partitioner.analyze_parameters and trace_kwargs of model.yaml reach `neuron-serve analyze` and its report.
+    config = tmp_path / "mlp.yaml"
+    config.write_text(
+        "name: mlp\nmodel: {factory: 'example_models.mlp:build', kwargs: {input_size: 16, layers: [8, 8]}}\n"
+        "inputs: [{name: x, shape: [2, 16]}]\n"
+        "partitioner:\n"
+        "  trace_kwargs: {compiler_args: '--auto-cast matmult'}\n"
+        "  analyze_parameters: {compiler_workdir: analysis, additional_ignored_ops: ['aten::relu'], max_workers: 2}\n"
+    )
+    result = _cli("analyze", str(config), "--report-json", str(tmp_path / "page.json"),
+                  cwd=ROOT / "deployments")  # example_models importable from the working directory
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["support_percentage"] == "80.00%"  # 4 of 5: relu left out of the count, sort on CPU
+    assert "aten::relu" not in report["supported_operators"]["aten"]
+    assert json.loads((tmp_path / "analysis" / "analyze.json").read_text()) == {
+        k: v for k, v in report.items() if k != "partitions"}
+    page = json.loads((tmp_path / "page.json").read_text())
+    assert page["compiler_args"]["argv"] == ["--auto-cast", "matmult"]

@@ -51,3 +51,23 @@ def test_the_compiled_program_reads_weights_without_transposing_them():
     transposed = re.findall(r"transpose\([^)]*?(%p\d+\.\d+)\)", hlo)
     assert params and not set(transposed) & params
     torch.testing.assert_close(traced(x), model(x), atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def test_lifted_weights_are_transposed_once_when_loaded_not_per_call():
+    # inline_weights_to_neff=False: the weights are inputs of the executable, stored transposed on the device
+    # when loaded or replaced.
+    def build(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).eval()
+
+    x = torch.rand(1, 64)
+    traced = neuron_serve.trace(build(0), x, inline_weights_to_neff=False)
+    sub = traced.first.graph_module.accel_0
+    hlo = sub.hlo_text()
+    params = set(re.findall(r"(%p\d+\.\d+) = \S+ parameter", hlo))
+    transposed = re.findall(r"transpose\([^)]*?(%p\d+\.\d+)\)", hlo)
+    assert len(params) == 5 and not set(transposed) & params  # x and four weights, none transposed per call
+    assert [tuple(w.shape) for w in sub._weights_on_device] == [(64, 32), (32,), (32, 4), (4,)]
+    torch.testing.assert_close(traced(x), build(0)(x), atol=TOLERANCE, rtol=TOLERANCE)
+    neuron_serve.replace_weights(traced, build(1).state_dict())
+    torch.testing.assert_close(traced(x), build(1)(x), atol=TOLERANCE, rtol=TOLERANCE)

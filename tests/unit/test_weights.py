@@ -69,9 +69,11 @@ def test_replace_weights_swaps_checkpoint_without_compiling(separated):
 
 
 def test_replace_weights_updates_cpu_partitions_too():
-    config = neuron_serve.PartitionerConfig(ops_to_partition={"aten::relu"})
+    # mul by the scale buffer on CPU: a CPU partition holding a weight
+    config = neuron_serve.PartitionerConfig(ops_to_partition={"aten::relu", "aten::mul"})
     traced = neuron_serve.trace(Net(0).eval(), X, partitioner_config=config, inline_weights_to_neff=False)
-    assert "cpu" in traced.partition_devices
+    assert [dict(traced.first.graph_module.get_submodule(p.name).named_buffers()).keys() for p in traced.partitions
+            if p.on_cpu] == [set(), {"scale"}]
     second = Net(2).eval()
     before = compile_count()
     neuron_serve.replace_weights(traced, second.state_dict())
@@ -100,6 +102,32 @@ def test_replace_weights_refuses_wrong_names_shapes_dtypes(separated):
     torch.testing.assert_close(separated(X), Net(0).eval()(X), atol=ATOL, rtol=0)
 
 
+class Tied(torch.nn.Module):
+    """An embedding shared with the output layer, as GPT-2's LM head is."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = torch.nn.Embedding(10, 4)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids))
+
+
+def test_replace_weights_takes_a_state_dict_with_tied_weights(tmp_path):
+    ids = torch.tensor([[1, 2, 3]])
+    traced = neuron_serve.trace(Tied(0).eval(), ids, inline_weights_to_neff=False)
+    # The traced graph sees the shared tensor once; the state dict names it twice, one storage.
+    torch.save(Tied(1).state_dict(), tmp_path / "tied.pt")
+    neuron_serve.replace_weights(traced, torch.load(tmp_path / "tied.pt", weights_only=True))
+    torch.testing.assert_close(traced(ids), Tied(1).eval()(ids), atol=ATOL, rtol=0)
+    untied = {k: v.clone() for k, v in Tied(1).state_dict().items()}
+    with pytest.raises(neuron_serve.ConfigError, match=r"unexpected weight\(s\) (embed|head)\.weight"):
+        neuron_serve.replace_weights(traced, untied)
+
+
 def test_replace_weights_refuses_inline_model(inline):
     with pytest.raises(neuron_serve.ConfigError, match=re.escape(
             "replace_weights: this model's weights are compiled into its executable; trace it with "
@@ -121,13 +149,6 @@ def test_move_trace_to_device(separated):
     with pytest.raises(neuron_serve.ConfigError, match=r"move_trace_to_device: device_id must be a NeuronCore index "
                                                        r"from 0 to \d+, got 99\."):
         neuron_serve.move_trace_to_device(separated, 99)
-
-
-def test_save_refuses_weight_separated_model(separated, tmp_path):
-    from neuron_serve.artifact import ArtifactError
-
-    with pytest.raises(ArtifactError, match="inline_weights_to_neff=False cannot be saved"):
-        neuron_serve.save(separated, tmp_path / "m")
 
 
 def test_move_trace_to_another_core_then_replace_weights():

@@ -9,6 +9,11 @@ transpose once at load: each ``linear`` whose weight is a constant of the subgra
 becomes ``matmul(x, W_T) + b`` with ``W_T`` stored contiguous, and every
 ``t``/``transpose``/``permute`` of a constant becomes a constant of its own. The
 originals are dropped when nothing else reads them, so no weight is held twice.
+
+Weights lifted into inputs (``inline_weights_to_neff=False``) are not constants of
+the graph; :func:`fold_input_layout` gives each such weight that only ``linear``
+reads the same treatment, with the caller storing it transposed on the device once,
+when the weights are loaded or replaced.
 """
 
 from __future__ import annotations
@@ -92,3 +97,37 @@ def fold_weight_layout(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         _drop_unread(gm, sources)
         gm.recompile()
     return gm
+
+
+def fold_input_layout(gm: torch.fx.GraphModule, weights: list[torch.Tensor]) -> set[int]:
+    """Make ``linear`` read the trailing ``weights`` inputs of ``gm`` pre-transposed; in place.
+
+    A 2-D weight input read only as the weight of ``linear`` then takes ``W.t()``
+    (the caller passes it so, contiguous) and each ``linear(x, W, b)`` becomes
+    ``matmul(x, W_T) + b``. Returns the indices, within ``weights``, of the inputs
+    that now take the transposed tensor.
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    first = len(placeholders) - len(weights)
+    transposed = set()
+    for index, (node, value) in enumerate(zip(placeholders[first:], weights)):
+        users = list(node.users)
+        if value.dim() != 2 or not users or any(
+                u.target is not aten.linear.default or u.kwargs or len(u.args) < 2 or u.args[1] is not node
+                or node in (u.args[0], *u.args[2:]) for u in users):
+            continue
+        for user in users:
+            x, bias = user.args[0], (*user.args, None)[2]
+            with gm.graph.inserting_before(user):
+                out = gm.graph.call_function(aten.matmul.default, (x, node))
+                if bias is not None:
+                    out = gm.graph.call_function(aten.add.Tensor, (out, bias))
+            out.meta = dict(user.meta)
+            user.replace_all_uses_with(out)
+            gm.graph.erase_node(user)
+        for key in ("val", "tensor_meta", "example_value"):  # the input's shape changed
+            node.meta.pop(key, None)
+        transposed.add(index)
+    if transposed:
+        gm.recompile()
+    return transposed
