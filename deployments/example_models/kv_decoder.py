@@ -118,8 +118,9 @@ def sequence_bucket_kernel(inputs: List[torch.Tensor]) -> Tuple[List[torch.Tenso
 
 
 # Buckets by (tokens, cache positions) for one MAX_LEN cache shared through a preprocessor:
-# an 8-token prompt into a 16-position cache, then one token at a time with 16 or MAX_LEN.
-CONTEXT_BUCKETS = [(8, 16), (1, 16), (1, MAX_LEN)]
+# an 8-token prompt into the first 16 positions, then one token at a time with 16 or 32
+# (each bucket model sees only its first positions of the shared cache).
+CONTEXT_BUCKETS = [(8, 16), (1, 16), (1, 32)]
 
 
 def sliced_bucket_model(bucket: int, seed: int = 0) -> tuple[KVDecoder, dict]:
@@ -130,7 +131,8 @@ def sliced_bucket_model(bucket: int, seed: int = 0) -> tuple[KVDecoder, dict]:
 
 @torch.jit.script
 def context_bucket_kernel(inputs: List[torch.Tensor]) -> Tuple[List[torch.Tensor], torch.Tensor]:
-    """A prompt (up to 8 tokens at position 0) goes to bucket 0; one token to the shortest cache past it."""
+    """A prompt (up to 8 tokens at position 0) goes to bucket 0; one token (before position 32) to the
+    shortest cache holding its position."""
     tokens, start = inputs[0], inputs[1]
     length = tokens.shape[1]
     if length > 1:
@@ -138,14 +140,16 @@ def context_bucket_kernel(inputs: List[torch.Tensor]) -> Tuple[List[torch.Tensor
         return [padded, start], torch.tensor(0)
     if int(start[0]) < 16:
         return [tokens, start], torch.tensor(1)
-    return [tokens, start], torch.tensor(2)
+    if int(start[0]) < 32:
+        return [tokens, start], torch.tensor(2)
+    raise ValueError("position past the largest context bucket (32)")
 
 
 @torch.jit.script
 def sliced_cache_preprocessor(shapes: List[List[int]], state: List[torch.Tensor],
                               bucket: torch.Tensor) -> List[torch.Tensor]:
     """shared_state_buffer_preprocessor: each MAX_LEN cache cut to the bucket's first positions (views)."""
-    lengths = [16, 16, 48]  # CONTEXT_BUCKETS' cache lengths
+    lengths = [16, 16, 32]  # CONTEXT_BUCKETS' cache lengths
     length = lengths[int(bucket)]
     return [cache[:, :, :length] for cache in state]
 

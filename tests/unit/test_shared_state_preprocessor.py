@@ -24,7 +24,7 @@ def _config(preprocessor):
 
 @pytest.fixture(scope="module")
 def decoder():
-    """Buckets (8 tokens, 16 positions), (1, 16), (1, 48) over one 48-position cache, sliced per bucket."""
+    """Buckets (8 tokens, 16 positions), (1, 16), (1, 32) over one 48-position cache, sliced per bucket."""
     config = _config(kd.sliced_cache_preprocessor)
     return neuron_serve.bucket_model_trace(kd.sliced_bucket_model, kd.context_example_inputs(), config)
 
@@ -52,7 +52,7 @@ def test_every_bucket_executable_takes_and_aliases_the_whole_shared_cache(decode
 
 @pytest.mark.parametrize("prompt", [[3, 17, 5], [3, 17, 5, 9, 22, 1, 30]])
 def test_greedy_generation_across_buckets_equals_eager(decoder, prompt):
-    """The prompt fills a 16-position view; generation runs past 16 into the 48-position bucket."""
+    """The prompt fills a 16-position view; generation runs past 16 into the 32-position bucket."""
     _reset(decoder)
     eager = kd.build()
     prompt = torch.tensor([prompt])
@@ -76,7 +76,7 @@ def _live_xla_tensors() -> int:
 
 
 def test_the_shared_cache_stays_on_the_core_across_buckets(decoder):
-    """Decode steps alternating between the 16- and 48-position buckets move no cache to or from the host."""
+    """Decode steps alternating between the 16- and 32-position buckets move no cache to or from the host."""
     _reset(decoder)
     eager = kd.build()
     step = _step(decoder)
@@ -87,7 +87,7 @@ def test_the_shared_cache_stays_on_the_core_across_buckets(decoder):
     calls = 60
     live, moved = _live_xla_tensors(), _transferred()
     for i in range(calls):
-        token, position = torch.tensor([[i % kd.VOCAB]]), (i * 7) % kd.MAX_LEN
+        token, position = torch.tensor([[i % kd.VOCAB]]), (i * 7) % 32
         logits = step(token, position)
         expected = kd.eager_step(eager, token, position)
         torch.testing.assert_close(logits, expected, atol=TOLERANCE, rtol=TOLERANCE)
