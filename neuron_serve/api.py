@@ -16,6 +16,7 @@ from .analyze.placement import GraphAnalysis, analyze_graph
 from .analyze.report import build_report, log_support, write_report
 from .bucketing import BucketModelConfig, BucketSpec
 from .compile import aliases as state_aliases
+from .compile import state_view
 from .compile import workdir as workdirs
 from .compiler_args import NONE, CompilerArgs
 from .compile.passes.auto_cast import auto_cast
@@ -312,18 +313,23 @@ def bucket_model_trace(
     to (padded inputs, bucket index). Each bucket model's aliased tensors are state on
     the core (see :func:`trace`); with ``shared_state_buffer`` they are one state, shared
     by every bucket model: entry k is the initial value of each model's k-th aliased tensor.
+    With ``shared_state_buffer_preprocessor`` a bucket model's k-th aliased tensor is the
+    preprocessor's k-th view of the buffer (e.g. a slice), computed in its executable.
     """
     if not isinstance(bucket_config, BucketModelConfig):
         raise ConfigError("bucket_model_trace(bucket_config=...) must be a neuron_serve.BucketModelConfig.")
     if not example_inputs:
         raise ConfigError("bucket_model_trace needs one example input per bucket; got none.")
-    shared = state_aliases.shared_state(bucket_config.shared_state_buffer,
-                                        bucket_config.shared_state_buffer_preprocessor)
+    shared = state_aliases.shared_state(bucket_config.shared_state_buffer)
+    preprocess = state_view.preprocessor(bucket_config.shared_state_buffer_preprocessor)
     buckets = []
     for index, example in enumerate(example_inputs):
         model, aliases = func(**bucket_config.kwargs_for(index, len(example_inputs)))
         states = state_aliases.check_aliases(model, aliases, "bucket_model_trace")
-        if shared is not None:
+        if preprocess is not None:
+            model, states = state_view.wrap(model, states, bucket_config.shared_state_buffer, preprocess,
+                                            as_args(example), index)
+        elif shared is not None:
             states = state_aliases.bind_shared(states, bucket_config.shared_state_buffer, index)
         buckets.append(_trace_bucket(model, as_args(example), partitioner_config, compiler_workdir, target,
                                      compiler_args, workdirs.bucket_part(index, len(example_inputs)),

@@ -58,17 +58,19 @@ class KVDecoder(torch.nn.Module):
     """Token ids (1, L) and the position of the first (1,) in; logits (1, L, VOCAB) and new caches out."""
 
     def __init__(self, vocab: int = VOCAB, dim: int = DIM, heads: int = HEADS, layers: int = LAYERS,
-                 max_len: int = MAX_LEN) -> None:
+                 max_len: int = MAX_LEN, cache_len: int | None = None) -> None:
         super().__init__()
-        self.max_len = max_len
+        # cache_len: positions the caches hold (max_len by default); a shorter cache sees
+        # the first cache_len positions of a max_len one (see sliced_cache_preprocessor).
+        self.max_len = cache_len or max_len
         self.embed = torch.nn.Embedding(vocab, dim)
         self.position = torch.nn.Embedding(max_len, dim)
         self.blocks = torch.nn.ModuleList(Block(dim, heads) for _ in range(layers))
         self.norm = torch.nn.LayerNorm(dim)
         self.head = torch.nn.Linear(dim, vocab)
         for i in range(layers):
-            self.register_buffer(f"k_{i}", torch.zeros(1, heads, max_len, dim // heads))
-            self.register_buffer(f"v_{i}", torch.zeros(1, heads, max_len, dim // heads))
+            self.register_buffer(f"k_{i}", torch.zeros(1, heads, self.max_len, dim // heads))
+            self.register_buffer(f"v_{i}", torch.zeros(1, heads, self.max_len, dim // heads))
 
     def caches(self) -> list[torch.Tensor]:
         """The cache buffers in output order: k_0, v_0, k_1, v_1, ..."""
@@ -84,7 +86,7 @@ class KVDecoder(torch.nn.Module):
         slots = torch.arange(self.max_len)
         write = (positions[:, None] == slots[None, :]).float()
         visible = slots[None, :] <= positions[:, None]
-        x = self.embed(tokens) + self.position(positions.clamp(max=self.max_len - 1))[None]
+        x = self.embed(tokens) + self.position(positions.clamp(max=self.position.num_embeddings - 1))[None]
         caches = self.caches()
         new = []
         for i, block in enumerate(self.blocks):
@@ -93,9 +95,9 @@ class KVDecoder(torch.nn.Module):
         return (self.head(self.norm(x)), *new)
 
 
-def build(seed: int = 0) -> KVDecoder:
+def build(seed: int = 0, cache_len: int | None = None) -> KVDecoder:
     torch.manual_seed(seed)
-    return KVDecoder().eval()
+    return KVDecoder(cache_len=cache_len).eval()
 
 
 def bucket_model(seed: int = 0) -> tuple[KVDecoder, dict]:
@@ -113,6 +115,48 @@ def sequence_bucket_kernel(inputs: List[torch.Tensor]) -> Tuple[List[torch.Tenso
             padded = torch.cat([tokens, tokens.new_zeros(tokens.shape[0], size - length)], dim=1)
             return [padded, start], torch.tensor(index)
     raise ValueError(f"a prompt of {length} tokens is longer than the largest bucket ({BUCKETS[-1]})")
+
+
+# Buckets by (tokens, cache positions) for one MAX_LEN cache shared through a preprocessor:
+# an 8-token prompt into the first 16 positions, then one token at a time with 16 or 32
+# (each bucket model sees only its first positions of the shared cache).
+CONTEXT_BUCKETS = [(8, 16), (1, 16), (1, 32)]
+
+
+def sliced_bucket_model(bucket: int, seed: int = 0) -> tuple[KVDecoder, dict]:
+    """bucket_model_trace's ``func`` (func_kwargs=[{"bucket": i}, ...]): caches of the bucket's length."""
+    model = build(seed, cache_len=CONTEXT_BUCKETS[bucket][1])
+    return model, model.aliases()
+
+
+@torch.jit.script
+def context_bucket_kernel(inputs: List[torch.Tensor]) -> Tuple[List[torch.Tensor], torch.Tensor]:
+    """A prompt (up to 8 tokens at position 0) goes to bucket 0; one token (before position 32) to the
+    shortest cache holding its position."""
+    tokens, start = inputs[0], inputs[1]
+    length = tokens.shape[1]
+    if length > 1:
+        padded = torch.cat([tokens, tokens.new_zeros(tokens.shape[0], 8 - length)], dim=1)
+        return [padded, start], torch.tensor(0)
+    if int(start[0]) < 16:
+        return [tokens, start], torch.tensor(1)
+    if int(start[0]) < 32:
+        return [tokens, start], torch.tensor(2)
+    raise ValueError("position past the largest context bucket (32)")
+
+
+@torch.jit.script
+def sliced_cache_preprocessor(shapes: List[List[int]], state: List[torch.Tensor],
+                              bucket: torch.Tensor) -> List[torch.Tensor]:
+    """shared_state_buffer_preprocessor: each MAX_LEN cache cut to the bucket's first positions (views)."""
+    lengths = [16, 16, 32]  # CONTEXT_BUCKETS' cache lengths
+    length = lengths[int(bucket)]
+    return [cache[:, :, :length] for cache in state]
+
+
+def context_example_inputs() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One example per CONTEXT_BUCKETS entry: (tokens (1, n), start (1,))."""
+    return [(torch.zeros(1, n, dtype=torch.long), torch.zeros(1, dtype=torch.long)) for n, _ in CONTEXT_BUCKETS]
 
 
 def example_inputs() -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -8,7 +8,8 @@ captured graph) become trailing graph inputs before partitioning, so no pass fol
 into the executable as a constant, and the partition plan is checked so the state only
 ever meets accelerator subgraphs: it never crosses to the host on a call. With
 ``bucket_model_trace``'s ``shared_state_buffer`` every bucket model's states are bound
-to one :class:`~neuron_serve.model.state.DeviceState`.
+to one :class:`~neuron_serve.model.state.DeviceState` (through the views of
+``shared_state_buffer_preprocessor``: see state_view.py).
 """
 
 from __future__ import annotations
@@ -172,14 +173,10 @@ def plan_state_flow(gm: torch.fx.GraphModule, states: list[StateSpec], num_input
     return aliases, keep, donate
 
 
-def shared_state(buffer: list[torch.Tensor] | None, preprocessor: Any) -> DeviceState | None:
+def shared_state(buffer: list[torch.Tensor] | None) -> DeviceState | None:
     """The one device-resident state every bucket model reads and updates, from ``shared_state_buffer``."""
     if buffer is None:
         return None
-    if preprocessor is not None:
-        raise ConfigError("BucketModelConfig(shared_state_buffer_preprocessor=...) is not supported: every bucket "
-                          "model reads and updates the whole shared state in place on the core. Size each bucket "
-                          "model's state tensors like the shared buffer and leave the preprocessor out.")
     for i, tensor in enumerate(buffer):
         if not isinstance(tensor, torch.Tensor):
             raise ConfigError(f"BucketModelConfig(shared_state_buffer=...): entry {i} is a {type(tensor).__name__}, "

@@ -185,10 +185,6 @@ def test_shared_state_buffer_must_match_the_bucket_models_aliases():
     with pytest.raises(ConfigError, match="bucket 0's state 'total' has shape \\(4,\\) and dtype torch.float32, but "
                                           "its shared_state_buffer entry has shape \\(5,\\)"):
         neuron_serve.bucket_model_trace(func, [torch.rand(2, 4)], wrong)
-    sliced = neuron_serve.BucketModelConfig(_kernel, shared_state_buffer=state,
-                                            shared_state_buffer_preprocessor=lambda: None)
-    with pytest.raises(ConfigError, match="shared_state_buffer_preprocessor=...\\) is not supported"):
-        neuron_serve.bucket_model_trace(func, [torch.rand(2, 4)], sliced)
 
 
 def test_every_bucket_reads_and_updates_one_shared_state_on_the_core(decoder):
