@@ -17,7 +17,7 @@ from neuron_serve.build import build, check_weights
 from neuron_serve.compile.subgraph import compile_count
 from neuron_serve.config import parse_config
 from neuron_serve.weights import is_weight_separated
-from tests.unit.test_weights import ATOL, Net, X
+from test_weights import ATOL, Net, X
 
 from example_models import mlp  # deployments/, on the path of every test (tests/conftest.py)
 
