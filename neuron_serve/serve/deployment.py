@@ -330,7 +330,9 @@ def shutdown(names: list[str] | None = None, progress=lambda message: None) -> N
         return
     try:
         apps = [name for name in serve.status().applications if name != SERVER_APP]
-    except serve.exceptions.RayServeException:
+    except (serve.exceptions.RayServeException, ray.exceptions.RayActorError):
+        # RayActorError: its controller was stopped (`neuron-serve shutdown`) or killed
+        # (a signal to the whole process group) after this process last reached it.
         progress("Ray Serve is not running (already shut down)")
         return
     haproxy = _haproxy_admin()

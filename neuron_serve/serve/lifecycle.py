@@ -22,6 +22,7 @@ from typing import NoReturn
 # Past the drain, the few steps left (Serve's controller, Ray) get this long.
 GRACE_S = 15.0
 HEAD_POLL_S = 0.5
+HEAD_EXIT_S = 5.0  # how long a failed stopping step waits to learn whether the head is exiting
 EXIT_HEAD_LOST = 1
 EXIT_STOP_TIMEOUT = 1
 
@@ -89,10 +90,17 @@ class Lifecycle:
         self.stop.set()  # the head watcher keeps watching: a head that dies now ends the wait
         _say(f"shutting down ({why}): draining in-flight requests, then stopping Ray Serve and Ray "
              f"(at most {limit:.0f} s)")
-        self.deployment.shutdown(progress=self._progress)
-        self._progress("stopping Ray")
-        self.stopping_ray = True  # its processes end now, as they should
-        self.deployment.stop_ray()
+        heads = self.deployment.head_processes()  # kept: Ray forgets them once it stops
+        try:
+            self.deployment.shutdown(progress=self._progress)
+            self._progress("stopping Ray")
+            self.stopping_ray = True  # its processes end now, as they should
+            self.deployment.stop_ray()
+        except Exception as exc:
+            # Raised out of here, the error would reach Ray's excepthook, which reports it
+            # to the GCS: a GCS that a supervisor's signal to the whole group just ended
+            # turns that report into a crash of this process.
+            self._stop_failed(exc, heads)
         timer.cancel()
         _say(f"stopped in {time.monotonic() - self.started_stopping:.1f} s")
         # Ray is stopped; the interpreter's own teardown (Ray's and torch's atexit hooks,
@@ -104,6 +112,18 @@ class Lifecycle:
         self.step = step
         elapsed = time.monotonic() - (self.started_stopping or time.monotonic())
         _say(f"shutting down [{elapsed:.1f} s]: {step}")
+
+    def _stop_failed(self, exc: Exception, heads: list) -> NoReturn:
+        """A stopping step raised: because the head died meanwhile (exit 0), or not (exit 1)."""
+        deadline = time.monotonic() + HEAD_EXIT_S  # a signalled head may still be exiting
+        while time.monotonic() < deadline:
+            for kind, process in heads:
+                code = process.poll()
+                if code is not None and self.signal_name is not None:
+                    self._head_died(kind, process.pid, code)  # says so and exits 0
+            time.sleep(HEAD_POLL_S / 5)
+        _say(f"error while stopping ({self.step}): {type(exc).__name__}: {exc}. Stopping Ray now.")
+        self._abort(EXIT_STOP_TIMEOUT)
 
     def _overdue(self, limit: float) -> None:
         _say(f"error: still stopping after {limit:.0f} s, waiting for: {self.step}. Stopping Ray now.")
