@@ -21,8 +21,10 @@ import asyncio
 import json
 import os
 import statistics
+import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("CPU_NUM_DEVICES", "2")
@@ -34,6 +36,9 @@ from torch import nn  # noqa: E402
 import neuron_serve  # noqa: E402
 from neuron_serve.runtime.runner import ModelRunner  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deployments"))  # example_models
+from example_models.compute_then_tables import ComputeThenTables  # noqa: E402
+
 ROWS = 256
 PLACEMENTS = {
     "replicate": None,
@@ -41,20 +46,6 @@ PLACEMENTS = {
     "pipeline kl_based": {"mode": "pipeline", "cores_per_pipeline": 2, "balance": "kl_based"},
     "pipeline latency": {"mode": "pipeline", "cores_per_pipeline": 2, "balance": "latency"},
 }
-
-
-class ComputeThenTables(nn.Module):
-    def __init__(self, rounds: int = 4, tables: int = 4, width: int = 256, rows: int = 4096):
-        super().__init__()
-        self.rounds = rounds
-        self.tables = nn.ParameterList(nn.Parameter(torch.randn(rows, width) * 0.1) for _ in range(tables))
-
-    def forward(self, x):
-        for _ in range(self.rounds):
-            x = torch.tanh(x @ x.transpose(0, 1) @ x / x.shape[0])
-        for table in self.tables:
-            x = x + table[0]
-        return x
 
 
 class StageTimes:

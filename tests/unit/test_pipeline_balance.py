@@ -10,9 +10,9 @@ import time
 
 import pytest
 import torch
-from torch import nn
 
 import neuron_serve
+from example_models.compute_then_tables import ComputeThenTables
 from neuron_serve.model import graph
 from neuron_serve.partition.pipeline import CORE_MEMORY_ENV
 
@@ -21,20 +21,6 @@ from neuron_serve.partition.pipeline import CORE_MEMORY_ENV
 # (about 23.6 MB) needs two cores; by memory, stage 0 takes every product and three tables.
 BUDGET = 21_500_000
 TIMED_RUNS = 30
-
-
-class ComputeThenTables(nn.Module):
-    def __init__(self, rounds: int = 4, tables: int = 4, width: int = 256, rows: int = 4096):
-        super().__init__()
-        self.rounds = rounds
-        self.tables = nn.ParameterList(nn.Parameter(torch.randn(rows, width) * 0.1) for _ in range(tables))
-
-    def forward(self, x):
-        for _ in range(self.rounds):
-            x = torch.tanh(x @ x.transpose(0, 1) @ x / x.shape[0])
-        for table in self.tables:
-            x = x + table[0]
-        return x
 
 
 def stage_seconds(traced, x) -> list[float]:
