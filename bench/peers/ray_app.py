@@ -14,16 +14,10 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import sys
 import threading
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
+from neuron_serve.serve.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -36,7 +30,7 @@ def configure_ingress(port: int, haproxy: bool) -> None:
         # HAProxy's stats and metrics frontends default to fixed ports (8404, 9101);
         # free ones let it run beside another HAProxy-fronted Serve (neuron-serve).
         for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
-            os.environ.setdefault(name, str(_free_port()))
+            os.environ.setdefault(name, str(free_port()))
     os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", str(port + 10))
     # neuron-serve's deploy starts Ray workers at niceness 0 rather than Ray's 15; the Ray
     # peers get the same, so a busy host slows every server alike and the ratios compare runtimes.

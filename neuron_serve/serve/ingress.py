@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from ..errors import ConfigError
+from .ports import free_port  # HAProxy binds 0.0.0.0: free on every interface
 
 INGRESS_CHOICES = ("auto", "haproxy", "proxy")
 HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
@@ -76,13 +77,6 @@ ERROR_PAGE = (
     "\r\n"
     f"{ERROR_PAGE_BODY}"
 )
-
-
-def free_port() -> int:
-    """A TCP port that is free now on every interface (HAProxy binds 0.0.0.0)."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def haproxy_binary() -> str | None:

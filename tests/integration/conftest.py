@@ -3,7 +3,6 @@
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from neuron_serve.serve import ports
+
 ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 600
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return ports.free_port("127.0.0.1")
 
 
 class Server:

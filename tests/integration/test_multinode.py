@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,15 +23,10 @@ ROOT = Path(__file__).resolve().parents[2]
 MODELS = Path(__file__).with_name("models")
 sys.path.insert(0, str(MODELS))
 import tiny_mlp  # noqa: E402
+from conftest import free_port  # noqa: E402
 
 TOLERANCE = 1e-5  # XLA:CPU against eager float32, as in test_serving.py
 NODE = {"num_cpus": 1, "resources": {"neuron_cores": 2}, "object_store_memory": 100 * 1024 * 1024}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
