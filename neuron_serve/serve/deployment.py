@@ -224,8 +224,10 @@ def connect(address: str | None) -> bool:
         # shipper) takes the CPU from requests in flight. A cluster joined with --address
         # keeps its own setting.
         os.environ.setdefault(ray_constants.RAY_WORKER_NICENESS, "0")
-        ray.init(namespace=SERVER_APP, logging_level=logging.WARNING,
-                 runtime_env={"env_vars": {metrics.MULTIPROC_ENV: os.environ[metrics.MULTIPROC_ENV]}})
+        runtime_env = {"env_vars": {metrics.MULTIPROC_ENV: os.environ[metrics.MULTIPROC_ENV]}}
+        if hook := ingress.worker_setup_hook():  # inherited by Serve's HAProxyManager actor
+            runtime_env["worker_process_setup_hook"] = hook
+        ray.init(namespace=SERVER_APP, logging_level=logging.WARNING, runtime_env=runtime_env)
         internal_kv._internal_kv_put(METRICS_DIR_KEY, os.environ[metrics.MULTIPROC_ENV], namespace=SERVER_APP)  # noqa: SLF001
         return True
     return False

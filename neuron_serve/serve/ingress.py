@@ -125,6 +125,15 @@ def configure(kind: str = "auto") -> str:
     return kind
 
 
+def worker_setup_hook() -> str | None:
+    """The ``worker_process_setup_hook`` an embedded Ray's workers run for this ingress."""
+    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
+        return None
+    from . import haproxy_reuse  # noqa: PLC0415
+
+    return haproxy_reuse.HOOK
+
+
 def _identity(pid: int) -> str | None:
     """``pid:start-time`` of a live process (a pid reused later has another start time)."""
     try:

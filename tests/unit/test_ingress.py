@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from neuron_serve.errors import ConfigError
-from neuron_serve.serve import ingress
+from neuron_serve.serve import ingress, ports
 
 SNIPPET = """
 import os
@@ -99,3 +99,26 @@ def test_haproxy_left_by_a_gone_deploy_is_stopped_and_a_live_ones_kept(tmp_path)
             proc.wait()
         shutil.rmtree(gone, ignore_errors=True)
         shutil.rmtree(live, ignore_errors=True)
+
+
+def test_free_ports_avoid_the_ranges_a_starting_ray_draws_from():
+    """A deploy's ports are chosen before Ray starts tens of processes that bind ports of
+    the kernel's ephemeral range (and replicas Serve's 30000+): ours stay clear of both."""
+    ephemeral_low = int(ports.EPHEMERAL_RANGE.read_text().split()[0])
+    chosen = {ports.free_port() for _ in range(50)} | {ports.free_port("127.0.0.1") for _ in range(50)}
+    assert all(20000 <= port < min(30000, ephemeral_low) for port in chosen), sorted(chosen)
+    assert len(chosen) > 10  # drawn at random, so two deploys started together differ
+
+
+def test_the_reuse_hook_turns_serves_always_into_safe():
+    """Ray Serve's template still says `http-reuse always` (else the hook has nothing to
+    replace and this fails, pointing here), and the hook renders `safe` instead."""
+    code = (
+        "from neuron_serve.serve import haproxy_reuse as h\n"
+        "assert h.template_reuses_always()\n"
+        "h.use_safe_reuse()\n"
+        "from ray.serve._private import haproxy, haproxy_templates as t\n"
+        "for text in (t.HAPROXY_CONFIG_TEMPLATE, haproxy.HAPROXY_CONFIG_TEMPLATE):\n"
+        "    assert 'http-reuse always' not in text and text.count('http-reuse safe') >= 1\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
