@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from neuron_serve.errors import InvalidInput, NeuronServeError
-from neuron_serve.serve.oip_schema import check_request, load_json
+from neuron_serve.serve.oip_schema import DEEPEST, check_request, load_json
 from neuron_serve.serve.oip_tensors import describe, tensor_from_bytes, tensor_from_json
 from neuron_serve.serve.oip_types import (
     DATATYPE_TO_TORCH,
@@ -272,17 +272,16 @@ def _load_json(raw: bytes, header_length: int | None) -> Any:
     # wrong length is the likelier mistake than bad JSON.
     what = "request body" if header_length is None else f"request JSON header (the first {HEADER_LENGTH} bytes)"
     try:
-        text = raw.decode("utf-8")
+        raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InvalidInput(f"{what} is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
     try:
-        # Python's json accepts NaN/Infinity, which float tensors legitimately hold.
-        return load_json(text)
+        return load_json(raw)
     except InvalidInput:  # a duplicate key, named by the schema's parser
         raise
-    except RecursionError:
-        raise InvalidInput(f"{what} is nested too deeply") from None
-    except ValueError as exc:  # JSONDecodeError, and integers too long to convert
+    except ValueError as exc:
+        if str(exc).startswith(DEEPEST):
+            raise InvalidInput(f"{what} is nested too deeply") from None
         raise InvalidInput(f"{what} is not valid JSON: {exc}") from None
 
 

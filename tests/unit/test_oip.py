@@ -489,6 +489,9 @@ MALFORMED = [  # (id, body, headers, message fragment)
     ("duplicate key", b'{"inputs": [{"name": "x", "name": "y", "shape": [0], "datatype": "FP32", "data": []}]}',
      {}, "request JSON has the key 'name' twice in one object; give it once"),
     ("duplicate top key", b'{"inputs": [], "inputs": []}', {}, "the key 'inputs' twice"),
+    ("duplicate escaped key", b'{"parameters": {"a\\"b": 1, "a\\"b": 2}, "inputs": []}', {},
+     "request JSON has the key 'a\"b' twice in one object"),
+    ("lone surrogate", b'{"id": "\\ud800", "inputs": []}', {}, "not valid JSON"),
     ("duplicate key in binary header",
      b'{"id": "a", "id": "b", "inputs": []}\0\0', {HLEN: "36"}, "the key 'id' twice"),
 ]
