@@ -173,6 +173,16 @@ def eager_step(model: KVDecoder, tokens: torch.Tensor, start: int) -> torch.Tens
     return logits
 
 
+def traced_step(traced):
+    """A generation step of a traced decoder: its logits for ``tokens`` at ``start``."""
+    return lambda tokens, start: traced(tokens, torch.tensor([start]))[0]
+
+
+def reset_caches(traced) -> None:
+    """Empty the KV caches a traced decoder keeps on the core."""
+    traced.load_states([torch.zeros_like(c) for c in build().caches()])
+
+
 def generate(step, prompt: torch.Tensor, new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
     """Greedy generation: ``step(tokens, start) -> logits``; returns the tokens and each step's last logits."""
     logits = step(prompt, 0)[:, prompt.shape[1] - 1]

@@ -44,14 +44,6 @@ def decoder():
     return neuron_serve.bucket_model_trace(kd.bucket_model, kd.example_inputs(), config)
 
 
-def _compiled_step(traced):
-    return lambda tokens, start: traced(tokens, torch.tensor([start]))[0]
-
-
-def _reset(traced):
-    traced.load_states([torch.zeros_like(c) for c in kd.build().caches()])
-
-
 def test_state_is_updated_after_every_call_and_returned_as_torch_neuronx_does(traced_accumulator):
     model, traced = traced_accumulator
     reference = _accumulator()
@@ -201,10 +193,10 @@ def test_every_bucket_reads_and_updates_one_shared_state_on_the_core(decoder):
 
 @pytest.mark.parametrize("prompt", [[3, 17, 5], [3, 17, 5, 9, 22, 1, 30]])
 def test_greedy_generation_equals_eager(decoder, prompt):
-    _reset(decoder)
+    kd.reset_caches(decoder)
     eager = kd.build()
     prompt = torch.tensor([prompt])
-    tokens, scores = kd.generate(_compiled_step(decoder), prompt, 16)
+    tokens, scores = kd.generate(kd.traced_step(decoder), prompt, 16)
     expected, expected_scores = kd.generate(lambda t, s: kd.eager_step(eager, t, s), prompt, 16)
     assert tokens == expected
     for got, want in zip(scores, expected_scores):
@@ -224,9 +216,9 @@ def _transferred() -> float:
 
 def test_the_state_survives_many_calls_without_leaking(decoder):
     """300 decode steps: the state stays right, no tensor is left behind, and the cache never crosses to the host."""
-    _reset(decoder)
+    kd.reset_caches(decoder)
     eager = kd.build()
-    step = _compiled_step(decoder)
+    step = kd.traced_step(decoder)
     calls = 300
     cache_bytes = sum(t.numel() * t.element_size() for t in eager.caches())
     step(torch.tensor([[1]]), 0)  # warm-up

@@ -29,14 +29,6 @@ def decoder():
     return neuron_serve.bucket_model_trace(kd.sliced_bucket_model, kd.context_example_inputs(), config)
 
 
-def _step(traced):
-    return lambda tokens, start: traced(tokens, torch.tensor([start]))[0]
-
-
-def _reset(traced):
-    traced.load_states([torch.zeros_like(c) for c in kd.build().caches()])
-
-
 def test_every_bucket_executable_takes_and_aliases_the_whole_shared_cache(decoder):
     assert len({id(b.state) for b in decoder.buckets}) == 1
     assert [tuple(t.shape) for t in decoder.states] == [(1, kd.HEADS, kd.MAX_LEN, kd.DIM // kd.HEADS)] * 4
@@ -53,10 +45,10 @@ def test_every_bucket_executable_takes_and_aliases_the_whole_shared_cache(decode
 @pytest.mark.parametrize("prompt", [[3, 17, 5], [3, 17, 5, 9, 22, 1, 30]])
 def test_greedy_generation_across_buckets_equals_eager(decoder, prompt):
     """The prompt fills a 16-position view; generation runs past 16 into the 32-position bucket."""
-    _reset(decoder)
+    kd.reset_caches(decoder)
     eager = kd.build()
     prompt = torch.tensor([prompt])
-    tokens, scores = kd.generate(_step(decoder), prompt, 20)
+    tokens, scores = kd.generate(kd.traced_step(decoder), prompt, 20)
     expected, expected_scores = kd.generate(lambda t, s: kd.eager_step(eager, t, s), prompt, 20)
     assert prompt.shape[1] + 20 > 16 + 1
     assert tokens == expected
@@ -77,9 +69,9 @@ def _live_xla_tensors() -> int:
 
 def test_the_shared_cache_stays_on_the_core_across_buckets(decoder):
     """Decode steps alternating between the 16- and 32-position buckets move no cache to or from the host."""
-    _reset(decoder)
+    kd.reset_caches(decoder)
     eager = kd.build()
-    step = _step(decoder)
+    step = kd.traced_step(decoder)
     for position in (0, 20):  # warm-up both decode buckets
         step(torch.tensor([[1]]), position)
         kd.eager_step(eager, torch.tensor([[1]]), position)
