@@ -25,31 +25,18 @@ from __future__ import annotations
 
 import sys
 
-TEMPLATES = "ray.serve._private.haproxy_templates"
 RENDERER = "ray.serve._private.haproxy"  # imports the template by name
-TEMPLATE = "HAPROXY_CONFIG_TEMPLATE"
 ALWAYS = "http-reuse always"
 SAFE = "http-reuse safe"
 HOOK = f"{__name__}.use_safe_reuse"
 
 
-def safe_template(template: str) -> str:
-    return template.replace(ALWAYS, SAFE)
-
-
 def use_safe_reuse() -> None:
     """Make Serve render ``http-reuse safe`` in this process."""
-    import importlib  # noqa: PLC0415
+    from ray.serve._private import haproxy_templates  # noqa: PLC0415
 
-    templates = importlib.import_module(TEMPLATES)
-    setattr(templates, TEMPLATE, safe_template(getattr(templates, TEMPLATE)))
+    template = haproxy_templates.HAPROXY_CONFIG_TEMPLATE.replace(ALWAYS, SAFE)
+    haproxy_templates.HAPROXY_CONFIG_TEMPLATE = template
     renderer = sys.modules.get(RENDERER)
-    if renderer is not None and hasattr(renderer, TEMPLATE):
-        setattr(renderer, TEMPLATE, safe_template(getattr(renderer, TEMPLATE)))
-
-
-def template_reuses_always() -> bool:
-    """Whether this Ray's template has the setting :func:`use_safe_reuse` replaces."""
-    import importlib  # noqa: PLC0415
-
-    return ALWAYS in getattr(importlib.import_module(TEMPLATES), TEMPLATE, "")
+    if renderer is not None:
+        renderer.HAPROXY_CONFIG_TEMPLATE = template

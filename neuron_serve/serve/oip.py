@@ -272,14 +272,14 @@ def _load_json(raw: bytes, header_length: int | None) -> Any:
     # wrong length is the likelier mistake than bad JSON.
     what = "request body" if header_length is None else f"request JSON header (the first {HEADER_LENGTH} bytes)"
     try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InvalidInput(f"{what} is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
-    try:
         return load_json(raw)
     except InvalidInput:  # a duplicate key, named by the schema's parser
         raise
     except ValueError as exc:
+        try:  # the parser refuses bad UTF-8 too; decoding names the byte, on this path only
+            raw.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            raise InvalidInput(f"{what} is not valid UTF-8 ({bad.reason} at byte {bad.start})") from None
         if str(exc).startswith(DEEPEST):
             raise InvalidInput(f"{what} is nested too deeply") from None
         raise InvalidInput(f"{what} is not valid JSON: {exc}") from None
