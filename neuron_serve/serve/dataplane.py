@@ -42,7 +42,7 @@ class ModelDataPlane:
         # Labelled once: labels() costs microseconds, and these are recorded per request.
         self._queue_time = metrics.QUEUE_TIME.labels(**self._labels)
         self._latency = metrics.REQUEST_LATENCY.labels(**self._labels)
-        self._requests: dict[str, Any] = {}
+        self._children: dict[tuple, Any] = {}
         self.runner = ModelRunner(model, cores=config.cores_per_replica, name=self.name, on_stage=self._on_stage,
                                   on_chunk=self._on_chunk, on_padding=self._on_padding, on_transfer=self._on_transfer)
         metrics.COMPILE_TIME.labels(**labels).observe(model.build_info.seconds + self.runner.load_seconds)
@@ -77,23 +77,34 @@ class ModelDataPlane:
 
     # -- hooks for metrics ----------------------------------------------------------
 
+    def _child(self, metric: Any, **labels: str) -> Any:
+        """``metric``'s child for this model and replica and ``labels``, looked up once.
+
+        The hooks below run for every chunk and stage; ``labels()`` costs microseconds each.
+        """
+        key = (metric, *labels.values())
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(**self._labels, **labels)
+        return child
+
     def _on_stage(self, partition: str, device: str, core: int, seconds: float) -> None:
-        metrics.PARTITION_TIME.labels(**self._labels, partition=partition, device=device, core=str(core)).observe(seconds)
+        self._child(metrics.PARTITION_TIME, partition=partition, device=device, core=str(core)).observe(seconds)
 
     def _on_transfer(self, stage: str, core: int, size_bytes: int) -> None:
-        metrics.STAGE_INPUT_BYTES.labels(**self._labels, partition=stage, core=str(core)).inc(size_bytes)
+        self._child(metrics.STAGE_INPUT_BYTES, partition=stage, core=str(core)).inc(size_bytes)
 
     def _on_chunk(self, core: int, batch_size: int, padded: int) -> None:
         # One per chunk, however many accelerator partitions the chunk runs through.
-        metrics.CORE_BATCHES.labels(**self._labels, core=str(core)).inc()
-        metrics.SIZE_CHUNKS.labels(**self._labels, batch_size=str(batch_size)).inc()
-        metrics.PADDING_ROWS.labels(**self._labels).inc(padded)
+        self._child(metrics.CORE_BATCHES, core=str(core)).inc()
+        self._child(metrics.SIZE_CHUNKS, batch_size=str(batch_size)).inc()
+        self._child(metrics.PADDING_ROWS).inc(padded)
 
     def _on_padding(self, padded: int) -> None:
-        metrics.BATCH_PADDING.labels(**self._labels).observe(padded)
+        self._child(metrics.BATCH_PADDING).observe(padded)
 
     def _on_batch(self, rows: int, waits: list[float]) -> None:
-        metrics.BATCH_SIZE.labels(**self._labels).observe(rows)
+        self._child(metrics.BATCH_SIZE).observe(rows)
         for wait in waits:
             self._queue_time.observe(wait)
 
@@ -140,7 +151,7 @@ class ModelDataPlane:
         for _, times in items:
             times.started, times.ran = started, ran
         if any(not isinstance(r, Exception) for r in results):
-            metrics.EXECUTIONS.labels(**self._labels).inc()
+            self._child(metrics.EXECUTIONS).inc()
         return results
 
     def triton_config(self) -> dict:
@@ -177,10 +188,7 @@ class ModelDataPlane:
             raise
         finally:
             triton_ext.record(self.name, self.replica, times, code == "200", rows)
-            counter = self._requests.get(code)
-            if counter is None:
-                counter = self._requests[code] = metrics.REQUESTS.labels(**self._labels, code=code)
-            counter.inc()
+            self._child(metrics.REQUESTS, code=code).inc()
             self._latency.observe(time.perf_counter() - started)
 
 
