@@ -31,7 +31,7 @@ logger = logging.getLogger("neuron_serve")
 
 ChunkHook = Callable[[int, int, int], None]  # (core, compiled batch size, padded rows) per chunk
 PaddingHook = Callable[[int], None]  # padded rows of one batch (all its chunks, every shape bucket)
-TIMED_CALLS = 3  # calls timed per compiled size at load (after one warm-up); the fastest is its cost
+TIMING_ROUNDS = 5  # calls timed per compiled size at load, in turns with the other sizes; the fastest is its cost
 
 
 def _copies(model: CompiledModel, cores: int) -> tuple[int, int]:
@@ -70,7 +70,7 @@ class ModelRunner:
             for i in range(len(model.buckets))
         ]
         # Per shape bucket, seconds per call of each compiled size, measured here.
-        self.costs = [self._measure(grid) for grid in self.pipelines]
+        self.costs = self._measure(self.pipelines)
         self._plans: list[dict[int, list[int]]] = [{} for _ in self.pipelines]
         self.chunks = Counter()  # (shape bucket, compiled batch size) -> chunks run
         self.load_seconds = time.perf_counter() - started
@@ -81,28 +81,33 @@ class ModelRunner:
             logger.info("model %s pipelined over %d core(s) per copy; %d copies on cores %s", name, self.span,
                         self.copies, self.groups)
 
-    def _measure(self, grid: dict[int, Pipeline]) -> dict[int, float]:
-        """Seconds per call of each compiled size on core 0: the fastest of a few timed calls after a
-        warm-up. Replicas load while others compile, and preemption only ever adds time."""
-        if len(grid) == 1:
-            return {n: 1.0 for n in grid}  # nothing to choose between
+    def _measure(self, grids: list[dict[int, Pipeline]]) -> list[dict[int, float]]:
+        """Per shape bucket, seconds per call of each compiled size on core 0: the fastest of
+        ``TIMING_ROUNDS`` timed calls after a warm-up.
+
+        Every size of every bucket takes its turn in each round, so a burst of other work
+        (another replica compiling beside this one, the first metric writes) lands on one
+        round of every size rather than on every call of a few; preemption only ever adds
+        time, so the fastest call is the cost.
+        """
         core = self.cores.cores[0]
-        costs = {}
-        for size, pipeline in grid.items():
-            example = [torch.zeros(shape, dtype=dtype) if shape is not None else None
-                       for shape, dtype in pipeline.bucket.input_shapes]
-            times = []
-            try:
-                for _ in range(1 + TIMED_CALLS):
-                    started = time.perf_counter()
-                    pipeline.run_blocking(example, core)
-                    times.append(time.perf_counter() - started)
-            except Exception as exc:  # a CPU op may refuse all-zero inputs; then rows stand in for time
-                logger.warning("model %s: cannot time batch size %d on zeros (%s: %s); choosing sizes by rows",
-                               self.name, size, type(exc).__name__, exc)
-                return {n: float(n) for n in grid}
-            costs[size] = min(times[1:])
-        return costs
+        timed = [grid for grid in grids if len(grid) > 1]  # one size: nothing to choose between
+        examples = {id(p): [torch.zeros(shape, dtype=dtype) if shape is not None else None
+                            for shape, dtype in p.bucket.input_shapes] for grid in timed for p in grid.values()}
+        fastest = {id(p): float("inf") for grid in timed for p in grid.values()}
+        try:
+            for round_ in range(1 + TIMING_ROUNDS):
+                for grid in timed:
+                    for size, pipeline in grid.items():
+                        started = time.perf_counter()
+                        pipeline.run_blocking(examples[id(pipeline)], core)
+                        if round_:  # round 0 warms every size up
+                            fastest[id(pipeline)] = min(fastest[id(pipeline)], time.perf_counter() - started)
+        except Exception as exc:  # a CPU op may refuse all-zero inputs; then rows stand in for time
+            logger.warning("model %s: cannot time batch size %d on zeros (%s: %s); choosing sizes by rows",
+                           self.name, size, type(exc).__name__, exc)
+            return [{n: float(n) for n in grid} for grid in grids]
+        return [{n: fastest[id(p)] if len(grid) > 1 else 1.0 for n, p in grid.items()} for grid in grids]
 
     def use_costs(self, costs: list[dict[int, float]]) -> None:
         """Choose sizes by ``costs`` (per shape bucket, seconds per call of each size) instead of those measured."""

@@ -1,6 +1,7 @@
 """ModelRunner: takes a built model and learns its compiled sizes and bucket choice from it."""
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -30,6 +31,23 @@ def test_every_compiled_size_is_loaded_on_every_core_and_timed(runner):
     assert all(len(pipeline.modules) == 1 for pipeline in grid.values())  # one copy per core (one here)
     [costs] = runner.costs
     assert sorted(costs) == [1, 4, 16] and all(seconds > 0 for seconds in costs.values())
+
+
+def test_a_burst_of_other_work_while_timing_raises_no_compiled_sizes_cost(runner, monkeypatch):
+    # Another replica compiling beside this one stalls three calls in a row, as many as there
+    # are sizes, right after the warm-up: each size loses one timed call of five, not its cost.
+    [grid] = runner.pipelines
+    calls, stall = [], 0.05
+    for size, pipeline in grid.items():
+        def run_blocking(flat, core, _run=pipeline.run_blocking, _size=size):
+            calls.append(_size)
+            if len(grid) < len(calls) <= 2 * len(grid):
+                time.sleep(stall)
+            return _run(flat, core)
+        monkeypatch.setattr(pipeline, "run_blocking", run_blocking)
+    [costs] = runner._measure(runner.pipelines)
+    assert calls == [1, 4, 16] * 6  # a warm-up round, then five timed rounds in turns
+    assert all(seconds < stall for seconds in costs.values()), costs
 
 
 def test_rows_run_as_the_cheapest_measured_sizes_and_equal_eager(runner, eager):
