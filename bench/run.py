@@ -1,12 +1,13 @@
 """bench: neuron-serve against peer servers, side by side in one run.
 
-    python -m bench            # full run (about 10 minutes on 2 cores)
+    python -m bench            # full run (about 20 minutes on 2 cores)
     python -m bench --quick    # a shorter run for development (about 3 minutes)
 
-Every server is started, then each (workload, concurrency) point is taken on each
-server in turn with the same request files by wrk (order rotated per point), so load
-from elsewhere on the machine falls on all servers alike; ``--one-at-a-time`` runs
-each server alone instead. Results go to
+Each server is started alone, measured at every (workload, concurrency) point with the
+same request files by wrk, and stopped before the next starts: an idle Ray cluster
+beside the one measured is not idle enough (with all seven servers up, Ray Serve behind
+HAProxy served W1 at concurrency 1 at 145 req/s; alone, at 299). ``--all-up`` starts
+every server first and takes each point on each in turn (order rotated per point). Results go to
 bench/results/<timestamp>/: results.md, latency_throughput.png and raw.json.
 """
 
@@ -39,8 +40,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="comma-separated subset of: " + ", ".join(servers.specs()))
     parser.add_argument("--seconds", type=float, help="seconds of load per point (default 4 quick, 10 full)")
     parser.add_argument("--points", help="workload:concurrency list, e.g. W1:16,W2:16 (default: by mode)")
-    parser.add_argument("--one-at-a-time", action="store_true",
-                        help="run each server alone (default: all up at once, each point taken on each in turn)")
+    together = parser.add_mutually_exclusive_group()
+    together.add_argument("--one-at-a-time", dest="all_up", action="store_false",
+                          help="start, measure and stop each server alone (the default)")
+    together.add_argument("--all-up", dest="all_up", action="store_true",
+                          help="start every server first, then take each point on each in turn")
     parser.add_argument("--no-internal", action="store_true", help="skip the internal figures")
     parser.add_argument("--no-cold-warm", action="store_true", help="skip the cold/warm start figures")
     parser.add_argument("--out", type=Path, help="results directory (default bench/results/<timestamp>)")
@@ -75,9 +79,8 @@ def measure_point(server: servers.Server, workload: str, conc: int, manifest: Pa
 
 
 def measure_all(chosen, points, manifests, seconds: float, out: Path, log, together: bool):
-    """Every (server, point). ``together``: all servers up at once and each point taken on
-    every server in turn (order rotated per point), so a noisy neighbour's load lands on
-    all of them alike; otherwise one server at a time."""
+    """Every (server, point): one server at a time, or with ``together`` all servers up at
+    once and each point taken on every server in turn (order rotated per point)."""
     rows, memory = [], {}
     probes = {workloads.WORKLOADS[w].model: workloads.first_body(manifests[w])
               for w, _ in points if not workloads.WORKLOADS[w].binary}
@@ -161,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     written = {s: workloads.write_bodies(workloads.WORKLOADS[s], out / "bodies" / s) for s in set(sources.values())}
     manifests = {w: written[s] for w, s in sources.items()}
     log(f"bench: {len(chosen)} servers x {len(points)} points, {seconds:g}s each; results in {out}")
-    rows, memory = measure_all(chosen, points, manifests, seconds, out, log, together=not args.one_at_a_time)
+    rows, memory = measure_all(chosen, points, manifests, seconds, out, log, together=args.all_up)
     internal = None if args.no_internal else run_internal(args.quick, out, log)
     cold_warm = None if args.no_cold_warm else run_cold_warm(args.quick, out, log)
 
@@ -171,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Load: wrk, one thread, concurrency = open connections, {seconds:g}s per point after a 1s warm-up; "
         f"{os.cpu_count()} CPU cores; "
-        + ("each server alone on the machine. " if args.one_at_a_time else
-           "all servers up at once, each point taken on every server in turn (idle servers cost little). ")
+        + ("all servers up at once, each point taken on every server in turn. " if args.all_up else
+           "each server alone on the machine, started and stopped in turn. ")
         + f"Load average at the end: {os.getloadavg()[0]:.1f} (other work on the machine adds noise). "
         "Ratios compare figures taken in this same run.",
         "", "## Serving", "", report.serving_table(rows, labels),
