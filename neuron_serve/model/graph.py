@@ -4,14 +4,15 @@ The top graph holds placeholders, one ``call_module`` per partition, ``getitem``
 picking a partition's outputs apart, and the output. :func:`stages` walks it as a
 generator: it yields ``(partition name, args)`` for each stage and is sent the
 stage's result back. Who runs a stage, and how, is the caller's business: the plain
-call runs it in place (:func:`run`), the serving pipeline awaits it on a core or the
-CPU pool (:func:`run_async`), the compiler compiles it first and the profiler times it.
+call runs it in place (:func:`run`), the serving pipeline hands it to a core or the
+CPU pool and advances the walk there, the compiler compiles it first and the
+profiler times it.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Any, Awaitable, Callable, Generator
+from typing import Any, Callable, Generator
 
 import torch.fx
 
@@ -46,17 +47,6 @@ def run(gm: torch.fx.GraphModule, flat: list[Any], call: Callable[[str, tuple], 
         step = next(walk)
         while True:
             step = walk.send(call(*step))
-    except StopIteration as done:
-        return done.value
-
-
-async def run_async(gm: torch.fx.GraphModule, flat: list[Any], call: Callable[[str, tuple], Awaitable[Any]]) -> list:
-    """:func:`run` with each stage awaited."""
-    walk = stages(gm, flat)
-    try:
-        step = next(walk)
-        while True:
-            step = walk.send(await call(*step))
     except StopIteration as done:
         return done.value
 

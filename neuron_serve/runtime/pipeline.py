@@ -3,15 +3,19 @@
 The top graph calls one submodule per partition. Accelerator stages run on the thread
 of the core the batch was given; CPU stages run in a shared CPU pool. Each stage is
 awaited, so while one batch is in a CPU stage its core is free for another batch's
-accelerator stage. The graph is walked by the model's own interpreter
-(:mod:`neuron_serve.model.graph`), the one the plain call uses.
+accelerator stage. A CPU stage that takes less time than a hand-over between threads
+(the runner times it at load) runs in place, on the thread that ran the stage before
+it. The graph is walked by the model's own interpreter (:mod:`neuron_serve.model.graph`),
+the one the plain call uses.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -52,6 +56,7 @@ class Pipeline:
                 # Compile each core's copy on that core's own thread (its default device).
                 self.modules[core.index][p.name] = core.submit(gm.get_submodule(p.name).load_to, core.device).result()
         self.cpu_modules = {p.name: gm.get_submodule(p.name) for p in bucket.partitions if p.on_cpu}
+        self.in_place: frozenset[str] = frozenset()  # CPU stages run where the previous stage ran (run_in_place)
 
     def _place(self, name: str, lead: Core) -> tuple[Core, torch.nn.Module | None]:
         """The core that runs partition ``name`` of a chunk led by ``lead``, and its module there (None: CPU)."""
@@ -61,33 +66,77 @@ class Pipeline:
     async def run(self, flat: list[torch.Tensor], core: Core) -> list[torch.Tensor]:
         """Run one chunk (flat inputs of the bucket's batch size) on the cores led by ``core``."""
         loop = asyncio.get_running_loop()
-
-        async def stage(name: str, args: tuple) -> Any:
+        walk = graph.stages(self.bucket.graph_module, flat)
+        try:
+            step: tuple | _Done = next(walk)
+        except StopIteration as done:
+            return done.value
+        while not isinstance(step, _Done):
+            name, args = step
             on, module = self._place(name, core)
             if self.on_transfer and name in self.stages:
                 self.on_transfer(name, on.index, sum(a.nbytes for a in args if isinstance(a, torch.Tensor)))
             started = time.perf_counter()
             if module is not None:  # an execution on the core, counted in its activity
-                result = await loop.run_in_executor(on.executor, on.execute, _call, module, args)
+                job = functools.partial(on.execute, _call, module, args)
+                step = await loop.run_in_executor(on.executor, self._then, walk, job, name, on.index, started)
             else:
-                result = await loop.run_in_executor(self.cpu_pool, _call, self.cpu_modules[name], args)
+                job = functools.partial(_call, self.cpu_modules[name], args)
+                step = await loop.run_in_executor(self.cpu_pool, self._then, walk, job, name, on.index, started)
+        return step.outputs
+
+    def _then(self, walk: graph.Stages, job: Callable[[], Any], name: str, core: int, started: float) -> tuple | _Done:
+        """On a worker thread: run ``job`` (stage ``name``), then the in-place CPU stages after it.
+
+        Returns the next stage to hand out, or the chunk's outputs.
+        """
+        result = job()
+        while True:
             if self.on_stage:
-                self.on_stage(name, self.devices[name], on.index, time.perf_counter() - started)
-            return result
+                self.on_stage(name, self.devices[name], core, time.perf_counter() - started)
+            try:
+                name, args = walk.send(result)
+            except StopIteration as done:
+                return _Done(done.value)
+            if name not in self.in_place:
+                return name, args
+            started = time.perf_counter()
+            result = _call(self.cpu_modules[name], args)
 
-        return await graph.run_async(self.bucket.graph_module, flat, stage)
-
-    def run_blocking(self, flat: list[torch.Tensor], core: Core) -> list[torch.Tensor]:
-        """:meth:`run` from a thread without an event loop (the runner's load-time timing)."""
+    def run_blocking(self, flat: list[torch.Tensor], core: Core, times: dict[str, float] | None = None
+                     ) -> list[torch.Tensor]:
+        """:meth:`run` from a thread without an event loop (the runner's load-time timing); each stage
+        in its own executor. ``times``, if given, keeps each stage's fastest seconds so far."""
 
         def stage(name: str, args: tuple) -> Any:
             on, module = self._place(name, core)
             executor = on.executor
             if module is None:
                 module, executor = self.cpu_modules[name], self.cpu_pool
-            return executor.submit(_call, module, args).result()
+            result, seconds = executor.submit(_timed_call, module, args).result()
+            if times is not None:
+                times[name] = min(times.get(name, seconds), seconds)
+            return result
 
         return graph.run(self.bucket.graph_module, flat, stage)
+
+    def run_in_place(self, names: set[str]) -> None:
+        """Run these CPU stages on the thread that ran the stage before them, not in the CPU pool."""
+        unknown = names - set(self.cpu_modules)
+        if unknown:
+            raise ValueError(f"run_in_place: {sorted(unknown)} are not CPU stages of this bucket")
+        self.in_place = frozenset(names)
+
+
+@dataclass
+class _Done:
+    outputs: list
+
+
+def _timed_call(module: torch.nn.Module, args: tuple) -> tuple[Any, float]:
+    started = time.perf_counter()
+    result = _call(module, args)
+    return result, time.perf_counter() - started
 
 
 def _call(module: torch.nn.Module, args: tuple) -> Any:

@@ -8,6 +8,7 @@ import torch
 
 from neuron_serve.errors import InvalidInput
 from neuron_serve.model import sizes
+from neuron_serve.runtime import runner as runner_module
 from neuron_serve.runtime.runner import ModelRunner
 
 TOLERANCE = 1e-5
@@ -39,15 +40,27 @@ def test_a_burst_of_other_work_while_timing_raises_no_compiled_sizes_cost(runner
     [grid] = runner.pipelines
     calls, stall = [], 0.05
     for size, pipeline in grid.items():
-        def run_blocking(flat, core, _run=pipeline.run_blocking, _size=size):
+        def run_blocking(*args, _run=pipeline.run_blocking, _size=size):
             calls.append(_size)
             if len(grid) < len(calls) <= 2 * len(grid):
                 time.sleep(stall)
-            return _run(flat, core)
+            return _run(*args)
         monkeypatch.setattr(pipeline, "run_blocking", run_blocking)
     [costs] = runner._measure(runner.pipelines)
     assert calls == [1, 4, 16] * 6  # a warm-up round, then five timed rounds in turns
     assert all(seconds < stall for seconds in costs.values()), costs
+
+
+@pytest.mark.parametrize("limit, in_place", [(runner_module.IN_PLACE_CPU_S, {"cpu_0"}), (0.0, set())])
+def test_cpu_stages_quicker_than_a_thread_hand_over_run_in_place(built, monkeypatch, limit, in_place):
+    # The sort of at most 16 x 4 scores takes microseconds, well under the limit; with a
+    # limit of 0 no stage is quick enough and every CPU stage goes to the pool.
+    monkeypatch.setattr(runner_module, "IN_PLACE_CPU_S", limit)
+    runner = ModelRunner(built, cores=1, name="scores")
+    try:
+        assert all(p.in_place == in_place for grid in runner.pipelines for p in grid.values())
+    finally:
+        runner.close()
 
 
 def test_rows_run_as_the_cheapest_measured_sizes_and_equal_eager(runner, eager):
