@@ -45,6 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                           help="start, measure and stop each server alone (the default)")
     together.add_argument("--all-up", dest="all_up", action="store_true",
                           help="start every server first, then take each point on each in turn")
+    parser.set_defaults(all_up=False)
     parser.add_argument("--no-internal", action="store_true", help="skip the internal figures")
     parser.add_argument("--no-cold-warm", action="store_true", help="skip the cold/warm start figures")
     parser.add_argument("--out", type=Path, help="results directory (default bench/results/<timestamp>)")
