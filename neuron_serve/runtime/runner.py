@@ -86,8 +86,8 @@ class ModelRunner:
 
     def _measure(self, grids: list[dict[int, Pipeline]]) -> list[dict[int, float]]:
         """Per shape bucket, seconds per call of each compiled size on core 0: the fastest of
-        ``TIMING_ROUNDS`` timed calls after a warm-up. CPU stages that take less than
-        ``IN_PLACE_CPU_S`` on every size are then run in place (:meth:`Pipeline.run_in_place`).
+        ``TIMING_ROUNDS`` timed calls after a warm-up. A CPU stage whose fastest run took less
+        than ``IN_PLACE_CPU_S`` then runs in place (:meth:`Pipeline.run_in_place`).
 
         Every size of every bucket takes its turn in each round, so a burst of other work
         (another replica compiling beside this one, the first metric writes) lands on one
@@ -111,12 +111,9 @@ class ModelRunner:
             logger.warning("model %s: cannot time batch size %d on zeros (%s: %s); choosing sizes by rows",
                            self.name, pipeline.bucket.batch_size, type(exc).__name__, exc)
             return [{n: float(n) for n in grid} for grid in grids]
-        for grid in grids:
-            # Decided per bucket for all its sizes alike, by the slowest size's time.
-            quick = {name for name in next(iter(grid.values())).cpu_modules
-                     if all(stage_times[id(p)][name] < IN_PLACE_CPU_S for p in grid.values())}
-            for pipeline in grid.values():
-                pipeline.run_in_place(quick)
+        for pipeline in pipelines:
+            times = stage_times[id(pipeline)]
+            pipeline.run_in_place({name for name in pipeline.cpu_modules if times.get(name, IN_PLACE_CPU_S) < IN_PLACE_CPU_S})
         return [{n: fastest[id(p)] for n, p in grid.items()} for grid in grids]
 
     def use_costs(self, costs: list[dict[int, float]]) -> None:
