@@ -2,7 +2,7 @@
 
 The top graph calls one submodule per partition. Accelerator stages run on the thread
 of the core the batch was given; CPU stages run in a shared CPU pool. Each stage is
-awaited, so while one batch is in a CPU stage its core is free for another batch's
+handed to its thread and awaited, so while one batch is in a CPU stage its core is free for another batch's
 accelerator stage. A CPU stage that takes less time than a hand-over between threads
 (the runner times it at load) runs in place, on the thread that ran the stage before
 it. The graph is walked by the model's own interpreter (:mod:`neuron_serve.model.graph`),
@@ -78,11 +78,10 @@ class Pipeline:
                 self.on_transfer(name, on.index, sum(a.nbytes for a in args if isinstance(a, torch.Tensor)))
             started = time.perf_counter()
             if module is not None:  # an execution on the core, counted in its activity
-                job = functools.partial(on.execute, _call, module, args)
-                step = await loop.run_in_executor(on.executor, self._then, walk, job, name, on.index, started)
+                executor, job = on.executor, functools.partial(on.execute, _call, module, args)
             else:
-                job = functools.partial(_call, self.cpu_modules[name], args)
-                step = await loop.run_in_executor(self.cpu_pool, self._then, walk, job, name, on.index, started)
+                executor, job = self.cpu_pool, functools.partial(_call, self.cpu_modules[name], args)
+            step = await loop.run_in_executor(executor, self._then, walk, job, name, on.index, started)
         return step.outputs
 
     def _then(self, walk: graph.Stages, job: Callable[[], Any], name: str, core: int, started: float) -> tuple | _Done:

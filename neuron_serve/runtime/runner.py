@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 from collections import Counter, defaultdict
@@ -113,7 +114,7 @@ class ModelRunner:
             return [{n: float(n) for n in grid} for grid in grids]
         for pipeline in pipelines:
             times = stage_times[id(pipeline)]
-            pipeline.run_in_place({name for name in pipeline.cpu_modules if times.get(name, IN_PLACE_CPU_S) < IN_PLACE_CPU_S})
+            pipeline.run_in_place({name for name in pipeline.cpu_modules if times.get(name, math.inf) < IN_PLACE_CPU_S})
         return [{n: fastest[id(p)] for n, p in grid.items()} for grid in grids]
 
     def use_costs(self, costs: list[dict[int, float]]) -> None:
