@@ -1,7 +1,7 @@
 """bench: neuron-serve against peer servers, side by side in one run.
 
     python -m bench            # full run (about 20 minutes on 2 cores)
-    python -m bench --quick    # a shorter run for development (about 3 minutes)
+    python -m bench --quick    # a shorter run for development (about 10 minutes)
 
 Each server is started alone, measured at every (workload, concurrency) point with the
 same request files by wrk, and stopped before the next starts: an idle Ray cluster
