@@ -1,0 +1,109 @@
+"""Which generation models are compiled, and whether their cache fits on a core.
+
+Prefill models are compiled per prompt-length bucket, decode models per (running
+sequences x context length) bucket, as vLLM on Neuron and NxD Inference bucket
+context encoding and token generation. Defaults follow from ``max_num_seqs`` and
+``max_model_len``: prompt lengths and contexts double from 32 and 128 up to
+``max_model_len``; running-sequence counts are the powers of 4 below ``max_num_seqs``
+and ``max_num_seqs`` itself (as compiled batch sizes are).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..errors import ConfigError
+
+FIRST_PREFILL_BUCKET = 32
+FIRST_CONTEXT_BUCKET = 128
+
+
+def doubling(first: int, last: int) -> list[int]:
+    """first, 2 first, 4 first, ... below ``last``, then ``last``."""
+    sizes, size = [], min(first, last)
+    while size < last:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, last]
+
+
+def powers_of_four(last: int) -> list[int]:
+    sizes, size = [], 1
+    while size < last:
+        sizes.append(size)
+        size *= 4
+    return [*sizes, last]
+
+
+@dataclass
+class GenerationBuckets:
+    """The compiled shapes of a generation model; see the module docstring for the defaults."""
+
+    max_num_seqs: int
+    max_model_len: int
+    prefill: list[int] = field(default_factory=list)
+    decode_rows: list[int] = field(default_factory=list)
+    decode_context: list[int] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, max_num_seqs: int, max_model_len: int, *, prefill: Sequence[int] | None = None,
+              decode_rows: Sequence[int] | None = None, decode_context: Sequence[int] | None = None,
+              field_prefix: str = "generation.") -> "GenerationBuckets":
+        """Defaults for what is not given; each list checked and sorted. Errors name the model.yaml field."""
+        if max_num_seqs < 1:
+            raise ConfigError(f"{field_prefix}max_num_seqs: must be at least 1, got {max_num_seqs}.")
+        if max_model_len < 2:
+            raise ConfigError(f"{field_prefix}max_model_len: must be at least 2 (a prompt token and a generated "
+                              f"one), got {max_model_len}.")
+        lists = {
+            "prefill_buckets": (prefill, doubling(FIRST_PREFILL_BUCKET, max_model_len), max_model_len),
+            "decode_batch_buckets": (decode_rows, powers_of_four(max_num_seqs), max_num_seqs),
+            "decode_context_buckets": (decode_context, doubling(FIRST_CONTEXT_BUCKET, max_model_len), max_model_len),
+        }
+        chosen = {}
+        for name, (given, default, limit) in lists.items():
+            sizes = sorted(set(given)) if given is not None else default
+            if not sizes or any(s < 1 for s in sizes):
+                raise ConfigError(f"{field_prefix}{name}: give positive sizes, got {list(given or [])}.")
+            if sizes[-1] != limit:
+                what = "max_num_seqs" if name == "decode_batch_buckets" else "max_model_len"
+                raise ConfigError(f"{field_prefix}{name}: the largest bucket must be {what} ({limit}), got "
+                                  f"{sizes[-1]}: a larger one could never be used, a smaller one leaves "
+                                  f"{what} unreachable.")
+            chosen[name] = sizes
+        return cls(max_num_seqs, max_model_len, chosen["prefill_buckets"], chosen["decode_batch_buckets"],
+                   chosen["decode_context_buckets"])
+
+    @property
+    def count(self) -> int:
+        """How many models are compiled."""
+        return len(self.prefill) + len(self.decode_rows) * len(self.decode_context)
+
+    def describe(self) -> dict:
+        return {"max_num_seqs": self.max_num_seqs, "max_model_len": self.max_model_len,
+                "prefill_buckets": self.prefill, "decode_batch_buckets": self.decode_rows,
+                "decode_context_buckets": self.decode_context}
+
+
+def kv_cache_bytes(config, slots: int, positions: int, dtype_bytes: int) -> int:
+    """Bytes of the keys and values of ``slots`` x ``positions`` for a transformers config."""
+    from .slots import cache_shape  # noqa: PLC0415 - slots imports torch models; keep this module light
+
+    s, p, heads, head_dim = cache_shape(config, slots, positions)
+    return 2 * config.num_hidden_layers * s * p * heads * head_dim * dtype_bytes
+
+
+def check_fits(config, buckets: GenerationBuckets, weight_bytes: int, dtype_bytes: int, core_bytes: int,
+               field_prefix: str = "generation.") -> int:
+    """Refuse a cache that does not fit next to the weights on one core; returns the cache's bytes."""
+    cache = kv_cache_bytes(config, buckets.max_num_seqs, buckets.max_model_len, dtype_bytes)
+    if weight_bytes + cache <= core_bytes:
+        return cache
+    per_slot = kv_cache_bytes(config, 1, buckets.max_model_len, dtype_bytes)
+    fit = max(0, (core_bytes - weight_bytes) // per_slot)
+    raise ConfigError(
+        f"{field_prefix}max_num_seqs: {buckets.max_num_seqs} slots of {buckets.max_model_len} positions need "
+        f"{cache} bytes of KV cache ({per_slot} per slot) next to {weight_bytes} bytes of weights, more than the "
+        f"core's {core_bytes} bytes; at most {fit} slot(s) fit. Lower max_num_seqs or max_model_len."
+    )

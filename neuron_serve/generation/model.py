@@ -1,0 +1,164 @@
+"""A causal LM compiled for generation: prefill and decode models around one KV cache on the core.
+
+``compile_generation`` runs neuron-serve's own pipeline on a transformers causal LM
+wrapped in :class:`~neuron_serve.generation.slots.SlotLM`: ``bucket_model_trace``
+compiles one prefill model per prompt-length bucket (one row, writing one slot) and one
+decode model per (running-sequences bucket x context-length bucket), every one taking
+the cache as its ``shared_state_buffer``. Analysis and partitioning run for each as for
+any model, so an operator the accelerator cannot run around the cache is refused
+naming it.
+
+:class:`GenerationModel` is what the engine calls: ``prefill`` one prompt into a slot,
+``decode`` one token for each of a set of running sequences, each returning logits on
+the host while the cache stays on the core.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .. import progress
+from ..api import bucket_model_trace
+from ..bucketing import BucketModelConfig
+from ..errors import ConfigError, InvalidInput
+from ..model import CompiledModel
+from .buckets import GenerationBuckets
+from .slots import SlotLM
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One compiled generation model: ``rows`` sequences of ``tokens`` tokens, attending over ``context`` positions."""
+
+    kind: str  # "prefill" or "decode"
+    rows: int
+    tokens: int
+    context: int
+
+    @property
+    def label(self) -> str:
+        """The bucket label of metrics and logs: prefill_64, decode_8x256."""
+        if self.kind == "prefill":
+            return f"prefill_{self.tokens}"
+        return f"decode_{self.rows}x{self.context}"
+
+
+def shapes_of(buckets: GenerationBuckets) -> list[Shape]:
+    """Every compiled model, in bucket order: prefill buckets, then decode (rows-major)."""
+    shapes = [Shape("prefill", 1, length, length) for length in buckets.prefill]
+    shapes += [Shape("decode", rows, 1, context) for rows in buckets.decode_rows for context in buckets.decode_context]
+    return shapes
+
+
+def _example(shape: Shape) -> tuple[torch.Tensor, ...]:
+    tokens = torch.zeros(shape.rows, shape.tokens, dtype=torch.long)
+    positions = torch.arange(shape.tokens).expand(shape.rows, shape.tokens).contiguous()
+    slots = torch.arange(shape.rows, dtype=torch.long)
+    last = torch.full((shape.rows, 1), shape.tokens - 1, dtype=torch.long)
+    return tokens, positions, slots, last
+
+
+class GenerationModel:
+    """The compiled prefill and decode models of one causal LM and the cache they share on the core."""
+
+    def __init__(self, compiled: CompiledModel, buckets: GenerationBuckets, vocab_size: int) -> None:
+        self.compiled = compiled
+        self.buckets = buckets
+        self.shapes = shapes_of(buckets)
+        self.vocab_size = vocab_size
+        self._index = {s: i for i, s in enumerate(self.shapes)}
+
+    @property
+    def slots(self) -> int:
+        return self.buckets.max_num_seqs
+
+    @property
+    def max_model_len(self) -> int:
+        return self.buckets.max_model_len
+
+    def reset(self) -> None:
+        """Empty the cache (every slot), on the core."""
+        self.compiled.load_states([torch.zeros_like(t, device="cpu") for t in self.compiled.states])
+
+    def _run(self, shape: Shape, tokens, positions, slots, last) -> torch.Tensor:
+        outputs = self.compiled.buckets[self._index[shape]].run_flat([tokens, positions, slots, last])
+        return outputs[0]
+
+    def prefill_shape(self, length: int) -> Shape:
+        lengths = self.buckets.prefill
+        i = bisect.bisect_left(lengths, length)
+        if i == len(lengths):
+            raise InvalidInput(f"a prompt of {length} tokens is longer than the largest prefill bucket ({lengths[-1]}).")
+        return Shape("prefill", 1, lengths[i], lengths[i])
+
+    def decode_shape(self, rows: int, context: int) -> Shape:
+        b = bisect.bisect_left(self.buckets.decode_rows, rows)
+        c = bisect.bisect_left(self.buckets.decode_context, context)
+        if b == len(self.buckets.decode_rows) or c == len(self.buckets.decode_context):
+            raise InvalidInput(f"no decode bucket holds {rows} sequences at {context} positions.")
+        return Shape("decode", self.buckets.decode_rows[b], 1, self.buckets.decode_context[c])
+
+    def prefill(self, prompt: Sequence[int], slot: int) -> tuple[torch.Tensor, Shape]:
+        """Write ``prompt`` (token ids) into ``slot``; the logits of its last token (vocab,) and the bucket run."""
+        shape = self.prefill_shape(len(prompt))
+        tokens = torch.zeros(1, shape.tokens, dtype=torch.long)
+        tokens[0, :len(prompt)] = torch.as_tensor(prompt, dtype=torch.long)
+        positions = torch.arange(shape.tokens)[None]
+        last = torch.tensor([[len(prompt) - 1]])
+        return self._run(shape, tokens, positions, torch.tensor([slot]), last)[0], shape
+
+    def decode(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> tuple[torch.Tensor, Shape]:
+        """One token for each running sequence (its last token, at its position, in its slot).
+
+        Returns the logits of each (rows, vocab) and the bucket run. Rows past the running
+        sequences repeat the last one (the same token at the same place: a harmless rewrite).
+        """
+        rows = len(tokens)
+        shape = self.decode_shape(rows, max(positions) + 1)
+        pad = shape.rows - rows
+        tokens_t = torch.tensor([*tokens, *[tokens[-1]] * pad], dtype=torch.long)[:, None]
+        positions_t = torch.tensor([*positions, *[positions[-1]] * pad], dtype=torch.long)[:, None]
+        slots_t = torch.tensor([*slots, *[slots[-1]] * pad], dtype=torch.long)
+        last = torch.zeros(shape.rows, 1, dtype=torch.long)
+        return self._run(shape, tokens_t, positions_t, slots_t, last)[:rows], shape
+
+
+def compile_generation(lm: torch.nn.Module, buckets: GenerationBuckets, *, target: str = "neuron",
+                       compiler_args: str | list[str] | None = None,
+                       compiler_workdir: str | None = None) -> GenerationModel:
+    """Compile ``lm`` (a transformers causal LM) for generation under ``buckets``; see the module docstring."""
+    if not hasattr(lm, "config") or not hasattr(lm.config, "num_hidden_layers"):
+        raise ConfigError(f"generation needs a transformers causal LM (a PreTrainedModel with a config); got "
+                          f"{type(lm).__name__}.")
+    lm = lm.eval()
+    shapes = shapes_of(buckets)
+    cache = SlotLM(lm, buckets.max_num_seqs, buckets.max_model_len)
+    shared = [torch.zeros_like(t) for t in cache.caches()]
+    del cache
+
+    def func(context: int) -> tuple[SlotLM, dict]:
+        model = SlotLM(lm, buckets.max_num_seqs, buckets.max_model_len, context).eval()
+        return model, model.aliases()
+
+    def kernel(inputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        tokens, positions = inputs[0], inputs[1]
+        kind = "prefill" if tokens.shape[1] > 1 else "decode"
+        context = int(positions.max()) + 1
+        for i, shape in enumerate(shapes):
+            if shape.kind == kind and shape.rows == tokens.shape[0] and shape.tokens == tokens.shape[1] \
+                    and context <= shape.context:
+                return inputs, torch.tensor(i)
+        raise InvalidInput(f"no generation bucket takes {tuple(tokens.shape)} tokens at {context} positions.")
+
+    config = BucketModelConfig(lambda: kernel, shared_state_buffer=shared,
+                               func_kwargs=[{"context": s.context} for s in shapes])
+    name = type(lm).__name__
+    with progress.reporting(progress.BuildProgress(name, len(shapes))):
+        compiled = bucket_model_trace(func, [_example(s) for s in shapes], config, compiler_workdir, compiler_args,
+                                      target=target)
+    vocab = int(lm.get_output_embeddings().weight.shape[0])
+    return GenerationModel(compiled, buckets, vocab)
