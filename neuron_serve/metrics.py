@@ -146,6 +146,47 @@ EXECUTION_LATENCY = Gauge(
 )
 
 
+# Generation (task: generate), named as vLLM's metrics are (``vllm:`` -> ``neuron_serve_``), so a
+# vLLM dashboard reads them with a prefix change. ``model`` is vLLM's ``model_name``.
+TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                         0.75, 1.0, 2.5)
+GEN_LABELS = ["model", "replica"]
+TIME_TO_FIRST_TOKEN = Histogram(
+    "neuron_serve_time_to_first_token_seconds", "Time from a generate request's arrival to its first token",
+    GEN_LABELS, buckets=LATENCY_BUCKETS,
+)
+TIME_PER_OUTPUT_TOKEN = Histogram(
+    "neuron_serve_time_per_output_token_seconds", "Time between two tokens of one sequence",
+    GEN_LABELS, buckets=TOKEN_LATENCY_BUCKETS,
+)
+E2E_REQUEST_LATENCY = Histogram(
+    "neuron_serve_e2e_request_latency_seconds", "Time from a generate request's arrival to its last token",
+    GEN_LABELS, buckets=LATENCY_BUCKETS,
+)
+PROMPT_TOKENS = Counter("neuron_serve_prompt_tokens", "Prompt tokens prefilled", GEN_LABELS)
+GENERATION_TOKENS = Counter("neuron_serve_generation_tokens", "Tokens generated", GEN_LABELS)
+REQUESTS_RUNNING = Gauge(
+    "neuron_serve_num_requests_running", "Sequences holding a KV-cache slot", GEN_LABELS, multiprocess_mode="livesum",
+)
+REQUESTS_WAITING = Gauge(
+    "neuron_serve_num_requests_waiting", "Generate requests waiting for a slot", GEN_LABELS,
+    multiprocess_mode="livesum",
+)
+KV_SLOTS_USAGE = Gauge(
+    "neuron_serve_kv_cache_usage_perc", "Fraction of KV-cache slots in use (1 = every slot)", GEN_LABELS,
+    multiprocess_mode="livemax",
+)
+REQUEST_SUCCESS = Counter(
+    "neuron_serve_request_success", "Finished generate requests by finish reason (stop, length, abort)",
+    [*GEN_LABELS, "finished_reason"],
+)
+PREEMPTIONS = Counter("neuron_serve_num_preemptions", "Sequences preempted (a slot taken back before they ended)",
+                      GEN_LABELS)
+STEP_TIME = Histogram(
+    "neuron_serve_generation_step_seconds", "Time of one compiled prefill or decode call, by bucket",
+    [*GEN_LABELS, "bucket"], buckets=LATENCY_BUCKETS,
+)
+
 def scrape() -> bytes:
     """Every process's samples, merged: the body of GET /metrics."""
     registry = CollectorRegistry()

@@ -1,0 +1,339 @@
+"""The generation engine: a thread that steps the scheduler over one compiled model and its cache.
+
+The engine speaks tokens. :meth:`Engine.generate` takes prompt token ids and
+:class:`~neuron_serve.generation.sampling.SamplingParams` and is an async stream of
+:class:`TokenEvent` (one per new token; the last says why the sequence ended);
+:meth:`Engine.abort` ends a request by id (its slot is free at the next step).
+:meth:`Engine.generate_batch` is the same for a list of prompts from plain Python,
+without an event loop or Ray. Text, chat templates and wire formats live at the
+serving edge.
+
+One thread drives the core (torch-xla replays an executable on the calling thread's
+device): each step aborts what was aborted, prefills admitted prompts one by one,
+then decodes every running sequence in one call, samples, and hands each request
+its new token. Between steps it sleeps while nothing is waiting or running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Sequence as Seq
+
+import torch
+
+from .. import metrics
+from ..errors import InvalidInput, Overloaded
+from ..targets.pjrt import use_device
+from .model import GenerationModel, Shape
+from .sampling import SamplingParams, Sampled, generator_for, greedy_rows, sample_row
+from .scheduler import Scheduler, Sequence
+
+logger = logging.getLogger("neuron_serve")
+
+DEFAULT_MAX_WAITING = 256
+
+
+@dataclass
+class TokenEvent:
+    """One new token of a request (or its end): what the serving edge streams."""
+
+    request_id: str
+    token: int | None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error" on the last event
+    stop_reason: int | str | None = None  # the stop token id or string that ended it
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+    text: str | None = None  # with stop strings: the output text, cut before the stop string (last event)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Completion:
+    """A whole request's result, as :meth:`Engine.generate_batch` returns it."""
+
+    request_id: str
+    prompt: list[int]
+    tokens: list[int]
+    finish_reason: str
+    stop_reason: int | str | None = None
+    logprobs: list[float | None] = field(default_factory=list)
+    text: str | None = None
+
+
+class _Metrics:
+    """The engine's metric children, looked up once."""
+
+    def __init__(self, model: str, replica: str) -> None:
+        labels = {"model": model, "replica": replica}
+        self.ttft = metrics.TIME_TO_FIRST_TOKEN.labels(**labels)
+        self.tpot = metrics.TIME_PER_OUTPUT_TOKEN.labels(**labels)
+        self.e2e = metrics.E2E_REQUEST_LATENCY.labels(**labels)
+        self.prompt_tokens = metrics.PROMPT_TOKENS.labels(**labels)
+        self.generation_tokens = metrics.GENERATION_TOKENS.labels(**labels)
+        self.running = metrics.REQUESTS_RUNNING.labels(**labels)
+        self.waiting = metrics.REQUESTS_WAITING.labels(**labels)
+        self.usage = metrics.KV_SLOTS_USAGE.labels(**labels)
+        self.labels = labels
+        self._steps: dict[str, Any] = {}
+        self._finished: dict[str, Any] = {}
+
+    def step(self, shape: Shape) -> Any:
+        if shape.label not in self._steps:
+            self._steps[shape.label] = metrics.STEP_TIME.labels(**self.labels, bucket=shape.label)
+        return self._steps[shape.label]
+
+    def finished(self, reason: str) -> Any:
+        if reason not in self._finished:
+            self._finished[reason] = metrics.REQUEST_SUCCESS.labels(**self.labels, finished_reason=reason)
+        return self._finished[reason]
+
+
+class Engine:
+    """Continuous batching over ``model``'s KV-cache slots; see the module docstring.
+
+    ``eos_token_ids`` end a sequence (unless its ``ignore_eos``); ``tokenizer`` (a
+    transformers tokenizer) is needed only for stop strings. ``max_num_batched_tokens``
+    bounds the prompt tokens prefilled per step, ``max_waiting`` the queue.
+    """
+
+    def __init__(self, model: GenerationModel, *, eos_token_ids: Seq[int] = (), tokenizer: Any = None,
+                 max_num_batched_tokens: int | None = None, max_waiting: int = DEFAULT_MAX_WAITING,
+                 name: str = "model", replica: str = "0", device: Any = None) -> None:
+        self.model = model
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.tokenizer = tokenizer
+        self.name = name
+        budget = max_num_batched_tokens or model.max_model_len
+        self.scheduler = Scheduler(model.slots, budget, max_waiting)
+        self.metrics = _Metrics(name, replica)
+        self.device = device
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._inbox: list[Sequence] = []
+        self._aborts: set[str] = set()
+        self._by_id: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
+        self._thread.start()
+
+    # -- the API ------------------------------------------------------------------------
+
+    def submit(self, prompt: Seq[int], params: SamplingParams, sink: Callable[[TokenEvent], None],
+               request_id: str | None = None) -> str:
+        """Queue a request; ``sink`` gets its events on the engine's thread. Returns the request id."""
+        prompt = self._check_prompt(prompt, params)
+        with self._lock:
+            if self._stopping:
+                raise Overloaded("the generation engine is stopping; retry on another replica.")
+            waiting = len(self.scheduler.waiting) + len(self._inbox)
+            if waiting >= self.scheduler.max_waiting:
+                raise Overloaded(f"the generation queue is full ({waiting} requests waiting); retry later.")
+            rid = request_id if request_id is not None else f"gen-{next(self._ids)}"
+            if rid in self._by_id:
+                raise InvalidInput(f"request id {rid!r} is already running; give each request its own id.")
+            seq = Sequence(rid, prompt, params, sink, generator=generator_for(params))
+            self._by_id[rid] = seq
+            self._inbox.append(seq)
+            self._wake.notify()
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """End a request: it gets a last event with finish_reason "abort"; its slot is free at the next step."""
+        with self._lock:
+            if request_id in self._by_id:
+                self._aborts.add(request_id)
+                self._wake.notify()
+
+    async def generate(self, prompt: Seq[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[TokenEvent]:
+        """An async stream of the request's events; leaving the stream early aborts the request."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        rid = self.submit(prompt, params, lambda event: loop.call_soon_threadsafe(queue.put_nowait, event),
+                          request_id)
+        finished = False
+        try:
+            while not finished:
+                event = await queue.get()
+                finished = event.finished
+                yield event
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def generate_batch(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams],
+                       timeout: float | None = None) -> list[Completion]:
+        """Generate for every prompt at once (continuous batching) and wait; results in prompt order."""
+        every = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        done = threading.Semaphore(0)
+        results: list[Completion | None] = [None] * len(prompts)
+
+        def collect(index: int, prompt: list[int]) -> Callable[[TokenEvent], None]:
+            tokens: list[int] = []
+            logprobs: list[float | None] = []
+
+            def sink(event: TokenEvent) -> None:
+                if event.token is not None:
+                    tokens.append(event.token)
+                    logprobs.append(event.logprob)
+                if event.finished:
+                    results[index] = Completion(event.request_id, prompt, tokens, event.finish_reason,
+                                                event.stop_reason, logprobs, event.text)
+                    done.release()
+            return sink
+
+        for i, (prompt, p) in enumerate(zip(prompts, every)):
+            self.submit(prompt, p, collect(i, list(prompt)))
+        for _ in prompts:
+            if not done.acquire(timeout=timeout):
+                raise TimeoutError(f"generate_batch: not finished within {timeout}s")
+        return [r for r in results if r is not None]
+
+    @property
+    def running(self) -> int:
+        """Sequences holding a slot."""
+        return len(self.scheduler.running)
+
+    def close(self) -> None:
+        """Stop the engine thread; requests still queued or running end with finish_reason "abort"."""
+        with self._lock:
+            self._stopping = True
+            self._aborts.update(self._by_id)
+            self._wake.notify()
+        self._thread.join(timeout=30)
+
+    # -- checks ---------------------------------------------------------------------------
+
+    def _check_prompt(self, prompt: Seq[int], params: SamplingParams) -> list[int]:
+        if not isinstance(params, SamplingParams):
+            raise InvalidInput("params must be a neuron_serve.generation.SamplingParams.")
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise InvalidInput("the prompt is empty; give at least one token.")
+        bad = [t for t in ids if not 0 <= t < self.model.vocab_size]
+        if bad:
+            raise InvalidInput(f"prompt token id {bad[0]} is outside the vocabulary (0 to {self.model.vocab_size - 1}).")
+        limit = self.model.max_model_len
+        if len(ids) + params.max_tokens > limit:
+            raise InvalidInput(f"the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: "
+                               f"{len(ids) + params.max_tokens} tokens, more than max_model_len ({limit}). Shorten "
+                               f"the prompt or lower max_tokens.")
+        if params.stop and self.tokenizer is None:
+            raise InvalidInput("stop strings need a tokenizer; this engine has none (give stop_token_ids instead).")
+        return ids
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        if self.device is not None:
+            use_device(self.device)
+        while True:
+            with self._lock:
+                while not self._inbox and not self._aborts and self.scheduler.idle and not self._stopping:
+                    self._wake.wait()
+                if self._stopping and self.scheduler.idle and not self._inbox and not self._aborts:
+                    return
+                arrived, self._inbox = self._inbox, []
+                aborted, self._aborts = self._aborts, set()
+            for seq in arrived:
+                self.scheduler.waiting.append(seq)  # the bound was checked at submit
+            try:
+                self.step(aborted)
+            except Exception as exc:  # a failed call fails its sequences, never the engine
+                logger.exception("generation step failed")
+                for seq in [*self.scheduler.running.values()]:
+                    self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
+
+    def step(self, aborted: set[str] = frozenset()) -> None:
+        """One iteration: aborts, prefills under the token budget, one decode call for every running sequence."""
+        for rid in aborted:
+            seq = self._by_id.get(rid)
+            if seq is not None:
+                self._finish(seq, "abort")
+        for seq in self.scheduler.admit():
+            started = time.perf_counter()
+            logits, shape = self.model.prefill(seq.prompt, seq.slot)
+            self.metrics.step(shape).observe(time.perf_counter() - started)
+            self.metrics.prompt_tokens.inc(len(seq.prompt))
+            self._append(seq, self._sample(seq, logits))
+        running = self.scheduler.decoding()
+        if running:
+            started = time.perf_counter()
+            logits, shape = self.model.decode([s.output[-1] for s in running], [s.position for s in running],
+                                              [s.slot for s in running])
+            self.metrics.step(shape).observe(time.perf_counter() - started)
+            per_row = [not (s.params.greedy and s.params.logprobs is None and not s.params.penalized) for s in running]
+            tokens = greedy_rows(logits) if not any(per_row) else None
+            for i, seq in enumerate(running):
+                self._append(seq, Sampled(tokens[i]) if tokens is not None else self._sample(seq, logits[i]))
+        self._gauges()
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> Sampled:
+        return sample_row(logits, seq.params, seq.prompt, seq.output, seq.generator)
+
+    def _append(self, seq: Sequence, sampled: Sampled) -> None:
+        now = time.perf_counter()
+        seq.output.append(sampled.token)
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+            self.metrics.ttft.observe(now - seq.arrival)
+        else:
+            self.metrics.tpot.observe(now - seq.last_token_at)
+        seq.last_token_at = now
+        self.metrics.generation_tokens.inc()
+        reason, stop = self._stop(seq, sampled.token)
+        event = TokenEvent(seq.request_id, sampled.token, sampled.logprob, sampled.top, prompt_tokens=len(seq.prompt),
+                           completion_tokens=len(seq.output))
+        if reason is None:
+            seq.sink(event)
+            return
+        self._finish(seq, reason, stop, event)
+
+    def _stop(self, seq: Sequence, token: int) -> tuple[str | None, int | str | None]:
+        params = seq.params
+        if token in params.stop_token_ids:
+            return "stop", token
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return "stop", token
+        if params.stop:
+            seq.text = self.tokenizer.decode(seq.output)
+            hits = [(seq.text.find(s), s) for s in params.stop if s in seq.text]
+            if hits:
+                at, stop = min(hits)
+                seq.text = seq.text[:at]
+                return "stop", stop
+        if len(seq.output) >= params.max_tokens or seq.length >= self.model.max_model_len:
+            return "length", None
+        return None, None
+
+    def _finish(self, seq: Sequence, reason: str, stop: int | str | None = None, event: TokenEvent | None = None,
+                error: str | None = None) -> None:
+        self.scheduler.release(seq)
+        with self._lock:
+            self._by_id.pop(seq.request_id, None)
+        seq.finish_reason, seq.stop_reason = reason, stop
+        event = event or TokenEvent(seq.request_id, None, prompt_tokens=len(seq.prompt),
+                                    completion_tokens=len(seq.output))
+        event.finish_reason, event.stop_reason, event.error = reason, stop, error
+        if seq.params.stop:
+            event.text = seq.text
+        self.metrics.finished(reason).inc()
+        self.metrics.e2e.observe(time.perf_counter() - seq.arrival)
+        seq.sink(event)
+
+    def _gauges(self) -> None:
+        self.metrics.running.set(len(self.scheduler.running))
+        self.metrics.waiting.set(len(self.scheduler.waiting))
+        self.metrics.usage.set(len(self.scheduler.running) / self.scheduler.slots)

@@ -1,0 +1,108 @@
+"""Iteration-level scheduling over KV-cache slots (continuous batching, as in Orca and vLLM).
+
+Policy, once per engine step:
+
+1. Aborted sequences give their slots back.
+2. Waiting prompts, oldest first, are prefilled into free slots while the prompt
+   tokens prefilled in this step stay within ``max_num_batched_tokens``. The first
+   prompt of a step is always taken when a slot is free, so a prompt longer than the
+   budget still runs; the budget only bounds how long running sequences wait for
+   their next token while new ones are prefilled (decode is never starved).
+3. Every running sequence, the ones just prefilled included, decodes one token in a
+   single compiled call.
+4. A sequence that ends (EOS, a stop token or string, ``max_tokens``, a full context)
+   gives its slot back at once, before the next step admits anyone.
+
+The scheduler is plain bookkeeping over :class:`Sequence` objects; the engine runs
+the compiled models and samples.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..errors import Overloaded
+from .sampling import SamplingParams
+
+
+@dataclass
+class Sequence:
+    """One generate request from submission to its end."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    sink: Callable[[Any], None]  # receives each TokenEvent (from the engine's thread)
+    arrival: float = field(default_factory=time.perf_counter)
+    output: list[int] = field(default_factory=list)
+    slot: int | None = None
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    text: str = ""  # the output decoded, when stop strings are watched
+
+    @property
+    def length(self) -> int:
+        """Tokens the sequence holds: prompt and output."""
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def position(self) -> int:
+        """Where its last token goes when it is fed back: the next cache position to write."""
+        return self.length - 1
+
+
+class Scheduler:
+    """Waiting queue, running set and free slots; see the module docstring for the policy."""
+
+    def __init__(self, slots: int, max_num_batched_tokens: int, max_waiting: int) -> None:
+        self.free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self.slots = slots
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_waiting = max_waiting
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[int, Sequence] = {}
+
+    def add(self, seq: Sequence) -> None:
+        if len(self.waiting) >= self.max_waiting:
+            raise Overloaded(f"the generation queue is full ({self.max_waiting} requests waiting); retry later.")
+        self.waiting.append(seq)
+
+    def admit(self) -> list[Sequence]:
+        """Waiting sequences to prefill this step, each given a free slot."""
+        admitted: list[Sequence] = []
+        tokens = 0
+        while self.waiting and self.free:
+            seq = self.waiting[0]
+            if admitted and tokens + len(seq.prompt) > self.max_num_batched_tokens:
+                break
+            self.waiting.popleft()
+            seq.slot = self.free.pop()
+            self.running[seq.slot] = seq
+            tokens += len(seq.prompt)
+            admitted.append(seq)
+        return admitted
+
+    def release(self, seq: Sequence) -> None:
+        """Give ``seq``'s slot back (it ended or was aborted), or take it off the waiting queue."""
+        if seq.slot is not None and self.running.get(seq.slot) is seq:
+            del self.running[seq.slot]
+            self.free.append(seq.slot)
+            seq.slot = None
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def decoding(self) -> list[Sequence]:
+        """The running sequences, in slot order (one row each in the decode call)."""
+        return [self.running[slot] for slot in sorted(self.running)]
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
