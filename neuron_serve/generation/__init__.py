@@ -1,1 +1,47 @@
-"""Generation (task: generate): a causal LM compiled around a KV cache on the core, and its engine."""
+"""Generation (task: generate): a causal LM compiled around a KV cache on the core, and its engine.
+
+::
+
+    from neuron_serve.generation import SamplingParams, engine_for
+
+    engine = engine_for(model, max_num_seqs=8, max_model_len=512)    # a transformers causal LM
+    [done] = engine.generate_batch([prompt_ids], SamplingParams(max_tokens=32, temperature=0))
+    async for event in engine.generate(prompt_ids, SamplingParams(max_tokens=32)):  # streamed
+        ...
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .buckets import GenerationBuckets
+from .engine import Completion, Engine, TokenEvent
+from .model import GenerationModel, compile_generation
+from .sampling import SamplingParams
+
+__all__ = ["Completion", "Engine", "GenerationBuckets", "GenerationModel", "SamplingParams", "TokenEvent",
+           "compile_generation", "engine_for", "eos_token_ids"]
+
+
+def eos_token_ids(lm: torch.nn.Module) -> list[int]:
+    """The end-of-sequence ids a transformers model's generation config (or config) names."""
+    source = getattr(lm, "generation_config", None) or lm.config
+    eos = getattr(source, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
+def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int = 512,
+               prefill_buckets: Sequence[int] | None = None, decode_batch_buckets: Sequence[int] | None = None,
+               decode_context_buckets: Sequence[int] | None = None, max_num_batched_tokens: int | None = None,
+               max_waiting: int = 256, tokenizer: Any = None, target: str = "neuron", name: str = "model") -> Engine:
+    """Compile ``lm`` for generation and start an engine over it (see :class:`Engine`)."""
+    buckets = GenerationBuckets.build(max_num_seqs, max_model_len, prefill=prefill_buckets,
+                                      decode_rows=decode_batch_buckets, decode_context=decode_context_buckets,
+                                      field_prefix="")
+    model = compile_generation(lm, buckets, target=target)
+    return Engine(model, eos_token_ids=eos_token_ids(lm), tokenizer=tokenizer,
+                  max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting, name=name)
