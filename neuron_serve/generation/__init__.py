@@ -12,17 +12,31 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
-
-import torch
+import importlib
+from typing import TYPE_CHECKING, Any, Sequence
 
 from .buckets import GenerationBuckets
-from .engine import Completion, Engine, TokenEvent
-from .model import GenerationModel, compile_generation
-from .sampling import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from .engine import Completion, Engine, TokenEvent
+    from .model import GenerationModel, compile_generation
+    from .sampling import SamplingParams
 
 __all__ = ["Completion", "Engine", "GenerationBuckets", "GenerationModel", "SamplingParams", "TokenEvent",
            "compile_generation", "engine_for", "eos_token_ids"]
+
+# Imported on first use: neuron_serve.config imports .settings, and the server imports the
+# config without loading the compiler (.model imports it).
+_LAZY = {"Completion": "engine", "Engine": "engine", "TokenEvent": "engine", "GenerationModel": "model",
+         "compile_generation": "model", "SamplingParams": "sampling"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def eos_token_ids(lm: torch.nn.Module) -> list[int]:
@@ -39,6 +53,9 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
                decode_context_buckets: Sequence[int] | None = None, max_num_batched_tokens: int | None = None,
                max_waiting: int = 256, tokenizer: Any = None, target: str = "neuron", name: str = "model") -> Engine:
     """Compile ``lm`` for generation and start an engine over it (see :class:`Engine`)."""
+    from .engine import Engine  # noqa: PLC0415
+    from .model import compile_generation  # noqa: PLC0415
+
     buckets = GenerationBuckets.build(max_num_seqs, max_model_len, prefill=prefill_buckets,
                                       decode_rows=decode_batch_buckets, decode_context=decode_context_buckets,
                                       field_prefix="")
