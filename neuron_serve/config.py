@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .compiler_args import parse_compiler_args
 from .errors import ConfigError
+from .generation.settings import FieldError, GenerationSettings, check_task
 from .model.sizes import check_batch_sizes, default_batch_sizes
 from .partition.config import DEFAULT_SUPPORT_THRESHOLD, NO_LIMIT, PartitionerConfig
 from .partition.placement import ModelPlacement
@@ -57,16 +58,20 @@ class ModelSource(_Strict):
     artifact: str | None = Field(
         default=None, description="a directory written by 'neuron-serve build' (relative to the model.yaml's folder)"
     )
+    pretrained: str | None = Field(
+        default=None, min_length=1, description="task: generate: a transformers causal LM directory (save_pretrained; "
+                                                "relative to the model.yaml's folder), loaded with local files only")
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSource":
-        if (self.factory is None) == (self.artifact is None):
+        if sum(s is not None for s in (self.factory, self.artifact, self.pretrained)) != 1:
             raise ValueError(
-                "give exactly one of 'factory' (an import path 'package.module:function') or 'artifact' "
-                "(a directory written by 'neuron-serve build')"
+                "give exactly one of 'factory' (an import path 'package.module:function'), 'artifact' "
+                "(a directory written by 'neuron-serve build') or 'pretrained' (a transformers causal LM directory)"
             )
-        if self.artifact is not None and self.kwargs:
-            raise ValueError("'kwargs' apply to a factory; an artifact is already built, remove 'kwargs'")
+        if self.factory is None and self.kwargs:
+            raise ValueError("'kwargs' apply to a factory; an artifact or a pretrained directory is loaded as it is, "
+                             "remove 'kwargs'")
         return self
 
 
@@ -258,8 +263,13 @@ class ModelConfig(_Strict):
     """One deployment: the model, its inputs and how to compile it."""
 
     name: str = Field(pattern=NAME_PATTERN, description="model name in URLs: lowercase letters, digits, '-', '_', '.'")
+    task: Literal["infer", "generate"] = Field("infer", description="infer: tensors in, tensors out; generate: a "
+                                               "causal LM generating tokens (see generation)")
     model: ModelSource
-    inputs: list[InputSpec] = Field(min_length=1)
+    inputs: list[InputSpec] | None = Field(default=None, min_length=1, description="task: infer (required)")
+    tokenizer: str | None = Field(default=None, min_length=1, description="task: generate: a directory of "
+                                  "transformers tokenizer files (relative to the model.yaml; default model.pretrained)")
+    generation: GenerationSettings | None = Field(default=None, description="task: generate (defaults when absent)")
     target: Literal["neuron", "xla"] = DEFAULT_TARGET
     partitioner: PartitionerSettings | None = None
     compiler_args: str | list[str] | None = Field(
@@ -296,7 +306,8 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _unique_inputs(self) -> "ModelConfig":
-        names = [i.name for i in self.inputs]
+        check_task(self)
+        names = [i.name for i in self.inputs or []]
         if len(set(names)) != len(names):
             raise ValueError(f"input names must be unique, got {names}")
         if self.buckets is not None:
@@ -350,7 +361,7 @@ class ModelConfig(_Strict):
         return self.batch_sizes or default_batch_sizes(self.batching.max_batch_size)
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
-        return tuple(spec.example() for spec in self.inputs)
+        return tuple(spec.example() for spec in self.inputs or [])
 
     def partitioner_config(self, base_dir: str | Path | None = None) -> PartitionerConfig | None:
         """The partitioner section as a PartitionerConfig; its folders relative to ``base_dir``."""
@@ -374,7 +385,10 @@ def _format(error: ValidationError, source: str) -> str:
     for item in error.errors():
         field = ".".join(str(p) for p in item["loc"]) or "(top level)"
         hint = _HINTS.get(item["type"])
-        lines.append(f"  {field}: {item['msg']}" + (f" ({hint})" if hint else ""))
+        message, cause = item["msg"], item.get("ctx", {}).get("error")
+        if isinstance(cause, FieldError):  # a model-level check naming its field
+            field, message, hint = ".".join([*map(str, item["loc"]), cause.field]), cause.message, None
+        lines.append(f"  {field}: {message}" + (f" ({hint})" if hint else ""))
     return "\n".join(lines)
 
 
@@ -416,7 +430,8 @@ def load_deployment(path: str | Path) -> tuple[ModelConfig, str]:
 def build_model(config: ModelConfig, base_dir: str | Path | None = None) -> torch.nn.Module:
     """Import and call the factory; import paths resolve against ``base_dir`` first."""
     if config.model.factory is None:
-        raise ConfigError("model: this model.yaml names an artifact, which holds no Python model to build.")
+        raise ConfigError("model: this model.yaml names no factory (an artifact or a pretrained directory), so "
+                          "there is no Python model to build.")
     module_name, _, attr = config.model.factory.partition(":")
     if base_dir is not None and str(base_dir) not in sys.path:
         sys.path.insert(0, str(base_dir))

@@ -1,0 +1,120 @@
+"""A model.yaml of ``task: generate`` to a running :class:`~neuron_serve.generation.engine.Engine`.
+
+The model is a factory's transformers causal LM or a ``save_pretrained`` directory
+(``model.pretrained``, read with local files only); the tokenizer comes from
+``tokenizer`` or the pretrained directory. The KV cache is checked against one core's
+memory before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import ModelConfig, _under, build_model
+from ..errors import ConfigError
+from ..partition.pipeline import core_memory_bytes
+from . import eos_token_ids
+from .buckets import check_fits
+from .engine import Engine
+from .model import compile_generation
+from .settings import GenerationSettings
+
+logger = logging.getLogger("neuron_serve")
+
+ATTENTION = "eager"  # SlotLM hands the layers an additive mask and its own cache; eager attention reads both
+
+
+def load_lm(config: ModelConfig, base_dir: str | Path | None = None) -> torch.nn.Module:
+    """The causal LM of ``model.factory`` or ``model.pretrained``, in eval mode with eager attention."""
+    if config.model.pretrained is not None:
+        return _pretrained(_under(base_dir, config.model.pretrained))
+    lm = build_model(config, base_dir)
+    factory = config.model.factory
+    if not hasattr(lm, "config") or not callable(getattr(lm, "get_output_embeddings", None)) \
+            or lm.get_output_embeddings() is None:
+        raise ConfigError(f"model.factory: {factory!r} returned a {type(lm).__name__}, not a transformers causal "
+                          f"LM (a model with .config and an output embedding, e.g. from "
+                          f"AutoModelForCausalLM); task: generate needs one.")
+    if getattr(lm.config, "_attn_implementation", ATTENTION) != ATTENTION:
+        if callable(getattr(lm, "set_attn_implementation", None)):
+            lm.set_attn_implementation(ATTENTION)
+        if lm.config._attn_implementation != ATTENTION:
+            raise ConfigError(f"model.factory: {factory!r} returned a model with "
+                              f"{lm.config._attn_implementation!r} attention that cannot be switched to eager; "
+                              f"build it with attn_implementation='eager'.")
+    return lm.eval()
+
+
+def _pretrained(directory: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    if not Path(directory).is_dir():
+        raise ConfigError(f"model.pretrained: {directory} is not a directory; give a directory written by "
+                          f"save_pretrained (relative to the model.yaml's folder).")
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(directory, attn_implementation=ATTENTION, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"model.pretrained: cannot load {directory} as a transformers causal LM "
+                          f"({_first_line(exc)}); give a directory written by a causal LM's save_pretrained.") from None
+    return lm.eval()
+
+
+def load_tokenizer(config: ModelConfig, base_dir: str | Path | None = None) -> Any:
+    """``tokenizer``'s (which must load) or else the pretrained directory's tokenizer, if it has one."""
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    if config.tokenizer is not None:
+        directory = _under(base_dir, config.tokenizer)
+        if not Path(directory).is_dir():
+            raise ConfigError(f"tokenizer: {directory} is not a directory; give a directory of transformers "
+                              f"tokenizer files (tokenizer.json, tokenizer_config.json, ...).")
+        try:
+            return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        except Exception as exc:  # transformers raises many kinds for unreadable tokenizer files
+            raise ConfigError(f"tokenizer: cannot load a tokenizer from {directory} ({_first_line(exc)}); give a "
+                              f"directory written by a tokenizer's save_pretrained.") from None
+    if config.model.pretrained is None:
+        return None
+    directory = _under(base_dir, config.model.pretrained)
+    try:
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except Exception as exc:  # no tokenizer beside the model: the engine then takes token ids only
+        logger.info("%s: no tokenizer loaded from %s (%s); stop strings are refused", config.name, directory,
+                    type(exc).__name__)
+        return None
+
+
+def _first_line(exc: Exception) -> str:
+    """``Type: message`` with only the message's first line (transformers' can list every model type)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def weight_bytes(lm: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (each shared tensor once)."""
+    return sum(t.numel() * t.element_size() for t in [*lm.parameters(), *lm.buffers()])
+
+
+def build_engine(config: ModelConfig, base_dir: str | Path | None = None, *, replica: str = "0") -> Engine:
+    """Load, check, compile and start the engine of a ``task: generate`` model.yaml.
+
+    ``base_dir`` is the model.yaml's folder (relative paths and factory imports resolve
+    against it). Errors name the model.yaml field.
+    """
+    if config.task != "generate":
+        raise ConfigError(f"task: {config.name} is a task: {config.task} model; build_engine serves task: generate.")
+    settings = config.generation or GenerationSettings()
+    lm = load_lm(config, base_dir)
+    tokenizer = load_tokenizer(config, base_dir)
+    buckets = settings.to_buckets(lm.config)
+    dtype_bytes = next(lm.parameters()).element_size()  # the cache's dtype (see SlotLM)
+    check_fits(lm.config, buckets, weight_bytes(lm), dtype_bytes, core_memory_bytes())
+    # engine_for's steps, with the replica label and the compiler arguments.
+    model = compile_generation(lm, buckets, target=config.target, compiler_args=config.compiler_args)
+    return Engine(model, eos_token_ids=eos_token_ids(lm), tokenizer=tokenizer,
+                  max_num_batched_tokens=settings.max_num_batched_tokens, max_waiting=settings.max_waiting,
+                  name=config.name, replica=replica)

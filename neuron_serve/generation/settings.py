@@ -1,0 +1,135 @@
+"""model.yaml's ``generation`` section and the rules of ``task: generate``.
+
+Light on purpose: neuron_serve.config imports this module, and the server imports the
+config without the compiler, so nothing here imports torch models or the compiler
+(``to_buckets`` imports the bucket arithmetic when called).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from .buckets import GenerationBuckets
+
+DEFAULT_MAX_NUM_SEQS = 8
+DEFAULT_MAX_WAITING = 256
+MAX_DEFAULT_MODEL_LEN = 2048
+
+# Top-level fields of an inference model that a generate model cannot honour (when given), and why.
+_TOKENS = "a generate model takes prompt token ids and returns tokens"
+_BUCKETS = "a generate model compiles its own buckets (see generation)"
+_WEIGHTS = "a generate model's weights are compiled in (serve another checkpoint as model.pretrained)"
+INFER_ONLY = {"inputs": _TOKENS, "outputs": _TOKENS, "buckets": _BUCKETS, "batch_sizes": _BUCKETS,
+              "weights": _WEIGHTS, "inline_weights_to_neff": _WEIGHTS,
+              "partitioner": "a generate model is compiled with the default partitioner settings"}
+
+
+class FieldError(ValueError):
+    """A model-level check's error that belongs to ``field`` (a dotted path below the validated model).
+
+    neuron_serve.config reports it as ``<field>: <message>`` instead of under the model."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+class GenerationSettings(BaseModel):
+    """task: generate: the KV cache's slots and length, the compiled buckets and the engine's queue.
+
+    Bucket lists not given default as in neuron_serve.generation.buckets: prompt lengths and
+    contexts double from 32 and 128 up to max_model_len, running-sequence counts are the powers
+    of 4 below max_num_seqs and max_num_seqs itself."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_num_seqs: int = Field(
+        DEFAULT_MAX_NUM_SEQS, ge=1, description="sequences generated at once: the KV cache's slots on the core")
+    max_model_len: int | None = Field(
+        default=None, ge=2,
+        description=f"most tokens of a sequence, prompt and output (positions of a cache slot); default: the "
+                    f"model's max_position_embeddings, at most {MAX_DEFAULT_MODEL_LEN}")
+    prefill_buckets: list[PositiveInt] | None = Field(
+        default=None, min_length=1, description="prompt lengths to compile prefill at; the largest is max_model_len")
+    decode_batch_buckets: list[PositiveInt] | None = Field(
+        default=None, min_length=1,
+        description="running-sequence counts to compile decode at; the largest is max_num_seqs")
+    decode_context_buckets: list[PositiveInt] | None = Field(
+        default=None, min_length=1,
+        description="context lengths to compile decode at (each compiled for every decode batch bucket); the "
+                    "largest is max_model_len")
+    max_num_batched_tokens: int | None = Field(
+        default=None, ge=1,
+        description="prompt tokens prefilled per engine step (a longer prompt still runs, alone); default "
+                    "max_model_len")
+    max_waiting: int = Field(
+        DEFAULT_MAX_WAITING, ge=1, description="requests waiting for a slot before more are refused (503)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "GenerationSettings":
+        """The bucket lists' checks that need no model (the length lists need max_model_len)."""
+        try:
+            self._build(self.max_model_len or 2, field_prefix="", lengths=self.max_model_len is not None)
+        except ConfigError as exc:
+            field, _, message = str(exc).partition(": ")
+            raise FieldError(field, message) from None
+        return self
+
+    def model_len(self, model_config: Any) -> int:
+        """max_model_len, or its default from a transformers config; never past the model's positions."""
+        positions = getattr(model_config, "max_position_embeddings", None)
+        if self.max_model_len is None:
+            if positions is None:
+                raise ConfigError("generation.max_model_len: the model's config has no max_position_embeddings; "
+                                  "set max_model_len.")
+            return min(int(positions), MAX_DEFAULT_MODEL_LEN)
+        if positions is not None and self.max_model_len > positions:
+            raise ConfigError(f"generation.max_model_len: {self.max_model_len} is more than the model's "
+                              f"max_position_embeddings ({positions}); lower max_model_len to at most {positions}.")
+        return self.max_model_len
+
+    def to_buckets(self, model_config: Any = None) -> GenerationBuckets:
+        """The compiled shapes; max_model_len defaults from ``model_config`` (a transformers config).
+
+        Errors are ConfigErrors naming ``generation.<field>``."""
+        return self._build(self.model_len(model_config))
+
+    def _build(self, max_model_len: int, field_prefix: str = "generation.", lengths: bool = True) -> GenerationBuckets:
+        from .buckets import GenerationBuckets  # noqa: PLC0415
+
+        return GenerationBuckets.build(self.max_num_seqs, max_model_len,
+                                       prefill=self.prefill_buckets if lengths else None,
+                                       decode_rows=self.decode_batch_buckets,
+                                       decode_context=self.decode_context_buckets if lengths else None,
+                                       field_prefix=field_prefix)
+
+
+def check_task(config: Any) -> None:
+    """ModelConfig's rules of ``task``; raises FieldError naming the field and the fix."""
+    source = config.model
+    if config.task == "infer":
+        for name in ("generation", "tokenizer"):
+            if getattr(config, name) is not None:
+                raise FieldError(name, f"applies to task: generate; set task: generate or remove {name}")
+        if source.pretrained is not None:
+            raise FieldError("model.pretrained", "a transformers causal LM directory is served with task: generate; "
+                                                 "set task: generate, or use model.factory or model.artifact")
+        if config.inputs is None:
+            raise FieldError("inputs", "Field required for task: infer (add the model's inputs, each with name, "
+                                       "shape and dtype)")
+        return
+    if source.artifact is not None:
+        raise FieldError("model.artifact", "neuron-serve build artifacts of task: generate are not supported yet; "
+                                           "use model.factory or model.pretrained")
+    for name, reason in INFER_ONLY.items():
+        if name in config.model_fields_set:
+            raise FieldError(name, f"applies to task: infer; {reason}; remove {name}")
+    if config.placement.mode == "pipeline":
+        raise FieldError("placement.mode", "pipeline applies to task: infer; a generate model runs on one core; "
+                                           "remove placement or use mode: replicate")
