@@ -2,13 +2,16 @@
 
     python -m bench            # full run (about 20 minutes on 2 cores)
     python -m bench --quick    # a shorter run for development (about 10 minutes)
+    python -m bench --generate-only [--quick]   # only the generation benchmark (bench/generate.py)
 
 Each server is started alone, measured at every (workload, concurrency) point with the
 same request files by wrk, and stopped before the next starts: an idle Ray cluster
 beside the one measured is not idle enough (with all seven servers up, Ray Serve behind
 HAProxy served W1 at concurrency 1 at 145 req/s; alone, at 299). ``--all-up`` starts
 every server first and takes each point on each in turn (order rotated per point). Results go to
-bench/results/<timestamp>/: results.md, latency_throughput.png and raw.json.
+bench/results/<timestamp>/: results.md, latency_throughput.png and raw.json. The generation
+benchmark (bench/generate.py: the engine against transformers, in one process, after the
+servers are stopped) adds generate.md and generate.json there.
 """
 
 from __future__ import annotations
@@ -48,6 +51,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.set_defaults(all_up=False)
     parser.add_argument("--no-internal", action="store_true", help="skip the internal figures")
     parser.add_argument("--no-cold-warm", action="store_true", help="skip the cold/warm start figures")
+    generation = parser.add_mutually_exclusive_group()
+    generation.add_argument("--no-generate", action="store_true", help="skip the generation benchmark")
+    generation.add_argument("--generate-only", action="store_true",
+                            help="run only the generation benchmark (as python -m bench.generate)")
     parser.add_argument("--out", type=Path, help="results directory (default bench/results/<timestamp>)")
     return parser.parse_args(argv)
 
@@ -143,11 +150,30 @@ def run_cold_warm(quick: bool, out: Path, log) -> str | None:
     return proc.stdout
 
 
+def run_generate(quick: bool, out: Path, log) -> str | None:
+    """bench/generate.py in its own process (its torch threads and XLA client, nothing else
+    running): returns its Markdown tables; the figures are in generate.json."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "PJRT_DEVICE": "CPU"}
+    command = [sys.executable, "-m", "bench.generate", "--out", str(out)] + (["--quick"] if quick else [])
+    log(f"generation benchmark ({'quick' if quick else 'full'}, a few minutes: the engine compiles first)")
+    with open(out / "logs" / "generate.log", "w") as handle:
+        proc = subprocess.run(command, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=1800)
+    if proc.returncode != 0:
+        log(f"  generation benchmark failed (rc {proc.returncode}); see {out / 'logs' / 'generate.log'}")
+        return None
+    return (out / "generate.md").read_text()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
     out = args.out or RESULTS / time.strftime("%Y%m%d-%H%M%S")
     (out / "logs").mkdir(parents=True, exist_ok=True)
+    if args.generate_only:
+        generation = run_generate(args.quick, out, print)
+        if generation:
+            print(generation)
+        return 0 if generation else 1
     seconds = args.seconds or (4 if args.quick else 10)
     points = QUICK_POINTS if args.quick else FULL_POINTS
     if args.points:
@@ -168,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, memory = measure_all(chosen, points, manifests, seconds, out, log, together=args.all_up)
     internal = None if args.no_internal else run_internal(args.quick, out, log)
     cold_warm = None if args.no_cold_warm else run_cold_warm(args.quick, out, log)
+    generation = None if args.no_generate else run_generate(args.quick, out, log)
 
     targets = report.target_rows(rows)
     sections = [
@@ -187,10 +214,14 @@ def main(argv: list[str] | None = None) -> int:
         sections += ["", "## Internal figures", "", report.internal_tables(internal)]
     if cold_warm:
         sections += ["", "## Cold and warm start", "", cold_warm.strip()]
+    if generation:
+        sections += ["", "## Generation (in process, bench/generate.py)", "", generation.strip()]
     markdown = "\n".join(sections) + "\n"
     (out / "results.md").write_text(markdown)
     (out / "raw.json").write_text(json.dumps({"rows": rows, "memory": memory, "internal": internal,
-                                              "targets": targets}, indent=2))
+                                              "targets": targets,
+                                              "generation": json.loads((out / "generate.json").read_text())
+                                              if generation else None}, indent=2))
     report.plot([r for r in rows], labels, out / "latency_throughput.png")
     print()
     print(markdown)
