@@ -226,7 +226,10 @@ class Engine:
         if bad:
             raise InvalidInput(f"prompt token id {bad[0]} is outside the vocabulary (0 to {self.model.vocab_size - 1}).")
         limit = self.model.max_model_len
-        if len(ids) + params.max_tokens > limit:
+        if len(ids) >= limit:
+            raise InvalidInput(f"the prompt has {len(ids)} tokens, max_model_len is {limit}: no room for a generated "
+                               f"token. Shorten the prompt.")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
             raise InvalidInput(f"the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: "
                                f"{len(ids) + params.max_tokens} tokens, more than max_model_len ({limit}). Shorten "
                                f"the prompt or lower max_tokens.")
@@ -308,13 +311,15 @@ class Engine:
         if token in self.eos_token_ids and not params.ignore_eos:
             return "stop", token
         if params.stop:
-            seq.text = self.tokenizer.decode(seq.output)
+            # A trailing U+FFFD is a character whose bytes have not all been generated yet: not text to match.
+            seq.text = self.tokenizer.decode(seq.output).rstrip("\ufffd")
             hits = [(seq.text.find(s), s) for s in params.stop if s in seq.text]
             if hits:
                 at, stop = min(hits)
                 seq.text = seq.text[:at]
                 return "stop", stop
-        if len(seq.output) >= params.max_tokens or seq.length >= self.model.max_model_len:
+        if (params.max_tokens is not None and len(seq.output) >= params.max_tokens) \
+                or seq.length >= self.model.max_model_len:
             return "length", None
         return None, None
 

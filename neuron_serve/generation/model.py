@@ -24,10 +24,14 @@ import torch
 from .. import progress
 from ..api import bucket_model_trace
 from ..bucketing import BucketModelConfig
-from ..errors import ConfigError, InvalidInput
+from ..errors import ConfigError, InvalidInput, UnsupportedModelError
 from ..model import CompiledModel
 from .buckets import GenerationBuckets
 from .slots import SlotLM
+
+
+NO_CPU_PARTITIONS = ("Generation runs every operator on the NeuronCore, where the KV cache lives; replace the operator "
+                     "(or serve the model with task: infer).")
 
 
 @dataclass(frozen=True)
@@ -157,8 +161,13 @@ def compile_generation(lm: torch.nn.Module, buckets: GenerationBuckets, *, targe
     config = BucketModelConfig(lambda: kernel, shared_state_buffer=shared,
                                func_kwargs=[{"context": s.context} for s in shapes])
     name = type(lm).__name__
-    with progress.reporting(progress.BuildProgress(name, len(shapes))):
-        compiled = bucket_model_trace(func, [_example(s) for s in shapes], config, compiler_workdir, compiler_args,
-                                      target=target)
+    try:
+        with progress.reporting(progress.BuildProgress(name, len(shapes))):
+            compiled = bucket_model_trace(func, [_example(s) for s in shapes], config, compiler_workdir,
+                                          compiler_args, target=target)
+    except UnsupportedModelError as exc:
+        # The operator list stands; the usual hint (partition onto CPU) does not apply around the cache.
+        listed = str(exc).rsplit("\nPass partitioner_config", 1)[0]
+        raise UnsupportedModelError(f"{listed}\n{NO_CPU_PARTITIONS}") from None
     vocab = int(lm.get_output_embeddings().weight.shape[0])
     return GenerationModel(compiled, buckets, vocab)

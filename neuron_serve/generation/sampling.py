@@ -23,7 +23,7 @@ MAX_LOGPROBS = 20
 class SamplingParams:
     """How one request's tokens are chosen and when it stops (vLLM's names)."""
 
-    max_tokens: int = 16
+    max_tokens: int | None = None  # None: until the context (max_model_len) is full
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: no limit
@@ -38,7 +38,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         checks = [
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1"),
+            (self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1), "max_tokens",
+             "an integer >= 1, or None (until the context is full)"),
             (self.temperature >= 0, "temperature", ">= 0 (0 is greedy)"),
             (0 < self.top_p <= 1, "top_p", "in (0, 1]"),
             (isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "an integer >= 0 (0: no limit)"),

@@ -1,0 +1,55 @@
+"""Tiny transformers causal LMs with random weights, one per architecture the engine must serve."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+VOCAB = 256
+
+# Small configs: two layers, grouped-query attention where the architecture has it.
+COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "max_position_embeddings": 128}
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(num_key_value_heads=2, **COMMON),
+    "qwen2": lambda: transformers.Qwen2Config(num_key_value_heads=2, **COMMON),
+    "mistral": lambda: transformers.MistralConfig(num_key_value_heads=2, sliding_window=None, **COMMON),
+    "gpt2": lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=VOCAB),
+    "phi": lambda: transformers.PhiConfig(partial_rotary_factor=0.5, **COMMON),
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(rotary_pct=0.25, **COMMON),
+}
+
+
+def build(arch: str, seed: int = 0) -> torch.nn.Module:
+    """A causal LM of ``arch`` with random weights (eager attention, EOS off so lengths are what is asked)."""
+    config = CONFIGS[arch]()
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def eager_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[int]:
+    """transformers' own greedy generation of ``new_tokens`` tokens."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def byte_tokenizer():
+    """A byte-level BPE tokenizer of exactly VOCAB ids (the 256 bytes), trained here from local text.
+
+    Any token id decodes, so the text of a random model's output can be matched against.
+    """
+    import tokenizers  # noqa: PLC0415
+
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=VOCAB, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+                                             show_progress=False)
+    tok.train_from_iterator(["neuron-serve generates text one token at a time."], trainer=trainer)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok)

@@ -1,0 +1,227 @@
+"""The generation engine on real transformers causal LMs (random weights), compiled through torch-xla.
+
+Greedy generation must equal transformers' own ``generate(do_sample=False)`` token for
+token while sequences of different lengths share decode calls and join and leave
+mid-flight; every ending has its finish reason; the cache never leaves the core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+import torch_xla.debug.metrics as xla_metrics
+
+import generation_models as gm
+from neuron_serve.errors import InvalidInput, Overloaded, UnsupportedModelError
+from neuron_serve.generation import SamplingParams, engine_for
+
+# Four slots for five prompts: the fifth joins when the first to end leaves its slot.
+PROMPT_LENGTHS = (3, 11, 20, 7, 30)
+NEW_TOKENS = (12, 5, 20, 9, 15)
+SHAPES = {"max_num_seqs": 4, "max_model_len": 48, "prefill_buckets": [16, 48], "decode_batch_buckets": [1, 4],
+          "decode_context_buckets": [24, 48]}
+
+
+def prompts(vocab: int = gm.VOCAB, lengths=PROMPT_LENGTHS, seed: int = 1) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, **kw)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    lm = gm.build("llama")
+    engine = engine_for(lm, **SHAPES)
+    yield lm, engine
+    engine.close()
+
+
+@pytest.mark.parametrize("arch", sorted(gm.CONFIGS))
+def test_greedy_equals_transformers_with_sequences_joining_and_leaving(arch):
+    lm = gm.build(arch)
+    engine = engine_for(lm, **SHAPES)
+    try:
+        want = [gm.eager_greedy(lm, p, n) for p, n in zip(prompts(), NEW_TOKENS)]
+        done = engine.generate_batch(prompts(), [greedy(n) for n in NEW_TOKENS])
+        assert [d.tokens for d in done] == want
+        assert [d.finish_reason for d in done] == ["length"] * len(want)
+        assert engine.running == 0
+    finally:
+        engine.close()
+
+
+def test_a_seeded_request_gives_the_same_tokens_alone_and_in_a_batch(llama):
+    _, engine = llama
+    seeded = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=7)
+    first = prompts()[0]
+    alone = engine.generate_batch([first], seeded)[0].tokens
+    others = [SamplingParams(max_tokens=8, temperature=1.0), greedy(6), SamplingParams(max_tokens=12, seed=3)]
+    batch = engine.generate_batch([prompts()[1], first, prompts()[2], prompts()[3]], [others[0], seeded, *others[1:]])
+    assert batch[1].tokens == alone
+    unseeded = engine.generate_batch([first] * 3, SamplingParams(max_tokens=10, temperature=1.0))
+    assert len({tuple(c.tokens) for c in unseeded}) > 1  # without a seed, each draws its own
+
+
+def _transferred() -> float:
+    """Bytes moved between host and device, both ways, so far."""
+    return sum((xla_metrics.metric_data(name) or (0, 0.0))[1] for name in ("InboundData", "OutboundData"))
+
+
+def test_the_cache_never_leaves_the_core_during_decode(llama):
+    _, engine = llama
+    model = engine.model
+    smallest_cache = min(t.numel() * t.element_size() for t in model.compiled.states)
+    model.decode([1, 2], [3, 4], [0, 1])  # warm-up
+    before = _transferred()
+    steps = 50
+    for i in range(steps):
+        logits, shape = model.decode([1, 2], [5 + i % 10, 6], [0, 1])
+    per_step = (_transferred() - before) / steps
+    # In: tokens, positions, slots, last (4 rows of int64 each); out: the logits (4 rows).
+    expected = shape.rows * 8 * 4 + shape.rows * gm.VOCAB * 4
+    assert per_step == expected, (per_step, expected)
+    assert per_step < smallest_cache  # not even one layer's keys crossed
+
+
+def test_each_ending_has_its_finish_reason(llama):
+    lm, engine = llama
+    prompt = prompts()[1]
+    want = gm.eager_greedy(lm, prompt, 20)
+    stop_id = want[5]
+    first = want.index(stop_id)
+    [by_id] = engine.generate_batch([prompt], greedy(20, stop_token_ids=(stop_id,)))
+    assert (by_id.tokens, by_id.finish_reason, by_id.stop_reason) == (want[:first + 1], "stop", stop_id)
+    [by_length] = engine.generate_batch([prompt], greedy(4))
+    assert (by_length.tokens, by_length.finish_reason) == (want[:4], "length")
+    [full] = engine.generate_batch([prompt], greedy(None))  # until the context is full
+    assert (len(prompt) + len(full.tokens), full.finish_reason) == (SHAPES["max_model_len"], "length")
+    assert full.tokens[:20] == want
+
+
+def test_eos_ends_a_sequence_unless_ignored():
+    lm = gm.build("qwen2")
+    prompt = prompts()[2]
+    want = gm.eager_greedy(lm, prompt, 12)
+    eos = want[3]
+    lm.generation_config.eos_token_id = eos
+    engine = engine_for(lm, **SHAPES)
+    try:
+        [ended] = engine.generate_batch([prompt], greedy(12))
+        assert (ended.tokens, ended.finish_reason, ended.stop_reason) == (want[:want.index(eos) + 1], "stop", eos)
+        [ignored] = engine.generate_batch([prompt], greedy(12, ignore_eos=True))
+        assert (ignored.tokens, ignored.finish_reason) == (want, "length")
+    finally:
+        engine.close()
+
+
+def test_a_stop_string_ends_the_sequence_and_is_cut_from_the_text(llama, byte_tokenizer):
+    lm, engine = llama
+    engine.tokenizer = byte_tokenizer
+    try:
+        prompt = prompts()[0]
+        want = gm.eager_greedy(lm, prompt, 20)
+        text = byte_tokenizer.decode(want)
+        # Two printable ASCII characters past the start (random bytes also decode to U+FFFD, not text to stop on).
+        stop = next(text[i:i + 2] for i in range(4, len(text) - 1) if text[i:i + 2].isascii() and text[i:i + 2].isprintable())
+        at = text.index(stop)
+        [done] = engine.generate_batch([prompt], greedy(20, stop=(stop,)))
+        assert (done.finish_reason, done.stop_reason, done.text) == ("stop", stop, text[:at])
+        assert byte_tokenizer.decode(done.tokens).find(stop) == at  # it ended on the token completing it
+        assert stop not in byte_tokenizer.decode(done.tokens[:-1])
+    finally:
+        engine.tokenizer = None
+
+
+def test_an_abort_frees_the_slot_at_the_next_step(llama):
+    _, engine = llama
+    events = []
+
+    async def stream_then_leave():
+        async for event in engine.generate(prompts()[0], greedy(40)):
+            events.append(event)
+            if len(events) == 3:
+                break  # the client goes away
+
+    asyncio.run(stream_then_leave())
+    [after] = engine.generate_batch([prompts()[1]], greedy(2))  # the engine keeps serving
+    assert after.finish_reason == "length"
+    assert engine.running == 0 and len(engine.scheduler.free) == SHAPES["max_num_seqs"]
+    assert len(events) == 3
+
+
+def test_abort_by_id_gives_a_last_event():
+    lm = gm.build("llama")
+    engine = engine_for(lm, **SHAPES)
+    seen = []
+    try:
+        engine.submit(prompts()[0], greedy(40), seen.append, request_id="r1")
+        while not seen:
+            time.sleep(0.001)
+        engine.abort("r1")
+        [after] = engine.generate_batch([prompts()[1]], greedy(2))
+        assert after.finish_reason == "length"
+        assert seen[-1].finish_reason == "abort" and len(seen) < 40
+        assert engine.running == 0
+    finally:
+        engine.close()
+
+
+def test_requests_that_cannot_fit_are_refused_with_both_numbers(llama):
+    _, engine = llama
+    with pytest.raises(InvalidInput, match=r"^the prompt has 30 tokens and max_tokens is 20: 50 tokens, more than "
+                                           r"max_model_len \(48\)\. Shorten the prompt or lower max_tokens\.$"):
+        engine.submit(prompts()[4], greedy(20), print)
+    with pytest.raises(InvalidInput, match="^the prompt is empty"):
+        engine.submit([], greedy(2), print)
+    with pytest.raises(InvalidInput, match=r"^prompt token id 256 is outside the vocabulary \(0 to 255\)\.$"):
+        engine.submit([1, 256], greedy(2), print)
+    with pytest.raises(InvalidInput, match="^temperature must be >= 0"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(InvalidInput, match="^stop strings need a tokenizer"):
+        engine.submit([1, 2], greedy(2, stop=("x",)), print)
+
+
+def test_the_queue_is_bounded():
+    lm = gm.build("gpt2")
+    engine = engine_for(lm, **SHAPES, max_waiting=2)
+    try:
+        for i in range(SHAPES["max_num_seqs"]):  # fill the slots with long requests, one by one
+            engine.submit(prompts()[0], greedy(40), lambda e: None)
+            while engine.running <= i:
+                time.sleep(0.001)
+        engine.submit(prompts()[0], greedy(2), lambda e: None)
+        engine.submit(prompts()[0], greedy(2), lambda e: None)
+        with pytest.raises(Overloaded, match=r"^the generation queue is full \(2 requests waiting\); retry later\.$"):
+            engine.submit(prompts()[0], greedy(2), lambda e: None)
+    finally:
+        engine.close()
+
+
+class _SortedActivation(torch.nn.Module):
+    def forward(self, x):
+        return torch.sort(x, dim=-1).values
+
+
+def test_an_operator_the_core_cannot_run_is_refused_naming_it():
+    lm = gm.build("llama")
+    lm.model.layers[0].mlp.act_fn = _SortedActivation()
+    with pytest.raises(UnsupportedModelError) as refused:
+        engine_for(lm, **SHAPES)
+    assert str(refused.value).splitlines() == [
+        "The model has 1 operator(s) that target 'neuron' cannot run:",
+        "  aten::sort at test_generation_engine.py(208): return torch.sort(x, dim=-1).values: neuronx-cc does not "
+        "support sort",
+        "Generation runs every operator on the NeuronCore, where the KV cache lives; replace the operator (or serve the "
+        "model with task: infer).",
+    ]
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer():
+    return gm.byte_tokenizer()
