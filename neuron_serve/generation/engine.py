@@ -161,8 +161,12 @@ class Engine:
         """An async stream of the request's events; leaving the stream early aborts the request."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        rid = self.submit(prompt, params, lambda event: loop.call_soon_threadsafe(queue.put_nowait, event),
-                          request_id)
+
+        def sink(event: TokenEvent) -> None:
+            if not loop.is_closed():  # a stream left early: its abort is on the way
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        rid = self.submit(prompt, params, sink, request_id)
         finished = False
         try:
             while not finished:
@@ -300,7 +304,7 @@ class Engine:
         event = TokenEvent(seq.request_id, sampled.token, sampled.logprob, sampled.top, prompt_tokens=len(seq.prompt),
                            completion_tokens=len(seq.output))
         if reason is None:
-            seq.sink(event)
+            self._emit(seq, event)
             return
         self._finish(seq, reason, stop, event)
 
@@ -336,7 +340,16 @@ class Engine:
             event.text = seq.text
         self.metrics.finished(reason).inc()
         self.metrics.e2e.observe(time.perf_counter() - seq.arrival)
-        seq.sink(event)
+        self._emit(seq, event)
+
+    def _emit(self, seq: Sequence, event: TokenEvent) -> None:
+        """Hand ``event`` to the request's sink; a sink that fails aborts its request, never the engine."""
+        try:
+            seq.sink(event)
+        except Exception:  # noqa: BLE001 - the sink is the caller's code
+            logger.exception("generate request %s: its event sink failed; aborting it", seq.request_id)
+            if not event.finished:
+                self.abort(seq.request_id)
 
     def _gauges(self) -> None:
         self.metrics.running.set(len(self.scheduler.running))

@@ -118,17 +118,19 @@ class GenerationModel:
     def decode(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> tuple[torch.Tensor, Shape]:
         """One token for each running sequence (its last token, at its position, in its slot).
 
-        Returns the logits of each (rows, vocab) and the bucket run. Rows past the running
-        sequences repeat the last one (the same token at the same place: a harmless rewrite).
+        Row r of the call is slot r, so the call covers slots 0 to the highest running one;
+        a free slot among them gets token 0 at position 0 (it writes only there). Returns the
+        logits of each sequence, in the order given (rows, vocab), and the bucket run.
         """
-        rows = len(tokens)
-        shape = self.decode_shape(rows, max(positions) + 1)
-        pad = shape.rows - rows
-        tokens_t = torch.tensor([*tokens, *[tokens[-1]] * pad], dtype=torch.long)[:, None]
-        positions_t = torch.tensor([*positions, *[positions[-1]] * pad], dtype=torch.long)[:, None]
-        slots_t = torch.tensor([*slots, *[slots[-1]] * pad], dtype=torch.long)
+        shape = self.decode_shape(max(slots) + 1, max(positions) + 1)
+        tokens_t = torch.zeros(shape.rows, 1, dtype=torch.long)
+        positions_t = torch.zeros(shape.rows, 1, dtype=torch.long)
+        index = torch.as_tensor(slots, dtype=torch.long)
+        tokens_t[index, 0] = torch.as_tensor(tokens, dtype=torch.long)
+        positions_t[index, 0] = torch.as_tensor(positions, dtype=torch.long)
+        rows = torch.arange(shape.rows, dtype=torch.long)
         last = torch.zeros(shape.rows, 1, dtype=torch.long)
-        return self._run(shape, tokens_t, positions_t, slots_t, last)[:rows], shape
+        return self._run(shape, tokens_t, positions_t, rows, last)[index], shape
 
 
 def compile_generation(lm: torch.nn.Module, buckets: GenerationBuckets, *, target: str = "neuron",
@@ -144,7 +146,7 @@ def compile_generation(lm: torch.nn.Module, buckets: GenerationBuckets, *, targe
     shared = [torch.zeros_like(t) for t in cache.caches()]
     del cache
 
-    def func(context: int) -> tuple[SlotLM, dict]:
+    def func(context: int | None) -> tuple[SlotLM, dict]:
         model = SlotLM(lm, buckets.max_num_seqs, buckets.max_model_len, context).eval()
         return model, model.aliases()
 
@@ -159,7 +161,7 @@ def compile_generation(lm: torch.nn.Module, buckets: GenerationBuckets, *, targe
         raise InvalidInput(f"no generation bucket takes {tuple(tokens.shape)} tokens at {context} positions.")
 
     config = BucketModelConfig(lambda: kernel, shared_state_buffer=shared,
-                               func_kwargs=[{"context": s.context} for s in shapes])
+                               func_kwargs=[{"context": s.context if s.kind == "decode" else None} for s in shapes])
     name = type(lm).__name__
     try:
         with progress.reporting(progress.BuildProgress(name, len(shapes))):

@@ -19,6 +19,7 @@ the compiled models and samples.
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -63,7 +64,9 @@ class Scheduler:
     """Waiting queue, running set and free slots; see the module docstring for the policy."""
 
     def __init__(self, slots: int, max_num_batched_tokens: int, max_waiting: int) -> None:
-        self.free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
+        # A heap: the lowest free slot is handed out first, so running sequences stay in the
+        # low slots and a decode call (which covers slots 0 to the highest running) stays small.
+        self.free = list(range(slots))
         self.slots = slots
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_waiting = max_waiting
@@ -84,7 +87,7 @@ class Scheduler:
             if admitted and tokens + len(seq.prompt) > self.max_num_batched_tokens:
                 break
             self.waiting.popleft()
-            seq.slot = self.free.pop()
+            seq.slot = heapq.heappop(self.free)
             self.running[seq.slot] = seq
             tokens += len(seq.prompt)
             admitted.append(seq)
@@ -94,7 +97,7 @@ class Scheduler:
         """Give ``seq``'s slot back (it ended or was aborted), or take it off the waiting queue."""
         if seq.slot is not None and self.running.get(seq.slot) is seq:
             del self.running[seq.slot]
-            self.free.append(seq.slot)
+            heapq.heappush(self.free, seq.slot)
             seq.slot = None
         elif seq in self.waiting:
             self.waiting.remove(seq)

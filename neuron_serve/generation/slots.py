@@ -1,13 +1,21 @@
 """A causal LM with a static KV cache of slots, as bucket_model_trace compiles it.
 
-The cache holds ``max_num_seqs`` slots of ``max_model_len`` positions per layer (keys
-and values each ``(slots, positions, kv_heads, head_dim)``); a sequence owns one slot
-from its prefill to its end. :class:`SlotLM` runs the transformers model on a batch of
-rows, each row one sequence: its tokens, their positions, its slot, and the index of the
-row's last real token (whose logits are returned). transformers' own attention layers
-call :class:`SlotCache` as their cache; it is the one piece written here, because a
-transformers ``StaticCache`` writes every row of a batch at the same positions, where
-continuous batching needs each row at its own slot and position.
+The cache holds ``max_num_seqs`` slots of ``max_model_len`` positions per layer, keys
+and values each ``(slots, kv_heads, positions, head_dim)``: the layout transformers'
+attention reads, so nothing is transposed per call. A sequence owns one slot from its
+prefill to its end. transformers' own attention layers call :class:`SlotCache` as
+their cache; it is the one piece written here, because a transformers
+``StaticCache`` writes every row of a batch at the same positions, where continuous
+batching needs each sequence at its own slot and position.
+
+:class:`SlotLM` runs in one of two forms, each compiled per bucket:
+
+- prefill (``context=None``): one prompt, padded, written into one slot at positions
+  0..T-1; its attention reads only its own new keys and values, never the cache.
+- decode (``context=C``): row r is slot r, one token each at its own position;
+  attention reads the first C positions of slots 0..rows-1, a static slice of the
+  cache (no gather). Rows whose slot is free carry token 0 at position 0, which writes
+  only into that free slot, and a prefill overwrites before anyone reads it.
 """
 
 from __future__ import annotations
@@ -21,30 +29,32 @@ class SlotCache:
     """transformers' cache interface (``update``) over per-layer slot caches, functionally.
 
     ``update`` writes each row's new keys and values at (its slot, its positions) and
-    returns the first ``context`` positions of the row's slot, as attention reads them:
-    ``(rows, kv_heads, context, head_dim)``. The new caches are collected in
-    ``keys``/``values``.
+    returns what attention reads: the first ``context`` positions of the rows' slots,
+    or (``context=None``) the new keys and values themselves. The new caches are
+    collected in ``keys``/``values``.
     """
 
     is_compileable = True
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], slots: torch.Tensor,
-                 positions: torch.Tensor, context: int) -> None:
-        self.context = context
+                 positions: torch.Tensor, context: int | None) -> None:
         self.keys = list(keys)
         self.values = list(values)
-        self.rows = slots[:, None].expand_as(positions)
-        self.slots = slots
-        self.positions = positions
+        heads = keys[0].shape[1]
+        # Index tensors broadcasting to (rows, kv_heads, tokens): the places the new keys go.
+        self.index = (slots[:, None, None], torch.arange(heads, device=slots.device)[None, :, None],
+                      positions[:, None, :])
+        self.rows = slots.shape[0]
+        self.context = context
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        # key_states: (rows, kv_heads, tokens, head_dim), the layout of transformers' attention.
-        index = (self.rows, self.positions)
-        self.keys[layer_idx] = self.keys[layer_idx].index_put(index, key_states.transpose(1, 2))
-        self.values[layer_idx] = self.values[layer_idx].index_put(index, value_states.transpose(1, 2))
-        read = slice(0, self.context)
-        return (self.keys[layer_idx][self.slots, read].transpose(1, 2),
-                self.values[layer_idx][self.slots, read].transpose(1, 2))
+        # key_states: (rows, kv_heads, tokens, head_dim), transformers' layout and the cache's.
+        self.keys[layer_idx] = self.keys[layer_idx].index_put(self.index, key_states)
+        self.values[layer_idx] = self.values[layer_idx].index_put(self.index, value_states)
+        if self.context is None:
+            return key_states, value_states
+        return (self.keys[layer_idx][:self.rows, :, :self.context],
+                self.values[layer_idx][:self.rows, :, :self.context])
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
@@ -54,15 +64,11 @@ class SlotCache:
 
 
 def cache_shape(config, slots: int, positions: int) -> tuple[int, int, int, int]:
-    """One layer's keys (or values): (slots, positions, kv_heads, head_dim), from a transformers config."""
+    """One layer's keys (or values): (slots, kv_heads, positions, head_dim), from a transformers config."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return slots, positions, kv_heads, head_dim
-
-
-def num_layers(config) -> int:
-    return config.num_hidden_layers
+    return slots, kv_heads, positions, head_dim
 
 
 def _cache_kwarg(lm: torch.nn.Module) -> str:
@@ -72,28 +78,25 @@ def _cache_kwarg(lm: torch.nn.Module) -> str:
 
 
 class SlotLM(torch.nn.Module):
-    """``lm`` with a slot KV cache as buffers ``k_0, v_0, k_1, ...``, attending over ``context`` positions.
+    """``lm`` with a slot KV cache as buffers ``k_0, v_0, k_1, ...``; see the module docstring.
 
     ``forward(tokens (rows, T), positions (rows, T), slots (rows,), last (rows, 1))`` returns
     ``(logits (rows, vocab), k_0, v_0, ...)``: the logits at each row's ``last`` token
     and the new caches (the aliased outputs 1, 2, ...). Each token sees the positions
-    of its slot up to its own (a 4D additive mask), so what a slot held before, or a
-    padded prompt wrote past its end, is never read before it is overwritten.
-
-    The new keys and values are written into the whole cache (in place on the core:
-    the executable aliases it) and attention reads only the first ``context``
-    positions of each row's slot: a decode step costs what its context bucket holds,
-    not what the cache could hold.
+    up to its own (a 4D additive mask), so what a slot held before, or a padded prompt
+    wrote past its end, is never read before it is overwritten. The new keys and values
+    are written into the whole cache, in place on the core (the executable aliases it).
+    Decode (``context`` given) ignores ``slots``: row r is slot r.
     """
 
     def __init__(self, lm: torch.nn.Module, slots: int, positions: int, context: int | None = None) -> None:
         super().__init__()
-        self.context = context or positions
         self.lm = lm
+        self.context = context
         self.kwarg = _cache_kwarg(lm)
         shape = cache_shape(lm.config, slots, positions)
         dtype = next(lm.parameters()).dtype
-        self.layers = num_layers(lm.config)
+        self.layers = lm.config.num_hidden_layers
         for i in range(self.layers):
             self.register_buffer(f"k_{i}", torch.zeros(shape, dtype=dtype), persistent=False)
             self.register_buffer(f"v_{i}", torch.zeros(shape, dtype=dtype), persistent=False)
@@ -108,11 +111,15 @@ class SlotLM(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, last: torch.Tensor):
         caches = self.caches()
-        length = self.context
-        visible = torch.arange(length, device=tokens.device)[None, None, :] <= positions[:, :, None]
         dtype = caches[0].dtype
+        if self.context is None:  # prefill: the prompt's own positions
+            seen = positions[:, None, :]
+        else:  # decode: row r is slot r
+            slots = torch.arange(tokens.shape[0], device=tokens.device)
+            seen = torch.arange(self.context, device=tokens.device)[None, None, :]
+        visible = seen <= positions[:, :, None]
         mask = torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
-        cache = SlotCache(caches[0::2], caches[1::2], slots, positions, length)
+        cache = SlotCache(caches[0::2], caches[1::2], slots, positions, self.context)
         out = self.lm(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
                       logits_to_keep=last, **{self.kwarg: cache})
         new = [t for pair in zip(cache.keys, cache.values) for t in pair]

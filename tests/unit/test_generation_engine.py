@@ -83,8 +83,8 @@ def test_the_cache_never_leaves_the_core_during_decode(llama):
     for i in range(steps):
         logits, shape = model.decode([1, 2], [5 + i % 10, 6], [0, 1])
     per_step = (_transferred() - before) / steps
-    # In: tokens, positions, slots, last (4 rows of int64 each); out: the logits (4 rows).
-    expected = shape.rows * 8 * 4 + shape.rows * gm.VOCAB * 4
+    # In: tokens, positions, last (int64 per row; a decode row is its slot); out: the logits (float32 per row).
+    expected = shape.rows * 8 * 3 + shape.rows * gm.VOCAB * 4
     assert per_step == expected, (per_step, expected)
     assert per_step < smallest_cache  # not even one layer's keys crossed
 
@@ -149,7 +149,7 @@ def test_an_abort_frees_the_slot_at_the_next_step(llama):
                 break  # the client goes away
 
     asyncio.run(stream_then_leave())
-    [after] = engine.generate_batch([prompts()[1]], greedy(2))  # the engine keeps serving
+    [after] = engine.generate_batch([prompts()[1]], greedy(2), timeout=60)  # the engine keeps serving
     assert after.finish_reason == "length"
     assert engine.running == 0 and len(engine.scheduler.free) == SHAPES["max_num_seqs"]
     assert len(events) == 3
@@ -225,3 +225,18 @@ def test_an_operator_the_core_cannot_run_is_refused_naming_it():
 @pytest.fixture(scope="module")
 def byte_tokenizer():
     return gm.byte_tokenizer()
+
+
+def test_a_failing_event_sink_aborts_its_request_and_the_engine_keeps_serving(llama):
+    _, engine = llama
+
+    def broken(event):
+        raise RuntimeError("the client's own code failed")
+
+    engine.submit(prompts()[0], greedy(30), broken)
+    [after] = engine.generate_batch([prompts()[1]], greedy(3), timeout=60)
+    assert after.finish_reason == "length"
+    deadline = time.time() + 10
+    while engine.running and time.time() < deadline:
+        time.sleep(0.01)
+    assert engine.running == 0
