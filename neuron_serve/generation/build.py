@@ -19,7 +19,7 @@ from ..errors import ConfigError
 from ..partition.pipeline import core_memory_bytes
 from . import eos_token_ids
 from .buckets import check_fits
-from .engine import Engine
+from .group import EngineGroup
 from .model import compile_generation
 from .settings import GenerationSettings
 
@@ -99,8 +99,8 @@ def weight_bytes(lm: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*lm.parameters(), *lm.buffers()])
 
 
-def build_engine(config: ModelConfig, base_dir: str | Path | None = None, *, replica: str = "0") -> Engine:
-    """Load, check, compile and start the engine of a ``task: generate`` model.yaml.
+def build_engine(config: ModelConfig, base_dir: str | Path | None = None, *, replica: str = "0") -> EngineGroup:
+    """Load, check, compile and start the engines of a ``task: generate`` model.yaml: one per core of the replica.
 
     ``base_dir`` is the model.yaml's folder (relative paths and factory imports resolve
     against it). Errors name the model.yaml field.
@@ -115,6 +115,6 @@ def build_engine(config: ModelConfig, base_dir: str | Path | None = None, *, rep
     check_fits(lm.config, buckets, weight_bytes(lm), dtype_bytes, core_memory_bytes())
     # engine_for's steps, with the replica label and the compiler arguments.
     model = compile_generation(lm, buckets, target=config.target, compiler_args=config.compiler_args)
-    return Engine(model, eos_token_ids=eos_token_ids(lm), tokenizer=tokenizer,
-                  max_num_batched_tokens=settings.max_num_batched_tokens, max_waiting=settings.max_waiting,
-                  name=config.name, replica=replica)
+    return EngineGroup.on_cores(model, config.cores_per_replica, eos_token_ids=eos_token_ids(lm),
+                                tokenizer=tokenizer, max_num_batched_tokens=settings.max_num_batched_tokens,
+                                max_waiting=settings.max_waiting, name=config.name, replica=replica)

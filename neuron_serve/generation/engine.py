@@ -16,6 +16,7 @@ its new token. Between steps it sleeps while nothing is waiting or running.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import itertools
 import logging
@@ -31,7 +32,7 @@ from ..errors import InvalidInput, Overloaded
 from ..targets.pjrt import use_device
 from .model import GenerationModel, Shape
 from .sampling import SamplingParams, Sampled, generator_for, greedy_rows, sample_row
-from .scheduler import Scheduler, Sequence
+from .scheduler import Scheduler, Sequence, default_budget
 
 logger = logging.getLogger("neuron_serve")
 
@@ -99,62 +100,17 @@ class _Metrics:
         return self._finished[reason]
 
 
-class Engine:
-    """Continuous batching over ``model``'s KV-cache slots; see the module docstring.
+class Streams(abc.ABC):
+    """The async and batch APIs over ``submit`` and ``abort`` (an engine's, or a group's)."""
 
-    ``eos_token_ids`` end a sequence (unless its ``ignore_eos``); ``tokenizer`` (a
-    transformers tokenizer) is needed only for stop strings. ``max_num_batched_tokens``
-    bounds the prompt tokens prefilled per step, ``max_waiting`` the queue.
-    """
-
-    def __init__(self, model: GenerationModel, *, eos_token_ids: Seq[int] = (), tokenizer: Any = None,
-                 max_num_batched_tokens: int | None = None, max_waiting: int = DEFAULT_MAX_WAITING,
-                 name: str = "model", replica: str = "0", device: Any = None) -> None:
-        self.model = model
-        self.eos_token_ids = frozenset(eos_token_ids)
-        self.tokenizer = tokenizer
-        self.name = name
-        budget = max_num_batched_tokens or model.max_model_len
-        self.scheduler = Scheduler(model.slots, budget, max_waiting)
-        self.metrics = _Metrics(name, replica)
-        self.device = device
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._inbox: list[Sequence] = []
-        self._aborts: set[str] = set()
-        self._by_id: dict[str, Sequence] = {}
-        self._ids = itertools.count()
-        self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
-        self._thread.start()
-
-    # -- the API ------------------------------------------------------------------------
-
+    @abc.abstractmethod
     def submit(self, prompt: Seq[int], params: SamplingParams, sink: Callable[[TokenEvent], None],
                request_id: str | None = None) -> str:
-        """Queue a request; ``sink`` gets its events on the engine's thread. Returns the request id."""
-        prompt = self._check_prompt(prompt, params)
-        with self._lock:
-            if self._stopping:
-                raise Overloaded("the generation engine is stopping; retry on another replica.")
-            waiting = len(self.scheduler.waiting) + len(self._inbox)
-            if waiting >= self.scheduler.max_waiting:
-                raise Overloaded(f"the generation queue is full ({waiting} requests waiting); retry later.")
-            rid = request_id if request_id is not None else f"gen-{next(self._ids)}"
-            if rid in self._by_id:
-                raise InvalidInput(f"request id {rid!r} is already running; give each request its own id.")
-            seq = Sequence(rid, prompt, params, sink, generator=generator_for(params))
-            self._by_id[rid] = seq
-            self._inbox.append(seq)
-            self._wake.notify()
-        return rid
+        """Queue a request; ``sink`` gets its events on an engine thread. Returns the request id."""
 
+    @abc.abstractmethod
     def abort(self, request_id: str) -> None:
         """End a request: it gets a last event with finish_reason "abort"; its slot is free at the next step."""
-        with self._lock:
-            if request_id in self._by_id:
-                self._aborts.add(request_id)
-                self._wake.notify()
 
     async def generate(self, prompt: Seq[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[TokenEvent]:
@@ -205,10 +161,75 @@ class Engine:
                 raise TimeoutError(f"generate_batch: not finished within {timeout}s")
         return [r for r in results if r is not None]
 
+
+
+class Engine(Streams):
+    """Continuous batching over ``model``'s KV-cache slots; see the module docstring.
+
+    ``eos_token_ids`` end a sequence (unless its ``ignore_eos``); ``tokenizer`` (a
+    transformers tokenizer) is needed only for stop strings. ``max_num_batched_tokens``
+    bounds the prompt tokens prefilled per step, ``max_waiting`` the queue.
+    """
+
+    def __init__(self, model: GenerationModel, *, eos_token_ids: Seq[int] = (), tokenizer: Any = None,
+                 max_num_batched_tokens: int | None = None, max_waiting: int = DEFAULT_MAX_WAITING,
+                 name: str = "model", replica: str = "0", device: Any = None) -> None:
+        self.model = model
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.tokenizer = tokenizer
+        self.name = name
+        budget = max_num_batched_tokens or default_budget(model.max_model_len)
+        self.scheduler = Scheduler(model.slots, budget, max_waiting)
+        self.metrics = _Metrics(name, replica)
+        self.device = device
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._inbox: list[Sequence] = []
+        self._aborts: set[str] = set()
+        self._by_id: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
+        self._thread.start()
+
+    # -- the API ------------------------------------------------------------------------
+
+    def submit(self, prompt: Seq[int], params: SamplingParams, sink: Callable[[TokenEvent], None],
+               request_id: str | None = None) -> str:
+        """Queue a request; ``sink`` gets its events on the engine's thread. Returns the request id."""
+        prompt = self._check_prompt(prompt, params)
+        with self._lock:
+            if self._stopping:
+                raise Overloaded("the generation engine is stopping; retry on another replica.")
+            waiting = len(self.scheduler.waiting) + len(self._inbox)
+            if waiting >= self.scheduler.max_waiting:
+                raise Overloaded(f"the generation queue is full ({waiting} requests waiting); retry later.")
+            rid = request_id if request_id is not None else f"gen-{next(self._ids)}"
+            if rid in self._by_id:
+                raise InvalidInput(f"request id {rid!r} is already running; give each request its own id.")
+            seq = Sequence(rid, prompt, params, sink, generator=generator_for(params))
+            self._by_id[rid] = seq
+            self._inbox.append(seq)
+            self._wake.notify()
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """End a request: it gets a last event with finish_reason "abort"; its slot is free at the next step."""
+        with self._lock:
+            if request_id in self._by_id:
+                self._aborts.add(request_id)
+                self._wake.notify()
+
     @property
     def running(self) -> int:
         """Sequences holding a slot."""
         return len(self.scheduler.running)
+
+    @property
+    def free_slots(self) -> int:
+        """Slots not held nor promised to a waiting request (negative when requests wait)."""
+        with self._lock:
+            return len(self.scheduler.free) - len(self.scheduler.waiting) - len(self._inbox)
 
     def close(self) -> None:
         """Stop the engine thread; requests still queued or running end with finish_reason "abort"."""

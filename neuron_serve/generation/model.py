@@ -20,12 +20,14 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import torch.fx
 
 from .. import progress
 from ..api import bucket_model_trace
 from ..bucketing import BucketModelConfig
 from ..errors import ConfigError, InvalidInput, UnsupportedModelError
-from ..model import CompiledModel
+from ..model import Bucket, CompiledModel
+from ..model.state import DeviceState
 from .buckets import GenerationBuckets
 from .slots import SlotLM
 
@@ -84,6 +86,18 @@ class GenerationModel:
     def max_model_len(self) -> int:
         return self.buckets.max_model_len
 
+    def load_to(self, device) -> "GenerationModel":
+        """A copy of every compiled model on ``device`` (another core), with its own empty cache there.
+
+        Call it from the thread that will drive the copy (torch-xla replays an executable on
+        the calling thread's device).
+        """
+        states = self.compiled.states
+        cache = DeviceState([f"shared_state_buffer[{i}]" for i in range(len(states))],
+                            [torch.zeros_like(t, device="cpu") for t in states], device)
+        buckets = [_bucket_on(b, device, cache) for b in self.compiled.buckets]
+        return GenerationModel(CompiledModel(buckets, kernel=self.compiled.kernel), self.buckets, self.vocab_size)
+
     def reset(self) -> None:
         """Empty the cache (every slot), on the core."""
         self.compiled.load_states([torch.zeros_like(t, device="cpu") for t in self.compiled.states])
@@ -131,6 +145,19 @@ class GenerationModel:
         rows = torch.arange(shape.rows, dtype=torch.long)
         last = torch.zeros(shape.rows, 1, dtype=torch.long)
         return self._run(shape, tokens_t, positions_t, rows, last)[index], shape
+
+
+def _bucket_on(bucket: Bucket, device, cache: DeviceState) -> Bucket:
+    """``bucket`` with its accelerator subgraphs compiled for ``device`` and ``cache`` as its state."""
+    gm = bucket.graph_module
+    accel = {p.name for p in bucket.partitions if not p.on_cpu}
+    modules = {name: module.load_to(device) if name in accel else module for name, module in gm.named_children()}
+    copy = Bucket(torch.fx.GraphModule(modules, gm.graph), in_spec=bucket.in_spec, out_spec=bucket.out_spec,
+                  input_shapes=bucket.input_shapes, output_shapes=bucket.output_shapes,
+                  output_dtypes=bucket.output_dtypes, partitions=bucket.partitions, report=bucket.report,
+                  target=bucket.target, stage_inputs=bucket.stage_inputs, batch_size=bucket.batch_size)
+    copy.state, copy.aliases = cache, bucket.aliases
+    return copy
 
 
 def compile_generation(lm: torch.nn.Module, buckets: GenerationBuckets, *, target: str = "neuron",

@@ -13,6 +13,10 @@ Policy, once per engine step:
 4. A sequence that ends (EOS, a stop token or string, ``max_tokens``, a full context)
    gives its slot back at once, before the next step admits anyone.
 
+The default budget, a quarter of ``max_model_len`` (at least 32 tokens), admits about one
+prompt per step when prompts are long: a step with several prefills in front of its
+decode call is what makes the slow tail of time per output token.
+
 The scheduler is plain bookkeeping over :class:`Sequence` objects; the engine runs
 the compiled models and samples.
 """
@@ -58,6 +62,11 @@ class Sequence:
     def position(self) -> int:
         """Where its last token goes when it is fed back: the next cache position to write."""
         return self.length - 1
+
+
+def default_budget(max_model_len: int) -> int:
+    """Prompt tokens prefilled per step when model.yaml does not say (see the module docstring)."""
+    return max(32, max_model_len // 4)
 
 
 class Scheduler:

@@ -66,8 +66,9 @@ class GenerationSettings(BaseModel):
                     "largest is max_model_len")
     max_num_batched_tokens: int | None = Field(
         default=None, ge=1,
-        description="prompt tokens prefilled per engine step (a longer prompt still runs, alone); default "
-                    "max_model_len")
+        description="prompt tokens prefilled per engine step (a longer prompt still runs, alone), which bounds "
+                    "how long running sequences wait for their next token; default: a quarter of max_model_len, at "
+                    "least 32")
     max_waiting: int = Field(
         DEFAULT_MAX_WAITING, ge=1, description="requests waiting for a slot before more are refused (503)")
 

@@ -183,8 +183,9 @@ def test_build_engine_generates_what_transformers_generates(pretrained):
     config = parse_config(with_(GENERATE, tokenizer="words", generation=SMALL))
     engine = build_engine(config, pretrained)
     try:
-        assert engine.tokenizer("w3 w9").input_ids == [3, 9]
-        assert engine.name == "tiny-llama"
+        [one] = engine.engines  # one core: one engine
+        assert one.tokenizer("w3 w9").input_ids == [3, 9]
+        assert one.name == "tiny-llama"
         prompt = [5, 17, 99, 3, 42, 7]
         [done] = engine.generate_batch([prompt], SamplingParams(max_tokens=5, temperature=0), timeout=120)
     finally:

@@ -8,7 +8,13 @@ mid-flight; every ending has its finish reason; the cache never leaves the core.
 from __future__ import annotations
 
 import asyncio
+import inspect
+import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +24,7 @@ import generation_models as gm
 from neuron_serve.errors import InvalidInput, Overloaded, UnsupportedModelError
 from neuron_serve.generation import SamplingParams, engine_for
 
+ROOT = Path(__file__).resolve().parents[2]
 # Four slots for five prompts: the fifth joins when the first to end leaves its slot.
 PROMPT_LENGTHS = (3, 11, 20, 7, 30)
 NEW_TOKENS = (12, 5, 20, 9, 15)
@@ -211,11 +218,12 @@ class _SortedActivation(torch.nn.Module):
 def test_an_operator_the_core_cannot_run_is_refused_naming_it():
     lm = gm.build("llama")
     lm.model.layers[0].mlp.act_fn = _SortedActivation()
+    line = inspect.getsourcelines(_SortedActivation.forward)[1] + 1
     with pytest.raises(UnsupportedModelError) as refused:
         engine_for(lm, **SHAPES)
     assert str(refused.value).splitlines() == [
         "The model has 1 operator(s) that target 'neuron' cannot run:",
-        "  aten::sort at test_generation_engine.py(208): return torch.sort(x, dim=-1).values: neuronx-cc does not "
+        f"  aten::sort at test_generation_engine.py({line}): return torch.sort(x, dim=-1).values: neuronx-cc does not "
         "support sort",
         "Generation runs every operator on the NeuronCore, where the KV cache lives; replace the operator (or serve the "
         "model with task: infer).",
@@ -240,3 +248,16 @@ def test_a_failing_event_sink_aborts_its_request_and_the_engine_keeps_serving(ll
     while engine.running and time.time() < deadline:
         time.sleep(0.01)
     assert engine.running == 0
+
+
+def test_an_engine_per_core_each_with_its_own_cache():
+    """Two emulated cores (a fresh process): requests spread over both engines, every answer right."""
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2", "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "generation_cores_check.py")], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["equal"] == [True] * 8
+    assert result["devices"] == ["xla:0", "xla:1"]
+    assert sum(result["served"]) == 8 and min(result["served"]) >= 2, result["served"]

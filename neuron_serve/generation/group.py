@@ -1,0 +1,83 @@
+"""One engine per core of a replica, each owning a copy of the compiled model and its own cache.
+
+The model compiled on the first core is copied onto the others (each copy compiled for
+its core, on a thread driving that core); a request goes to the engine with the most
+free slots, so load spreads across the cores as slots fill.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence as Seq
+
+from ..errors import InvalidInput
+from ..targets.pjrt import use_device, xla
+from .engine import Engine, Streams, TokenEvent
+from .model import GenerationModel
+from .sampling import SamplingParams
+
+
+def copies_on_cores(model: GenerationModel, cores: int) -> list[tuple[GenerationModel, Any]]:
+    """``model`` (compiled on core 0) and a copy on each further core, with each core's device."""
+    torch_xla = xla()
+    placed = [(model, torch_xla.device(0))]
+    for index in range(1, cores):
+        device = torch_xla.device(index)
+        with ThreadPoolExecutor(1, initializer=use_device, initargs=(device,)) as driver:
+            placed.append((driver.submit(model.load_to, device).result(), device))
+    return placed
+
+
+class EngineGroup(Streams):
+    """Engines over several cores behind one ``submit``/``abort``/``generate`` API."""
+
+    def __init__(self, engines: Seq[Engine]) -> None:
+        if not engines:
+            raise ValueError("an engine group needs at least one engine")
+        self.engines = list(engines)
+        self._owner: dict[str, Engine] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+
+    @classmethod
+    def on_cores(cls, model: GenerationModel, cores: int, **engine_options: Any) -> "EngineGroup":
+        """An engine per core, ``model`` on the first and a copy on each of the others."""
+        return cls([Engine(m, device=device, **engine_options) for m, device in copies_on_cores(model, cores)])
+
+    def submit(self, prompt: Seq[int], params: SamplingParams, sink: Callable[[TokenEvent], None],
+               request_id: str | None = None) -> str:
+        engine = max(self.engines, key=lambda e: e.free_slots)
+        with self._lock:
+            rid = request_id if request_id is not None else f"gen-{next(self._ids)}"
+            if rid in self._owner:
+                raise InvalidInput(f"request id {rid!r} is already running; give each request its own id.")
+            self._owner[rid] = engine
+
+        def forget(event: TokenEvent) -> None:
+            if event.finished:
+                with self._lock:
+                    self._owner.pop(rid, None)
+            sink(event)
+
+        try:
+            return engine.submit(prompt, params, forget, rid)
+        except Exception:
+            with self._lock:
+                self._owner.pop(rid, None)
+            raise
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            engine = self._owner.get(request_id)
+        if engine is not None:
+            engine.abort(request_id)
+
+    @property
+    def running(self) -> int:
+        return sum(e.running for e in self.engines)
+
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.close()

@@ -1,0 +1,43 @@
+"""Run in a fresh process (CPU_NUM_DEVICES=2) by tests/unit/test_generation_engine.py: an engine per core.
+
+Compiles a tiny Llama once, copies it onto core 1, runs eight greedy prompts at once on
+the group and prints one JSON object: whether every answer equals transformers' greedy
+generation, and how many requests each core's engine served.
+"""
+
+import json
+import threading
+
+import torch
+
+import generation_models as gm
+from neuron_serve.generation import SamplingParams, compile_generation
+from neuron_serve.generation.buckets import GenerationBuckets
+from neuron_serve.generation.group import EngineGroup
+
+
+def main() -> None:
+    lm = gm.build("llama")
+    buckets = GenerationBuckets.build(4, 48, prefill=[16, 48], decode_rows=[1, 4], decode_context=[24, 48])
+    group = EngineGroup.on_cores(compile_generation(lm, buckets), 2)
+    served = [0, 0]
+    lock = threading.Lock()
+    for index, engine in enumerate(group.engines):  # count what each engine admits
+        admit = engine.scheduler.admit
+
+        def counted(admit=admit, index=index):
+            admitted = admit()
+            with lock:
+                served[index] += len(admitted)
+            return admitted
+        engine.scheduler.admit = counted
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, gm.VOCAB, (n,), generator=generator).tolist() for n in (3, 9, 14, 5, 20, 7, 11, 2)]
+    done = group.generate_batch(prompts, SamplingParams(max_tokens=10, temperature=0), timeout=300)
+    equal = [d.tokens == gm.eager_greedy(lm, p, 10) for d, p in zip(done, prompts)]
+    group.close()
+    print(json.dumps({"equal": equal, "served": served, "devices": [str(e.device) for e in group.engines]}))
+
+
+if __name__ == "__main__":
+    main()
