@@ -26,6 +26,8 @@ from .targets import get_target
 def _analyze(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     base_dir = Path(args.config).resolve().parent
+    if config.task == "generate":
+        return _analyze_generation(args, config, base_dir)
     model = build_model(config, base_dir)
     captured = capture(model, config.example_inputs())
     settings = config.partitioner_config(base_dir)
@@ -74,11 +76,31 @@ def _analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+def _analyze_generation(args: argparse.Namespace, config, base_dir: Path) -> int:
+    from .generation.analyze import analyze_generation  # noqa: PLC0415
+
+    if args.html or args.report_json or args.pipeline_cores:
+        print("error: --html, --report-json and --pipeline-cores apply to task: infer models; a task: generate "
+              "model's analysis is the JSON report of its prefill and decode forms", file=sys.stderr)
+        return 2
+    text = json.dumps(analyze_generation(config, base_dir), indent=2)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    else:
+        print(text)
+    return 0
+
+
 def _build(args: argparse.Namespace) -> int:
     from . import artifact  # noqa: PLC0415
     from .build import build  # noqa: PLC0415
 
     config = load_config(args.config)
+    if config.task == "generate":
+        print(f"error: {args.config}: task: generate models cannot be built into an artifact yet; the engine "
+              "compiles them where it starts (the compile cache keeps the support checks, and on Neuron the NEFFs)", file=sys.stderr)
+        return 2
     if config.model.artifact is not None:
         print(f"error: {args.config} already names an artifact ({config.model.artifact}); build from a model.yaml "
               "with a 'factory'.", file=sys.stderr)
@@ -103,6 +125,11 @@ def _deploy(args: argparse.Namespace) -> int:
     from .serve import auth, deployment, failure, lifecycle  # noqa: PLC0415 - Ray is only needed to serve
 
     configs = [load_deployment(path) for path in args.configs]
+    generate = [c.name for c, _ in configs if c.task == "generate"]
+    if generate:
+        print(f"error: {', '.join(generate)}: task: generate models are not served over HTTP yet; run them in "
+              "Python with neuron_serve.generation.build_engine (see the README)", file=sys.stderr)
+        return 2
     if args.weights:
         if len(configs) != 1:
             print("error: --weights names one checkpoint; deploy one model with it (or give each model.yaml "

@@ -1,0 +1,75 @@
+"""The CLI on a task: generate model.yaml: analyze reports both compiled forms; build and deploy refuse for now."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import generation_models as gm
+from neuron_serve.compile import cache as compile_cache
+from neuron_serve.generation import compile_generation
+from neuron_serve.generation.buckets import GenerationBuckets
+
+ROOT = Path(__file__).resolve().parents[2]
+LLM_YAML = """\
+name: tiny-llm
+task: generate
+model:
+  factory: example_models.tiny_llama:build
+generation:
+  max_num_seqs: 4
+  max_model_len: 64
+"""
+
+
+@pytest.fixture
+def llm_yaml(tmp_path):
+    path = tmp_path / "llm.yaml"
+    path.write_text(LLM_YAML)
+    return path
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "neuron_serve.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore",
+                                            "PYTHONPATH": str(ROOT / "deployments")})
+
+
+def test_analyze_reports_the_prefill_and_decode_forms(llm_yaml):
+    done = _cli("analyze", llm_yaml)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert list(report) == ["prefill_32", "decode_1x64"]
+    for form in report.values():
+        assert form["support_percentage"] == "100.00%" and form["emulated"] is True
+        assert form["supported_operators"]["aten"]["aten::index_put"] == 4  # keys and values of 2 layers
+        assert form["unsupported_operators"] == {"aten": []}
+
+
+def test_build_and_deploy_refuse_a_generate_model_for_now(llm_yaml, tmp_path):
+    built = _cli("build", llm_yaml, "-o", tmp_path / "out")
+    assert built.returncode == 2
+    assert built.stderr.strip() == (f"error: {llm_yaml}: task: generate models cannot be built into an artifact yet; "
+                                    "the engine compiles them where it starts (the compile cache keeps the support "
+                                    "checks, and on Neuron the NEFFs)")
+    deployed = _cli("deploy", llm_yaml)
+    assert deployed.returncode == 2
+    assert deployed.stderr.strip().endswith("error: tiny-llm: task: generate models are not served over HTTP yet; run "
+                                            "them in Python with neuron_serve.generation.build_engine (see the README)")
+
+
+def test_a_warm_start_takes_every_support_decision_from_the_compile_cache(fresh_cache):
+    buckets = GenerationBuckets.build(2, 32, prefill=[32], decode_rows=[2], decode_context=[32])
+    compile_generation(gm.build("gpt2"), buckets)
+    cold = fresh_cache.stats["support"].misses
+    assert cold > 0
+    compile_cache.configure(fresh_cache.root)  # a new process on the same cache
+    from neuron_serve.analyze import placement  # noqa: PLC0415
+
+    placement._ORACLES.clear()
+    warm = compile_cache.current()
+    compile_generation(gm.build("gpt2"), buckets)
+    assert warm.stats["support"].misses == 0 and warm.stats["support"].hits >= cold
