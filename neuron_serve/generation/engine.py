@@ -85,6 +85,8 @@ class _Metrics:
         self.running = metrics.REQUESTS_RUNNING.labels(**labels)
         self.waiting = metrics.REQUESTS_WAITING.labels(**labels)
         self.usage = metrics.KV_SLOTS_USAGE.labels(**labels)
+        # Exported at 0 for vLLM's dashboards: a sequence keeps its slot to its end, never preempted.
+        metrics.PREEMPTIONS.labels(**labels)
         self.labels = labels
         self._steps: dict[str, Any] = {}
         self._finished: dict[str, Any] = {}
