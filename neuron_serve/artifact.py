@@ -20,6 +20,8 @@ Layout::
                          every weight by state-dict name (torch.save of a dict of
                          tensors, read back with weights_only=True); their accelerator
                          partitions' programs take the weights as inputs and hold none
+    states.pt            stateful models (input_output_aliases) only: each state's
+                         values when saved (a dict of tensors, as weights.pt)
 
 Loading reads only JSON, ExportedPrograms, TorchScript and a state dict of plain
 tensors: no pickle of arbitrary objects and no original model class. Accelerator partitions are compiled again on
@@ -36,7 +38,7 @@ import shutil
 import warnings
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx
@@ -47,6 +49,7 @@ from .compiler_args import parse_compiler_args
 from .compile.subgraph import CompiledSubgraph
 from .errors import ArtifactError, ConfigError
 from .model import Bucket, CompiledModel, Partition
+from .model.state import Alias, DeviceState
 from .targets.pjrt import emulated, versions, xla
 
 logger = logging.getLogger("neuron_serve")
@@ -57,6 +60,7 @@ MANIFEST = "manifest.json"
 MANIFEST_HASH = "manifest.sha256"
 KERNEL_FILE = "bucket_kernel.pt"
 WEIGHTS_FILE = "weights.pt"
+STATES_FILE = "states.pt"  # input_output_aliases: each state's values when saved
 
 
 def _sha256(path: Path) -> str:
@@ -166,6 +170,9 @@ def _save_bucket(traced: Bucket, folder: Path, root: Path, separated: bool) -> d
             entry["hlo"] = str(hlo.relative_to(root))
             if separated:
                 entry["weights"] = list(module.weights)  # state-dict names, in input order
+            # input_output_aliases: state inputs the executable updates in place, outputs left on the core.
+            entry["donate"] = list(module.donate)
+            entry["keep_on_device"] = sorted(module.keep_on_device)
         parts[partition.name] = entry
     return {
         "graph": _graph_to_json(traced.graph_module),
@@ -181,6 +188,7 @@ def _save_bucket(traced: Bucket, folder: Path, root: Path, separated: bool) -> d
         "batch_size": traced.batch_size,
         "report": traced.report,
         "target": traced.target,
+        "aliases": [[a.slot, a.output] for a in traced.aliases],
     }
 
 
@@ -193,20 +201,21 @@ def _partition_entry(partition: Partition) -> dict:
     return entry
 
 
-def save(module: CompiledModel, path: str | Path, *, config: dict | None = None, source: str | None = None) -> Path:
+def save(module: CompiledModel, path: str | Path, *, config: dict | None = None, source: str | None = None,
+         extra: dict | None = None, add_files: Callable[[Path], None] | None = None) -> Path:
     """Write ``module`` (from trace, trace_buckets or bucket_model_trace) to directory ``path``.
 
     ``config`` (a model.yaml as a dict) and ``source`` (its path) are recorded so the
-    artifact can be deployed directly and rebuilt when it is out of date.
+    artifact can be deployed directly and rebuilt when it is out of date. ``extra`` is kept
+    in the manifest and ``add_files(root)`` writes further files into it, both covered by
+    its hashes (a generation model's buckets and tokenizer). State tensors
+    (input_output_aliases) are saved with their current values.
     """
     if not isinstance(module, CompiledModel):
         raise ArtifactError("save() takes the module returned by neuron_serve.trace(), trace_buckets() or "
                             f"bucket_model_trace(), not a {type(module).__name__}.")
     from .weights import is_weight_separated, weight_specs  # noqa: PLC0415
 
-    if module.stateful:
-        raise ArtifactError("save: models traced with input_output_aliases (state on the core) cannot be saved as an "
-                            "artifact yet; keep the traced model in process.")
     separated = is_weight_separated(module)
     root = Path(path)
     if root.exists():
@@ -225,6 +234,12 @@ def save(module: CompiledModel, path: str | Path, *, config: dict | None = None,
     # Each shape bucket at its smaller compiled batch sizes (the bucket itself holds the largest).
     manifest["smaller"] = [[_save_bucket(b, root / f"bucket_{i}_batch_{b.batch_size}", root, separated)
                             for b in smaller] for i, smaller in enumerate(module.smaller)]
+    if module.stateful:
+        _save_states(module, root, manifest)
+    if extra is not None:
+        manifest["extra"] = extra
+    if add_files is not None:
+        add_files(root)
     if separated:
         # Once for every bucket and batch size (they share the weights), cloned so that
         # tied weights are stored as separate tensors of the state dict.
@@ -241,6 +256,31 @@ def save(module: CompiledModel, path: str | Path, *, config: dict | None = None,
     logger.info("saved %s model to %s (%d bucket(s), batch sizes %s)", manifest["target"], root, len(buckets),
                 module.batch_sizes)
     return root
+
+
+def _save_states(module: CompiledModel, root: Path, manifest: dict) -> None:
+    """Each distinct state (a shared_state_buffer once) to states.pt; each bucket names its own."""
+    if any(len(s) for s in module.smaller):
+        raise ArtifactError("save: a stateful model compiled at several batch sizes cannot be saved.")
+    states = module._device_states()
+    values, groups = {}, []
+    for k, state in enumerate(states):
+        keys = [f"state_{k}.{i}" for i in range(len(state))]
+        values.update(zip(keys, state.cpu()))
+        groups.append({"names": state.names, "keys": keys})
+    torch.save(values, root / STATES_FILE)
+    manifest["states"] = {"file": STATES_FILE, "groups": groups,
+                          "bucket_state": [next((k for k, s in enumerate(states) if s is b.state), None)
+                                           for b in module.buckets]}
+
+
+def _load_states(manifest: dict, root: Path, buckets: list[Bucket]) -> None:
+    entry = manifest["states"]
+    values = read_weights(root / entry["file"], f"artifact {root}")
+    states = [DeviceState(g["names"], [values[key] for key in g["keys"]]) for g in entry["groups"]]
+    for bucket, k in zip(buckets, entry["bucket_state"]):
+        if k is not None:
+            bucket.state = states[k]
 
 
 def _spec_to_json(module: CompiledModel, root: Path) -> dict:
@@ -381,8 +421,10 @@ def _load_bucket(entry: dict, root: Path, weights: dict[str, torch.Tensor] | Non
             args = parse_compiler_args(part.get("compiler_args", {}).get("argv") or None, f"{name} compiler_args")
             separated = {n: weights[n] for n in part["weights"]} if "weights" in part else None
             compiled = CompiledSubgraph(graph, example, name=name, compiler_args=args,
-                                        inline_weights=separated is None, weights=separated)
+                                        inline_weights=separated is None, weights=separated,
+                                        donate=part.get("donate", ()))
             compiled._tuple_out = part["tuple_out"]
+            compiled.keep_on_device = set(part.get("keep_on_device", ()))
             modules[name] = compiled
         else:
             if weights is not None:  # weights.pt is the model's one copy of record
@@ -405,6 +447,7 @@ def _load_bucket(entry: dict, root: Path, weights: dict[str, torch.Tensor] | Non
         batch_size=entry["batch_size"],
     )
     traced.dynamic_batch_enabled = entry["dynamic_batch"]
+    traced.aliases = [Alias(slot, output) for slot, output in entry.get("aliases", [])]
     return traced
 
 
@@ -421,6 +464,8 @@ def load(path: str | Path) -> CompiledModel:
     buckets = [_load_bucket(entry, root, weights) for entry in manifest["buckets"]]
     smaller = [[_load_bucket(entry, root, weights) for entry in entries]
                for entries in manifest.get("smaller", [[] for _ in buckets])]
+    if "states" in manifest:
+        _load_states(manifest, root, buckets)
     spec_json = manifest.get("bucket_spec")
     if spec_json is None:
         return CompiledModel(buckets, smaller=smaller)

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 from .analyze.capture import capture
@@ -97,23 +98,34 @@ def _build(args: argparse.Namespace) -> int:
     from .build import build  # noqa: PLC0415
 
     config = load_config(args.config)
-    if config.task == "generate":
-        print(f"error: {args.config}: task: generate models cannot be built into an artifact yet; the engine "
-              "compiles them where it starts (the compile cache keeps the support checks, and on Neuron the NEFFs)", file=sys.stderr)
-        return 2
     if config.model.artifact is not None:
         print(f"error: {args.config} already names an artifact ({config.model.artifact}); build from a model.yaml "
               "with a 'factory'.", file=sys.stderr)
         return 2
-    built = build(config, Path(args.config).resolve().parent)
     out = Path(args.output)
     # The artifact's own model.yaml serves it as is: its model source is the artifact.
-    served = config.model_dump(mode="json", exclude_none=True)
+    served = config.model_dump(mode="json", exclude_none=True, exclude_unset=config.task == "generate")
     served["model"] = {"artifact": "."}
+    if config.task == "generate":
+        return _build_generation(args, config, served, out)
+    built = build(config, Path(args.config).resolve().parent)
     # The artifact's weights already are the checkpoint's, when one was swapped in.
     served.pop("weights", None)
     artifact.save(built, out, config=served, source=str(args.config))
     print(f"built {config.name} in {built.build_info.seconds:.1f}s -> {out} (serve it: neuron-serve deploy {out})", file=sys.stderr)
+    return 0
+
+
+def _build_generation(args: argparse.Namespace, config, served: dict, out: Path) -> int:
+    from .generation.artifact import save_generation  # noqa: PLC0415
+    from .generation.build import compile_from_config  # noqa: PLC0415
+
+    started = time.perf_counter()
+    model, eos, tokenizer = compile_from_config(config, Path(args.config).resolve().parent)
+    served.pop("tokenizer", None)  # the artifact carries its own copy
+    save_generation(model, out, eos_token_ids=eos, tokenizer=tokenizer, config=served, source=str(args.config))
+    print(f"built {config.name} ({len(model.shapes)} compiled models) in {time.perf_counter() - started:.1f}s -> "
+          f"{out} (serve it: neuron-serve deploy {out})", file=sys.stderr)
     return 0
 
 

@@ -15,12 +15,12 @@ from typing import Any
 import torch
 
 from ..config import ModelConfig, _under, build_model
-from ..errors import ConfigError
+from ..errors import ArtifactError, ConfigError
 from ..partition.pipeline import core_memory_bytes
 from . import eos_token_ids
 from .buckets import check_fits
 from .group import EngineGroup
-from .model import compile_generation
+from .model import GenerationModel, compile_generation
 from .settings import GenerationSettings
 
 logger = logging.getLogger("neuron_serve")
@@ -99,22 +99,52 @@ def weight_bytes(lm: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*lm.parameters(), *lm.buffers()])
 
 
-def build_engine(config: ModelConfig, base_dir: str | Path | None = None, *, replica: str = "0") -> EngineGroup:
-    """Load, check, compile and start the engines of a ``task: generate`` model.yaml: one per core of the replica.
-
-    ``base_dir`` is the model.yaml's folder (relative paths and factory imports resolve
-    against it). Errors name the model.yaml field.
-    """
-    if config.task != "generate":
-        raise ConfigError(f"task: {config.name} is a task: {config.task} model; build_engine serves task: generate.")
+def compile_from_config(config: ModelConfig, base_dir: str | Path | None = None) -> tuple[GenerationModel, list[int], Any]:
+    """Load, check and compile a factory or pretrained ``task: generate`` model: (model, EOS ids, tokenizer)."""
     settings = config.generation or GenerationSettings()
     lm = load_lm(config, base_dir)
     tokenizer = load_tokenizer(config, base_dir)
     buckets = settings.to_buckets(lm.config)
     dtype_bytes = next(lm.parameters()).element_size()  # the cache's dtype (see SlotLM)
     check_fits(lm.config, buckets, weight_bytes(lm), dtype_bytes, core_memory_bytes())
-    # engine_for's steps, with the replica label and the compiler arguments.
     model = compile_generation(lm, buckets, target=config.target, compiler_args=config.compiler_args)
-    return EngineGroup.on_cores(model, config.cores_per_replica, eos_token_ids=eos_token_ids(lm),
+    return model, eos_token_ids(lm), tokenizer
+
+
+def _from_artifact(config: ModelConfig, base_dir: str | Path | None) -> tuple[GenerationModel, list[int], Any]:
+    from .artifact import load_generation  # noqa: PLC0415
+
+    path = _under(base_dir, config.model.artifact)
+    model, eos, tokenizer_dir = load_generation(path)
+    given = config.generation.model_dump(exclude_unset=True) if config.generation else {}
+    built = model.buckets.describe()
+    differ = sorted(k for k in built if k in given and given[k] != built[k])
+    if differ:
+        raise ArtifactError(f"generation.{differ[0]}: {path} was built with {differ[0]} {built[differ[0]]}, but this "
+                            f"model.yaml asks for {given[differ[0]]}; rebuild the artifact from this model.yaml or "
+                            f"remove generation.{differ[0]}.")
+    tokenizer = load_tokenizer(config, base_dir)
+    if tokenizer is None and tokenizer_dir is not None:
+        from transformers import AutoTokenizer  # noqa: PLC0415
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    return model, eos, tokenizer
+
+
+def build_engine(config: ModelConfig, base_dir: str | Path | None = None, *, replica: str = "0") -> EngineGroup:
+    """Load (or compile), check and start the engines of a ``task: generate`` model.yaml: one per core of the replica.
+
+    ``base_dir`` is the model.yaml's folder (relative paths and factory imports resolve
+    against it). An artifact written by ``neuron-serve build`` is loaded without the
+    transformers model. Errors name the model.yaml field.
+    """
+    if config.task != "generate":
+        raise ConfigError(f"task: {config.name} is a task: {config.task} model; build_engine serves task: generate.")
+    settings = config.generation or GenerationSettings()
+    if config.model.artifact is not None:
+        model, eos, tokenizer = _from_artifact(config, base_dir)
+    else:
+        model, eos, tokenizer = compile_from_config(config, base_dir)
+    return EngineGroup.on_cores(model, config.cores_per_replica, eos_token_ids=eos,
                                 tokenizer=tokenizer, max_num_batched_tokens=settings.max_num_batched_tokens,
                                 max_waiting=settings.max_waiting, name=config.name, replica=replica)

@@ -125,9 +125,6 @@ def check_task(config: Any) -> None:
             raise FieldError("inputs", "Field required for task: infer (add the model's inputs, each with name, "
                                        "shape and dtype)")
         return
-    if source.artifact is not None:
-        raise FieldError("model.artifact", "neuron-serve build artifacts of task: generate are not supported yet; "
-                                           "use model.factory or model.pretrained")
     for name, reason in INFER_ONLY.items():
         if name in config.model_fields_set:
             raise FieldError(name, f"applies to task: infer; {reason}; remove {name}")

@@ -1,4 +1,5 @@
-"""The CLI on a task: generate model.yaml: analyze reports both compiled forms; build and deploy refuse for now."""
+"""The CLI on a task: generate model.yaml: analyze reports both compiled forms, build writes an artifact the engine
+serves; deploy refuses for now."""
 
 import json
 import os
@@ -9,8 +10,12 @@ from pathlib import Path
 import pytest
 
 import generation_models as gm
+from example_models import tiny_llama
 from neuron_serve.compile import cache as compile_cache
-from neuron_serve.generation import compile_generation
+from neuron_serve.config import load_deployment
+from neuron_serve.errors import ArtifactError
+from neuron_serve.generation import SamplingParams, compile_generation
+from neuron_serve.generation.build import build_engine
 from neuron_serve.generation.buckets import GenerationBuckets
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,16 +54,37 @@ def test_analyze_reports_the_prefill_and_decode_forms(llm_yaml):
         assert form["unsupported_operators"] == {"aten": []}
 
 
-def test_build_and_deploy_refuse_a_generate_model_for_now(llm_yaml, tmp_path):
-    built = _cli("build", llm_yaml, "-o", tmp_path / "out")
-    assert built.returncode == 2
-    assert built.stderr.strip() == (f"error: {llm_yaml}: task: generate models cannot be built into an artifact yet; "
-                                    "the engine compiles them where it starts (the compile cache keeps the support "
-                                    "checks, and on Neuron the NEFFs)")
+def test_deploy_refuses_a_generate_model_for_now(llm_yaml):
     deployed = _cli("deploy", llm_yaml)
     assert deployed.returncode == 2
     assert deployed.stderr.strip().endswith("error: tiny-llm: task: generate models are not served over HTTP yet; run "
                                             "them in Python with neuron_serve.generation.build_engine (see the README)")
+
+
+def test_a_built_artifact_generates_as_the_model_does(llm_yaml, tmp_path):
+    out = tmp_path / "built"
+    built = _cli("build", llm_yaml, "-o", out)
+    assert built.returncode == 0, built.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["bucket_0", "bucket_1", "bucket_2", "bucket_3", "manifest.json",
+                                                    "manifest.sha256", "model.yaml", "states.pt"]
+    config, folder = load_deployment(out)
+    assert config.model.artifact == "." and config.generation.max_num_seqs == 4
+    engine = build_engine(config, folder)  # compiles the saved programs; no transformers model is built
+    try:
+        lm = tiny_llama.build()
+        prompts = [[5, 9, 200, 17], list(range(40, 70))]
+        done = engine.generate_batch(prompts, SamplingParams(max_tokens=8, temperature=0), timeout=120)
+        assert [d.tokens for d in done] == [gm.eager_greedy(lm, p, 8) for p in prompts]
+    finally:
+        engine.close()
+    # Another model.yaml serving the artifact with other buckets is refused, naming the field.
+    other = tmp_path / "other.yaml"
+    other.write_text("name: tiny-llm\ntask: generate\nmodel:\n  artifact: built\ngeneration:\n  max_num_seqs: 8\n")
+    changed, folder = load_deployment(other)
+    with pytest.raises(ArtifactError, match=rf"^generation\.max_num_seqs: {out} was built with max_num_seqs 4, but "
+                                            r"this model.yaml asks for 8; rebuild the artifact from this model.yaml "
+                                            r"or remove generation\.max_num_seqs\.$"):
+        build_engine(changed, folder)
 
 
 def test_a_warm_start_takes_every_support_decision_from_the_compile_cache(fresh_cache):

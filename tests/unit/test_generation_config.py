@@ -21,8 +21,6 @@ INFER = {"name": "mlp", "model": {"factory": "example_models.mlp:build"},
          "inputs": [{"name": "x", "shape": [32, 784], "dtype": "float32"}]}
 SMALL = {"max_model_len": 32, "prefill_buckets": [8, 32], "decode_batch_buckets": [2],
          "decode_context_buckets": [32], "max_num_seqs": 2}
-FIX_ARTIFACT = ("model.artifact: neuron-serve build artifacts of task: generate are not supported yet; use "
-                "model.factory or model.pretrained")
 
 
 def with_(base: dict, **changes) -> dict:
@@ -36,7 +34,6 @@ def without(base: dict, key: str) -> dict:
 
 
 REFUSED = [
-    ("artifact with task generate", with_(GENERATE, model={"artifact": "built"}), FIX_ARTIFACT),
     ("generation with task infer", with_(INFER, generation={"max_num_seqs": 4}),
      "generation: applies to task: generate; set task: generate or remove generation"),
     ("tokenizer with task infer", with_(INFER, tokenizer="tok"),

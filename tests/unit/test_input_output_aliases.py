@@ -7,7 +7,7 @@ import torch_xla.debug.metrics as metrics
 import neuron_serve
 from example_models import kv_decoder as kd
 from neuron_serve.compile.subgraph import CompiledSubgraph
-from neuron_serve.errors import ArtifactError, ConfigError
+from neuron_serve.errors import ConfigError
 
 TOLERANCE = 1e-4
 
@@ -144,14 +144,28 @@ def test_a_state_read_on_cpu_is_refused():
                            partitioner_config=config)
 
 
-def test_what_cannot_hold_state_is_refused(traced_accumulator, tmp_path):
+def test_a_stateful_model_is_saved_with_its_state_and_keeps_it_on_the_core(tmp_path):
+    model = _accumulator()
+    traced = neuron_serve.trace(model, torch.rand(2, 4), input_output_aliases={model.total: 1})
+    x = torch.rand(2, 4)
+    traced(x)
+    traced(x)  # the state has moved on from its initial value
+    neuron_serve.save(traced, tmp_path / "artifact")
+    loaded = neuron_serve.load(tmp_path / "artifact")
+    torch.testing.assert_close(loaded.states[0].cpu(), traced.states[0].cpu(), rtol=0, atol=0)
+    for _ in range(3):
+        want, got = traced(x), loaded(x)
+        torch.testing.assert_close(got[0], want[0], rtol=TOLERANCE, atol=TOLERANCE)
+        assert got[1].device.type == "xla"  # the new state, on the core
+        torch.testing.assert_close(got[1].cpu(), want[1].cpu(), rtol=TOLERANCE, atol=TOLERANCE)
+
+
+def test_what_cannot_hold_state_is_refused(traced_accumulator):
     model, traced = traced_accumulator
     with pytest.raises(ConfigError, match="cannot be combined with batch_sizes"):
         neuron_serve.trace(model, torch.rand(2, 4), input_output_aliases={model.total: 1}, batch_sizes=[1, 2])
     with pytest.raises(ConfigError, match="dynamic_batch\\(\\) cannot chunk a model with input_output_aliases"):
         neuron_serve.dynamic_batch(traced)
-    with pytest.raises(ArtifactError, match="input_output_aliases \\(state on the core\\) cannot be saved"):
-        neuron_serve.save(traced, tmp_path / "artifact")
     from neuron_serve.runtime.runner import ModelRunner
 
     with pytest.raises(ConfigError, match="cannot be served yet; call the traced model in process"):

@@ -1,0 +1,51 @@
+"""``neuron-serve build`` of a task: generate model: its compiled models, buckets and tokenizer.
+
+The artifact is a neuron-serve artifact (see neuron_serve.artifact) of every prefill and
+decode model, sharing one state (the cache, saved empty), plus in its manifest the
+buckets, vocabulary size and EOS ids the engine needs, and the tokenizer's files under
+``tokenizer/``. Loading compiles the models again for the core (through the compile
+cache) without the transformers model or its Python code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .. import artifact
+from ..errors import ArtifactError
+from ..model import CompiledModel
+from .buckets import GenerationBuckets
+from .model import GenerationModel
+
+TOKENIZER_DIR = "tokenizer"
+
+
+def save_generation(model: GenerationModel, path: str | Path, *, eos_token_ids: list[int], tokenizer: Any = None,
+                    config: dict | None = None, source: str | None = None) -> Path:
+    """Write ``model`` to directory ``path``; ``config`` is the model.yaml that serves it from there."""
+    model.reset()  # the cache is saved empty: slots hold nothing across a restart
+    # The engine picks buckets itself, so the models are stored without the bucket kernel (Python code).
+    stored = CompiledModel(list(model.compiled.buckets))
+    extra = {"generation": {**model.buckets.describe(), "vocab_size": model.vocab_size,
+                            "eos_token_ids": list(eos_token_ids), "tokenizer": tokenizer is not None}}
+
+    def add_tokenizer(root: Path) -> None:
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(root / TOKENIZER_DIR))
+
+    return artifact.save(stored, path, config=config, source=source, extra=extra, add_files=add_tokenizer)
+
+
+def load_generation(path: str | Path) -> tuple[GenerationModel, list[int], str | None]:
+    """The compiled models of an artifact written by :func:`save_generation`, its EOS ids and tokenizer folder."""
+    root = Path(path)
+    described = artifact.read_manifest(root).get("extra", {}).get("generation")
+    if described is None:
+        raise ArtifactError(f"artifact {root} holds a task: infer model; serve it with task: infer, or build the "
+                            f"generate model.yaml again.")
+    compiled = artifact.load(root)
+    buckets = GenerationBuckets(described["max_num_seqs"], described["max_model_len"], described["prefill_buckets"],
+                                described["decode_batch_buckets"], described["decode_context_buckets"])
+    tokenizer = str(root / TOKENIZER_DIR) if described["tokenizer"] else None
+    return GenerationModel(compiled, buckets, described["vocab_size"]), described["eos_token_ids"], tokenizer
