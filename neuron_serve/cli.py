@@ -68,10 +68,15 @@ def _analyze(args: argparse.Namespace) -> int:
                             args.pipeline_mode or placed.balance_mode, prefix=ACCEL_PREFIX)
         print(stages.describe(), file=sys.stderr)
         report["pipeline"] = stages.to_dict()
+    return _print_report(report, args.json)
+
+
+def _print_report(report: dict, path: str | None) -> int:
+    """The analyze report as JSON, to ``path`` (--json) or stdout."""
     text = json.dumps(report, indent=2)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
-        print(f"wrote {args.json}", file=sys.stderr)
+    if path:
+        Path(path).write_text(text + "\n")
+        print(f"wrote {path}", file=sys.stderr)
     else:
         print(text)
     return 0
@@ -84,13 +89,7 @@ def _analyze_generation(args: argparse.Namespace, config, base_dir: Path) -> int
         print("error: --html, --report-json and --pipeline-cores apply to task: infer models; a task: generate "
               "model's analysis is the JSON report of its prefill and decode forms", file=sys.stderr)
         return 2
-    text = json.dumps(analyze_generation(config, base_dir), indent=2)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
-        print(f"wrote {args.json}", file=sys.stderr)
-    else:
-        print(text)
-    return 0
+    return _print_report(analyze_generation(config, base_dir), args.json)
 
 
 def _build(args: argparse.Namespace) -> int:
