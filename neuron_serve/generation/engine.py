@@ -181,7 +181,8 @@ class Engine(Streams):
         self.tokenizer = tokenizer
         self.name = name
         budget = max_num_batched_tokens or default_budget(model.max_model_len)
-        self.scheduler = Scheduler(model.slots, budget, max_waiting)
+        self.scheduler = Scheduler(model.slots, budget)
+        self.max_waiting = max_waiting
         self.metrics = _Metrics(name, replica)
         self.device = device
         self._lock = threading.Lock()
@@ -204,7 +205,7 @@ class Engine(Streams):
             if self._stopping:
                 raise Overloaded("the generation engine is stopping; retry on another replica.")
             waiting = len(self.scheduler.waiting) + len(self._inbox)
-            if waiting >= self.scheduler.max_waiting:
+            if waiting >= self.max_waiting:
                 raise Overloaded(f"the generation queue is full ({waiting} requests waiting); retry later.")
             rid = request_id if request_id is not None else f"gen-{next(self._ids)}"
             if rid in self._by_id:
@@ -278,7 +279,7 @@ class Engine(Streams):
                 arrived, self._inbox = self._inbox, []
                 aborted, self._aborts = self._aborts, set()
             for seq in arrived:
-                self.scheduler.waiting.append(seq)  # the bound was checked at submit
+                self.scheduler.add(seq)
             try:
                 self.step(aborted)
             except Exception as exc:  # a failed call fails its sequences, never the engine

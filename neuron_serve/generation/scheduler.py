@@ -31,7 +31,6 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import Overloaded
 from .sampling import SamplingParams
 
 
@@ -72,19 +71,17 @@ def default_budget(max_model_len: int) -> int:
 class Scheduler:
     """Waiting queue, running set and free slots; see the module docstring for the policy."""
 
-    def __init__(self, slots: int, max_num_batched_tokens: int, max_waiting: int) -> None:
+    def __init__(self, slots: int, max_num_batched_tokens: int) -> None:
         # A heap: the lowest free slot is handed out first, so running sequences stay in the
         # low slots and a decode call (which covers slots 0 to the highest running) stays small.
         self.free = list(range(slots))
         self.slots = slots
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_waiting = max_waiting
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}
 
     def add(self, seq: Sequence) -> None:
-        if len(self.waiting) >= self.max_waiting:
-            raise Overloaded(f"the generation queue is full ({self.max_waiting} requests waiting); retry later.")
+        """Queue ``seq`` (the engine bounds the queue when a request is submitted)."""
         self.waiting.append(seq)
 
     def admit(self) -> list[Sequence]:

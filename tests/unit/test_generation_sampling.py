@@ -1,0 +1,85 @@
+"""The sampler and the scheduler on their own: no model, no core."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from neuron_serve.errors import InvalidInput
+from neuron_serve.generation.sampling import SamplingParams, generator_for, sample_row
+from neuron_serve.generation.scheduler import Scheduler, Sequence
+
+LOGITS = torch.tensor([2.0, 1.0, 0.5, -1.0, 3.0, 0.0])
+
+
+def draws(params: SamplingParams, n: int = 200, prompt=(), output=()) -> set[int]:
+    generator = generator_for(params)
+    return {sample_row(LOGITS, params, list(prompt), list(output), generator).token for _ in range(n)}
+
+
+def test_greedy_takes_the_largest_logit():
+    assert sample_row(LOGITS, SamplingParams(temperature=0), [], [], None).token == 4
+
+
+def test_top_k_and_top_p_keep_only_the_likeliest_tokens():
+    assert draws(SamplingParams(temperature=1.0, top_k=1, seed=0)) == {4}
+    assert draws(SamplingParams(temperature=1.0, top_k=2, seed=0)) == {4, 0}
+    # p(4) = 0.61, p(0) = 0.22: top_p 0.5 keeps token 4 alone, 0.7 adds token 0.
+    assert draws(SamplingParams(temperature=1.0, top_p=0.5, seed=0)) == {4}
+    assert draws(SamplingParams(temperature=1.0, top_p=0.7, seed=0)) == {4, 0}
+    assert len(draws(SamplingParams(temperature=5.0, seed=0))) == len(LOGITS)  # a hot draw reaches every token
+
+
+def test_a_seed_repeats_its_draws():
+    params = SamplingParams(temperature=1.5, seed=42)
+    first, second = generator_for(params), generator_for(params)
+    assert [sample_row(LOGITS, params, [], [], first).token for _ in range(20)] == \
+           [sample_row(LOGITS, params, [], [], second).token for _ in range(20)]
+
+
+def test_penalties_move_the_choice_off_repeated_tokens():
+    # Token 4 leads token 0 by 1.0: a repetition penalty of 2 (3.0 -> 1.5) or a frequency
+    # penalty of 0.6 for two occurrences puts token 0 first.
+    assert sample_row(LOGITS, SamplingParams(temperature=0, repetition_penalty=2.0), [4], [], None).token == 0
+    assert sample_row(LOGITS, SamplingParams(temperature=0, frequency_penalty=0.6), [], [4, 4], None).token == 0
+    assert sample_row(LOGITS, SamplingParams(temperature=0, frequency_penalty=0.6), [], [4], None).token == 4
+    assert sample_row(LOGITS, SamplingParams(temperature=0, presence_penalty=1.5), [], [4], None).token == 0
+
+
+def test_logprobs_are_the_models_own():
+    expected = torch.log_softmax(LOGITS, -1)
+    chosen = sample_row(LOGITS, SamplingParams(temperature=0, logprobs=3, repetition_penalty=2.0), [4], [], None)
+    assert chosen.token == 0  # chosen under the penalty...
+    assert chosen.logprob == pytest.approx(float(expected[0]))  # ...reported as the model gave it
+    assert [t for t, _ in chosen.top] == [4, 0, 1]
+    assert [v for _, v in chosen.top] == pytest.approx([float(expected[i]) for i in (4, 0, 1)])
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("max_tokens", 0, "max_tokens must be an integer >= 1, or None (until the context is full), got 0."),
+    ("top_p", 0.0, "top_p must be in (0, 1], got 0.0."),
+    ("top_k", -1, "top_k must be an integer >= 0 (0: no limit), got -1."),
+    ("presence_penalty", 3.0, "presence_penalty must be in [-2, 2], got 3.0."),
+    ("logprobs", 21, "logprobs must be in [0, 20], got 21."),
+])
+def test_bad_parameters_are_refused_by_name(field, value, message):
+    with pytest.raises(InvalidInput) as refused:
+        SamplingParams(**{field: value})
+    assert str(refused.value) == message
+
+
+def _seq(name: str, prompt_len: int) -> Sequence:
+    return Sequence(name, [1] * prompt_len, SamplingParams(), lambda event: None)
+
+
+def test_the_scheduler_prefills_under_the_token_budget_and_fills_the_lowest_slots():
+    scheduler = Scheduler(slots=4, max_num_batched_tokens=100)
+    for name, length in [("a", 150), ("b", 40), ("c", 30), ("d", 50)]:
+        scheduler.add(_seq(name, length))
+    # The first waiting prompt always goes, even past the budget; then nothing more this step.
+    assert [(s.request_id, s.slot) for s in scheduler.admit()] == [("a", 0)]
+    assert [(s.request_id, s.slot) for s in scheduler.admit()] == [("b", 1), ("c", 2)]  # 70 of 100 tokens
+    first = scheduler.running[0]
+    scheduler.release(first)
+    assert [(s.request_id, s.slot) for s in scheduler.admit()] == [("d", 0)]  # the freed low slot
+    assert [s.request_id for s in scheduler.decoding()] == ["d", "b", "c"]
