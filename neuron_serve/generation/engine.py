@@ -25,13 +25,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Sequence as Seq
 
-import torch
-
 from .. import metrics
 from ..errors import InvalidInput, Overloaded
 from ..targets.pjrt import use_device
-from .model import GenerationModel, Shape
-from .sampling import SamplingParams, Sampled, generator_for, greedy_rows, sample_row
+from .model import GenerationModel, Shape, StepOutput
+from .sampling import SamplingParams, Sampled, generator_for, sample_row
 from .scheduler import Scheduler, Sequence, default_budget
 
 logger = logging.getLogger("neuron_serve")
@@ -295,24 +293,28 @@ class Engine(Streams):
                 self._finish(seq, "abort")
         for seq in self.scheduler.admit():
             started = time.perf_counter()
-            logits, shape = self.model.prefill(seq.prompt, seq.slot)
+            out, shape = self.model.prefill(seq.prompt, seq.slot)
             self.metrics.step(shape).observe(time.perf_counter() - started)
             self.metrics.prompt_tokens.inc(len(seq.prompt))
-            self._append(seq, self._sample(seq, logits))
+            self._choose([seq], out)
         running = self.scheduler.decoding()
         if running:
             started = time.perf_counter()
-            logits, shape = self.model.decode([s.output[-1] for s in running], [s.position for s in running],
-                                              [s.slot for s in running])
+            out, shape = self.model.decode([s.output[-1] for s in running], [s.position for s in running],
+                                           [s.slot for s in running])
             self.metrics.step(shape).observe(time.perf_counter() - started)
-            per_row = [not (s.params.greedy and s.params.logprobs is None and not s.params.penalized) for s in running]
-            tokens = greedy_rows(logits) if not any(per_row) else None
-            for i, seq in enumerate(running):
-                self._append(seq, Sampled(tokens[i]) if tokens is not None else self._sample(seq, logits[i]))
+            self._choose(running, out)
         self._gauges()
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> Sampled:
-        return sample_row(logits, seq.params, seq.prompt, seq.output, seq.generator)
+    def _choose(self, seqs: list[Sequence], out: StepOutput) -> None:
+        """Each sequence's next token: the core's greedy choice, or sampled here from the logits."""
+        if all(s.params.greedy and s.params.logprobs is None and not s.params.penalized for s in seqs):
+            for seq, token in zip(seqs, out.greedy):
+                self._append(seq, Sampled(token))
+            return
+        logits = out.logits
+        for seq, row in zip(seqs, logits):
+            self._append(seq, sample_row(row, seq.params, seq.prompt, seq.output, seq.generator))
 
     def _append(self, seq: Sequence, sampled: Sampled) -> None:
         now = time.perf_counter()

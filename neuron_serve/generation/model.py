@@ -9,8 +9,9 @@ any model, so an operator the accelerator cannot run around the cache is refused
 naming it.
 
 :class:`GenerationModel` is what the engine calls: ``prefill`` one prompt into a slot,
-``decode`` one token for each of a set of running sequences, each returning logits on
-the host while the cache stays on the core.
+``decode`` one token for each of a set of running sequences. Each call leaves the cache and
+the logits on the core and brings home one greedy token per row; the logits cross only
+for a row that samples, penalizes or asks for logprobs.
 """
 
 from __future__ import annotations
@@ -68,6 +69,37 @@ def _example(shape: Shape) -> tuple[torch.Tensor, ...]:
     return tokens, positions, slots, last
 
 
+class StepOutput:
+    """One compiled call's rows: their greedy tokens (on the host) and their logits (on the core until asked for)."""
+
+    def __init__(self, logits: torch.Tensor, greedy: torch.Tensor, index: torch.Tensor | None = None) -> None:
+        self._logits = logits
+        self._greedy = greedy
+        self._index = index
+
+    def rows(self, index: torch.Tensor) -> "StepOutput":
+        """The same output, for rows ``index`` only, in that order."""
+        return StepOutput(self._logits, self._greedy, index)
+
+    @property
+    def greedy(self) -> list[int]:
+        """Each row's argmax, chosen on the core."""
+        return self._greedy[self._index].tolist()
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """Each row's logits (rows, vocab), copied to the host: for sampling, penalties and logprobs."""
+        return self._logits.cpu()[self._index]
+
+
+def _keep_logits_on_core(bucket: Bucket) -> None:
+    """Leave output 0 (the logits) of ``bucket``'s compiled call on the core: only what is asked for crosses."""
+    gm = bucket.graph_module
+    logits = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0][0]
+    call, index = (logits.args[0], logits.args[1]) if logits.op == "call_function" else (logits, 0)
+    gm.get_submodule(call.target).keep_on_device.add(index)
+
+
 class GenerationModel:
     """The compiled prefill and decode models of one causal LM and the cache they share on the core."""
 
@@ -77,6 +109,8 @@ class GenerationModel:
         self.shapes = shapes_of(buckets)
         self.vocab_size = vocab_size
         self._index = {s: i for i, s in enumerate(self.shapes)}
+        for bucket in compiled.buckets:
+            _keep_logits_on_core(bucket)
 
     @property
     def slots(self) -> int:
@@ -102,9 +136,9 @@ class GenerationModel:
         """Empty the cache (every slot), on the core."""
         self.compiled.load_states([torch.zeros_like(t, device="cpu") for t in self.compiled.states])
 
-    def _run(self, shape: Shape, tokens, positions, slots, last) -> torch.Tensor:
+    def _run(self, shape: Shape, tokens, positions, slots, last) -> "StepOutput":
         outputs = self.compiled.buckets[self._index[shape]].run_flat([tokens, positions, slots, last])
-        return outputs[0]
+        return StepOutput(outputs[0], outputs[1])
 
     def prefill_shape(self, length: int) -> Shape:
         lengths = self.buckets.prefill
@@ -120,21 +154,21 @@ class GenerationModel:
             raise InvalidInput(f"no decode bucket holds {rows} sequences at {context} positions.")
         return Shape("decode", self.buckets.decode_rows[b], 1, self.buckets.decode_context[c])
 
-    def prefill(self, prompt: Sequence[int], slot: int) -> tuple[torch.Tensor, Shape]:
-        """Write ``prompt`` (token ids) into ``slot``; the logits of its last token (vocab,) and the bucket run."""
+    def prefill(self, prompt: Sequence[int], slot: int) -> tuple["StepOutput", Shape]:
+        """Write ``prompt`` (token ids) into ``slot``; the output at its last token (one row) and the bucket run."""
         shape = self.prefill_shape(len(prompt))
         tokens = torch.zeros(1, shape.tokens, dtype=torch.long)
         tokens[0, :len(prompt)] = torch.as_tensor(prompt, dtype=torch.long)
         positions = torch.arange(shape.tokens)[None]
         last = torch.tensor([[len(prompt) - 1]])
-        return self._run(shape, tokens, positions, torch.tensor([slot]), last)[0], shape
+        return self._run(shape, tokens, positions, torch.tensor([slot]), last).rows(torch.tensor([0])), shape
 
-    def decode(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> tuple[torch.Tensor, Shape]:
+    def decode(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> tuple["StepOutput", Shape]:
         """One token for each running sequence (its last token, at its position, in its slot).
 
         Row r of the call is slot r, so the call covers slots 0 to the highest running one;
         a free slot among them gets token 0 at position 0 (it writes only there). Returns the
-        logits of each sequence, in the order given (rows, vocab), and the bucket run.
+        output of each sequence, in the order given, and the bucket run.
         """
         shape = self.decode_shape(max(slots) + 1, max(positions) + 1)
         tokens_t = torch.zeros(shape.rows, 1, dtype=torch.long)
@@ -144,7 +178,7 @@ class GenerationModel:
         positions_t[index, 0] = torch.as_tensor(positions, dtype=torch.long)
         rows = torch.arange(shape.rows, dtype=torch.long)
         last = torch.zeros(shape.rows, 1, dtype=torch.long)
-        return self._run(shape, tokens_t, positions_t, rows, last)[index], shape
+        return self._run(shape, tokens_t, positions_t, rows, last).rows(index), shape
 
 
 def _bucket_on(bucket: Bucket, device, cache: DeviceState) -> Bucket:

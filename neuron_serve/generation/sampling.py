@@ -121,11 +121,6 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, prompt: list[int], 
     return Sampled(token, float(logprobs[token]), top)
 
 
-def greedy_rows(logits: torch.Tensor) -> list[int]:
-    """The argmax of every row at once: the common case, without a per-row loop."""
-    return logits.argmax(-1).tolist()
-
-
 def generator_for(params: SamplingParams) -> torch.Generator | None:
     """A request's own random stream: seeded when it asks, else from torch's global one."""
     if params.greedy:

@@ -81,8 +81,8 @@ class SlotLM(torch.nn.Module):
     """``lm`` with a slot KV cache as buffers ``k_0, v_0, k_1, ...``; see the module docstring.
 
     ``forward(tokens (rows, T), positions (rows, T), slots (rows,), last (rows, 1))`` returns
-    ``(logits (rows, vocab), k_0, v_0, ...)``: the logits at each row's ``last`` token
-    and the new caches (the aliased outputs 1, 2, ...). Each token sees the positions
+    ``(logits (rows, vocab), greedy (rows,), k_0, v_0, ...)``: the logits at each row's
+    ``last`` token, their argmax, and the new caches (the aliased outputs 2, 3, ...). Each token sees the positions
     up to its own (a 4D additive mask), so what a slot held before, or a padded prompt
     wrote past its end, is never read before it is overwritten. The new keys and values
     are written into the whole cache, in place on the core (the executable aliases it).
@@ -106,8 +106,8 @@ class SlotLM(torch.nn.Module):
         return [getattr(self, f"{kind}_{i}") for i in range(self.layers) for kind in ("k", "v")]
 
     def aliases(self) -> dict:
-        """input_output_aliases: cache k is updated from output 1 + k (output 0 is the logits)."""
-        return {cache: 1 + i for i, cache in enumerate(self.caches())}
+        """input_output_aliases: cache k is updated from output 2 + k (outputs 0 and 1: logits, greedy tokens)."""
+        return {cache: 2 + i for i, cache in enumerate(self.caches())}
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, last: torch.Tensor):
         caches = self.caches()
@@ -123,4 +123,6 @@ class SlotLM(torch.nn.Module):
         out = self.lm(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
                       logits_to_keep=last, **{self.kwarg: cache})
         new = [t for pair in zip(cache.keys, cache.values) for t in pair]
-        return (out.logits[:, 0], *new)
+        logits = out.logits[:, 0]
+        # Greedy choice on the core: a batch of greedy rows takes home one id a row, not the logits.
+        return (logits, logits.argmax(-1), *new)

@@ -81,19 +81,26 @@ def _transferred() -> float:
 
 
 def test_the_cache_never_leaves_the_core_during_decode(llama):
+    """Per decode step only tokens and positions go in and one greedy id a row comes out; the logits cross
+    only when a row asks for them."""
     _, engine = llama
     model = engine.model
     smallest_cache = min(t.numel() * t.element_size() for t in model.compiled.states)
-    model.decode([1, 2], [3, 4], [0, 1])  # warm-up
+    model.decode([1, 2], [3, 4], [0, 1])[0].greedy  # warm-up
     before = _transferred()
     steps = 50
     for i in range(steps):
-        logits, shape = model.decode([1, 2], [5 + i % 10, 6], [0, 1])
+        out, shape = model.decode([1, 2], [5 + i % 10, 6], [0, 1])
+        assert len(out.greedy) == 2
     per_step = (_transferred() - before) / steps
-    # In: tokens, positions, last (int64 per row; a decode row is its slot); out: the logits (float32 per row).
-    expected = shape.rows * 8 * 3 + shape.rows * gm.VOCAB * 4
-    assert per_step == expected, (per_step, expected)
+    # In: tokens, positions, last (int64 per row; a decode row is its slot); out: the greedy ids (int64 per row).
+    assert per_step == shape.rows * 8 * 3 + shape.rows * 8, per_step
     assert per_step < smallest_cache  # not even one layer's keys crossed
+    before = _transferred()
+    out, shape = model.decode([1, 2], [5, 6], [0, 1])
+    assert out.logits.shape == (2, gm.VOCAB)
+    # The same step's transfers and the logits, asked for.
+    assert _transferred() - before == shape.rows * 8 * 3 + shape.rows * 8 + shape.rows * gm.VOCAB * 4
 
 
 def test_each_ending_has_its_finish_reason(llama):
