@@ -20,8 +20,10 @@ logger = logging.getLogger("neuron_serve")
 class BuildProgress:
     """Progress of one model build over its buckets and their subgraphs."""
 
-    def __init__(self, model: str, buckets: int, *, batch_sizes: int = 1, tty: bool | None = None) -> None:
+    def __init__(self, model: str, buckets: int, *, batch_sizes: int = 1, tty: bool | None = None,
+                 labels: list[str] | None = None) -> None:
         self.model = model
+        self.labels = labels  # a name per shape bucket (a generation model's prefill_32, decode_4x128, ...)
         self.shape_buckets = buckets
         self.batch_sizes = batch_sizes
         self.buckets = buckets * batch_sizes  # one step per shape bucket and compiled batch size
@@ -35,8 +37,10 @@ class BuildProgress:
             self._bar = tqdm(total=self.buckets, desc=f"compiling {model}", unit="bucket", file=sys.stderr, leave=True)
 
     def bucket_label(self) -> str:
-        label = (f"bucket {self.bucket // self.batch_sizes + 1}/{self.shape_buckets}"
-                 if self.shape_buckets > 1 else "model")
+        index = self.bucket // self.batch_sizes
+        label = f"bucket {index + 1}/{self.shape_buckets}" if self.shape_buckets > 1 else "model"
+        if self.labels is not None and index < len(self.labels):
+            label += f" ({self.labels[index]})"
         return label if self.batch is None else f"{label} (batch {self.batch})"
 
     @contextlib.contextmanager

@@ -225,7 +225,7 @@ def compile_generation(lm: torch.nn.Module, buckets: GenerationBuckets, *, targe
                                func_kwargs=[{"context": s.context if s.kind == "decode" else None} for s in shapes])
     name = type(lm).__name__
     try:
-        with progress.reporting(progress.BuildProgress(name, len(shapes))):
+        with progress.reporting(progress.BuildProgress(name, len(shapes), labels=[s.label for s in shapes])):
             compiled = bucket_model_trace(func, [_example(s) for s in shapes], config, compiler_workdir,
                                           compiler_args, target=target)
     except UnsupportedModelError as exc:

@@ -65,6 +65,8 @@ def test_a_built_artifact_generates_as_the_model_does(llm_yaml, tmp_path):
     out = tmp_path / "built"
     built = _cli("build", llm_yaml, "-o", out)
     assert built.returncode == 0, built.stderr
+    assert "compiled LlamaForCausalLM bucket 1/4 (prefill_32): subgraph accel_0 (1/1)" in built.stderr
+    assert "compiled LlamaForCausalLM bucket 4/4 (decode_4x64): subgraph accel_0 (1/1)" in built.stderr
     assert sorted(p.name for p in out.iterdir()) == ["bucket_0", "bucket_1", "bucket_2", "bucket_3", "manifest.json",
                                                     "manifest.sha256", "model.yaml", "states.pt"]
     config, folder = load_deployment(out)
