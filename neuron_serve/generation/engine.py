@@ -162,7 +162,6 @@ class Streams(abc.ABC):
         return [r for r in results if r is not None]
 
 
-
 class Engine(Streams):
     """Continuous batching over ``model``'s KV-cache slots; see the module docstring.
 
