@@ -31,6 +31,7 @@ from ..targets.pjrt import use_device
 from .model import GenerationModel, Shape, StepOutput
 from .sampling import SamplingParams, Sampled, generator_for, sample_row
 from .scheduler import Scheduler, Sequence, default_budget
+from .text import IncrementalText
 
 logger = logging.getLogger("neuron_serve")
 
@@ -207,7 +208,8 @@ class Engine(Streams):
             rid = request_id if request_id is not None else f"gen-{next(self._ids)}"
             if rid in self._by_id:
                 raise InvalidInput(f"request id {rid!r} is already running; give each request its own id.")
-            seq = Sequence(rid, prompt, params, sink, generator=generator_for(params))
+            seq = Sequence(rid, prompt, params, sink, generator=generator_for(params),
+                           text=IncrementalText(self.tokenizer, params.stop) if params.stop else None)
             self._by_id[rid] = seq
             self._inbox.append(seq)
             self._wake.notify()
@@ -339,14 +341,10 @@ class Engine(Streams):
             return "stop", token
         if token in self.eos_token_ids and not params.ignore_eos:
             return "stop", token
-        if params.stop:
-            # A trailing U+FFFD is a character whose bytes have not all been generated yet: not text to match.
-            seq.text = self.tokenizer.decode(seq.output).rstrip("\ufffd")
-            hits = [(seq.text.find(s), s) for s in params.stop if s in seq.text]
-            if hits:
-                at, stop = min(hits)
-                seq.text = seq.text[:at]
-                return "stop", stop
+        if seq.text is not None:
+            seq.text.add(token)
+            if seq.text.stopped is not None:
+                return "stop", seq.text.stopped
         if (params.max_tokens is not None and len(seq.output) >= params.max_tokens) \
                 or seq.length >= self.model.max_model_len:
             return "length", None
@@ -361,8 +359,8 @@ class Engine(Streams):
         event = event or TokenEvent(seq.request_id, None, prompt_tokens=len(seq.prompt),
                                     completion_tokens=len(seq.output))
         event.finish_reason, event.stop_reason, event.error = reason, stop, error
-        if seq.params.stop:
-            event.text = seq.text
+        if seq.text is not None:
+            event.text = seq.text.text
         self.metrics.finished(reason).inc()
         self.metrics.e2e.observe(time.perf_counter() - seq.arrival)
         self._emit(seq, event)

@@ -50,7 +50,7 @@ class Sequence:
     stop_reason: int | str | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
-    text: str = ""  # the output decoded, when stop strings are watched
+    text: Any = None  # the output's IncrementalText, when stop strings are watched
 
     @property
     def length(self) -> int:

@@ -1,0 +1,68 @@
+"""Output text as tokens arrive: incremental detokenizing and stop strings, for the engine and the serving edge.
+
+A byte-level tokenizer can split one character over several tokens, so the text of
+the tokens so far may end in an incomplete character (decoded as U+FFFD). Text is
+released only up to the last complete character, and, while stop strings are
+watched, never the tail that could still become the start of one: a client streaming
+the deltas sees the same text as one reading the final result, never a stop string,
+and never half a character.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalText:
+    """The text of one sequence's output tokens, released in deltas.
+
+    ``add(token)`` returns the newly released text; ``stopped`` holds the stop string
+    found (the text then ends before it) and ``finish()`` releases what was held back
+    once the sequence has ended for another reason.
+    """
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(s for s in stop if s)
+        self.tokens: list[int] = []
+        self.text = ""  # every complete character so far (cut before a stop string once one is found)
+        self.released = 0  # characters of ``text`` handed out
+        self.stopped: str | None = None
+
+    def add(self, token: int) -> str:
+        """Take one more output token; the text it releases (possibly empty)."""
+        if self.stopped is not None:
+            return ""
+        self.tokens.append(token)
+        # Decode from the start: merges and byte fallbacks depend on the tokens before.
+        decoded = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        self.text = decoded.rstrip(REPLACEMENT) if decoded.endswith(REPLACEMENT) else decoded
+        found = [(self.text.find(s, max(0, self.released - len(s))), s) for s in self.stop]
+        found = [(at, s) for at, s in found if at >= 0]
+        if found:
+            at, self.stopped = min(found)
+            self.text = self.text[:at]
+            return self._release(len(self.text))
+        return self._release(len(self.text) - self._held())
+
+    def finish(self) -> str:
+        """The text still held back (a possible stop-string start), once the sequence has ended."""
+        return self._release(len(self.text))
+
+    def _held(self) -> int:
+        """Characters at the end of the text that could begin a stop string."""
+        longest = 0
+        for stop in self.stop:
+            for n in range(min(len(stop) - 1, len(self.text)), longest, -1):
+                if self.text.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest
+
+    def _release(self, upto: int) -> str:
+        upto = max(upto, self.released)
+        delta = self.text[self.released:upto]
+        self.released = upto
+        return delta
