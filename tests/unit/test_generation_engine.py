@@ -103,6 +103,15 @@ def test_the_cache_never_leaves_the_core_during_decode(llama):
     assert _transferred() - before == shape.rows * 8 * 3 + shape.rows * 8 + shape.rows * gm.VOCAB * 4
 
 
+def test_many_steps_leave_no_tensor_behind_on_the_core(llama):
+    _, engine = llama
+    live = lambda: xla_metrics.counter_value("CreateXlaTensor") - xla_metrics.counter_value("DestroyXlaTensor")  # noqa: E731
+    engine.generate_batch([prompts()[0]], greedy(4), timeout=60)  # warm-up
+    before = live()
+    engine.generate_batch(prompts()[:4], [greedy(30), greedy(20), greedy(15), greedy(10)], timeout=120)
+    assert live() == before
+
+
 def test_each_ending_has_its_finish_reason(llama):
     lm, engine = llama
     prompt = prompts()[1]
