@@ -13,7 +13,7 @@ KSERVE_VENV  := .venv-kserve
 KSERVE_STAMP := $(KSERVE_VENV)/.installed
 KSERVE_REQS  := tests/integration/kserve-requirements.txt
 
-.PHONY: install serve analyze test kserve-client bench bench-quick soak
+.PHONY: install serve analyze test kserve-client bench bench-quick soak llm-example
 
 # Serving needs only the base dependencies; the tests add their own extra.
 $(STAMP): pyproject.toml
@@ -38,6 +38,12 @@ kserve-client: $(KSERVE_STAMP)
 
 serve: $(STAMP)
 	$(BIN)/neuron-serve deploy $(EXAMPLE)
+
+# The LLM example's model and tokenizer (deployments/llm.yaml), made from local text.
+deployments/llm/config.json: deployments/example_models/make_llm.py | $(STAMP)
+	$(BIN)/python deployments/example_models/make_llm.py deployments/llm
+
+llm-example: deployments/llm/config.json
 
 analyze: $(STAMP)
 	$(BIN)/neuron-serve analyze $(EXAMPLE)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import transformers
 
 import generation_models as gm
 from example_models import tiny_llama
@@ -101,3 +102,26 @@ def test_a_warm_start_takes_every_support_decision_from_the_compile_cache(fresh_
     warm = compile_cache.current()
     compile_generation(gm.build("gpt2"), buckets)
     assert warm.stats["support"].misses == 0 and warm.stats["support"].hits >= cold
+
+
+def test_the_llm_example_is_made_locally_and_generates_as_transformers_does(tmp_path):
+    made = subprocess.run([sys.executable, str(ROOT / "deployments" / "example_models" / "make_llm.py"),
+                           str(tmp_path / "llm")], capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr
+    (tmp_path / "llm.yaml").write_text((ROOT / "deployments" / "llm.yaml").read_text())
+    config, folder = load_deployment(tmp_path / "llm.yaml")
+    group = build_engine(config, folder)
+    try:
+        [engine] = group.engines
+        tokenizer = engine.tokenizer
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What does neuron-serve compile?"}],
+                                               add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert prompt[0] == tokenizer.bos_token_id and prompt[-1] == tokenizer.convert_tokens_to_ids("<|assistant|>")
+        [done] = group.generate_batch([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                                      timeout=120)
+        lm = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "llm", local_files_only=True,
+                                                               attn_implementation="eager")
+        lm.generation_config.eos_token_id = None
+        assert done.tokens == gm.eager_greedy(lm, prompt, 12)
+    finally:
+        group.close()
