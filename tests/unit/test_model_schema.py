@@ -17,7 +17,7 @@ def test_shipped_schema_is_current():
     assert shipped == json_schema(), "regenerate: python -c 'from neuron_serve.config import json_schema' (see README)"
 
 
-@pytest.mark.parametrize("name", ["mlp", "encoder", "convnet"])
+@pytest.mark.parametrize("name", ["mlp", "encoder", "convnet", "llm"])
 def test_examples_validate(name):
     jsonschema.validate(yaml.safe_load((ROOT / "deployments" / f"{name}.yaml").read_text()), json_schema())
 
