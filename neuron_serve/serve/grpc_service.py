@@ -5,7 +5,8 @@ clients name the model inside each message (``model_name``), not in call metadat
 Ray Serve's gRPC proxy, which routes by an ``application`` metadata key, cannot route
 them unchanged; this server reads the name and forwards the call to that model's
 replicas through a Serve handle (``call_model``), where the model's data plane runs it
-through the same checks, limits, batcher and statistics as HTTP (see oip_grpc).
+through the same checks, limits, batcher and statistics as HTTP (the codec is
+``protocols/oip_grpc``: protobuf to tensors, no JSON on the way).
 
 Beside it, ``grpc.health.v1.Health`` answers Kubernetes' gRPC probes: service ``live``
 (or ``""``) is SERVING while the server runs, ``ready`` (or
@@ -29,7 +30,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2 as pb, service_pb2_g
 from .. import __version__
 from ..errors import ModelNotFound, ModelNotReady, NeuronServeError
 from . import auth, triton_ext
-from .oip_grpc import request_to_rest, response_from_rest
+from .protocols import oip_grpc
 
 SERVED_VERSION = "1"  # the one version of each model (dataplane's metadata lists it)
 
@@ -66,14 +67,24 @@ async def replica_call(plane: Any, method: str, payload: bytes) -> tuple:
             return ("ok", plane.triton_config())
         if method == "infer":
             plane.batcher.admit()  # refuse before decoding when the queue is full
-            body, headers = request_to_rest(pb.ModelInferRequest.FromString(payload))
-            content, out_headers = await plane.infer(body, headers)
-            return ("ok", response_from_rest(content, out_headers).SerializeToString())
+            return ("ok", await infer(plane, payload))
         raise NeuronServeError(f"unknown model call {method!r}")
     except NeuronServeError as exc:
         return ("error", exc.http_status, str(exc))
     except Exception as exc:  # a fault of the server or the model: still an answer with a message
         return ("error", 500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+async def infer(plane: Any, payload: bytes) -> bytes:
+    """One serialized ``ModelInferRequest`` through the plane; the serialized answer.
+
+    The message is decoded into tensors over its own bytes and the answer encoded from
+    the output tensors: no other protocol's form is made on the way.
+    """
+    def decode():
+        return oip_grpc.decode_request(pb.ModelInferRequest.FromString(payload), max_elements=plane.max_elements)
+
+    return await plane.handle(decode, lambda response: oip_grpc.encode_response(response).SerializeToString())
 
 
 class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
