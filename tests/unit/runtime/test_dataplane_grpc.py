@@ -50,9 +50,8 @@ def test_raw_contents_reach_the_model_without_json(config, built, eager, monkeyp
         finally:
             await plane.stop()
 
-    (status, raw), json_count, rest_count = asyncio.run(calls())
+    (status, response), json_count, rest_count = asyncio.run(calls())
     assert status == "ok" and (json_count, rest_count) == (0, 0)
-    response = pb.ModelInferResponse.FromString(raw)
     assert (response.id, response.outputs[0].name, list(response.outputs[0].shape)) == ("no-json", "scores", [3, 4])
     got = np.frombuffer(response.raw_output_contents[0], dtype="<f4").reshape(3, 4)
     torch.testing.assert_close(torch.from_numpy(got.copy()), eager(x), atol=TOLERANCE, rtol=TOLERANCE)
