@@ -148,12 +148,21 @@ def _typed_array(tensor: pb.ModelInferRequest.InferInputTensor, shape: tuple[int
     return np.asarray(values, dtype=dtype)
 
 
+_warned = False
+
+
 def _as_tensor(array: np.ndarray, datatype: str, shape: tuple[int, ...]) -> torch.Tensor:
-    with warnings.catch_warnings():
-        # A view of the message's read-only bytes: torch warns once that it could
-        # write there; nothing does (the runtime copies rows when it batches them).
-        warnings.simplefilter("ignore", UserWarning)
+    global _warned
+    if _warned:
         tensor = torch.from_numpy(array)
+    else:
+        with warnings.catch_warnings():
+            # A view of the message's read-only bytes: torch warns, once per process,
+            # that it could write there; nothing does (the runtime copies rows when it
+            # batches them). catch_warnings costs microseconds: only the first time.
+            warnings.simplefilter("ignore", UserWarning)
+            tensor = torch.from_numpy(array)
+        _warned = not array.flags.writeable
     if datatype == "BF16":
         tensor = tensor.view(torch.bfloat16)
     elif datatype == "BOOL":
