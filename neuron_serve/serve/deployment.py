@@ -42,7 +42,10 @@ METRICS_DIR_KEY = "metrics-dir"
 DRAIN_S = 30
 ONGOING_PER_CAPACITY = 8
 # How often the server app checks whether it should listen for gRPC (see Server._hand_over).
-GRPC_HANDOVER_S = 2.0
+GRPC_HANDOVER_S = 0.5
+GRPC_LISTENING_KEY = "grpc-server-app-listening"
+GRPC_RECHECK_S = 2.0
+GRPC_HANDOVER_WAIT_S = 15.0
 
 _MODEL_API = model_app()
 
@@ -147,6 +150,10 @@ class Server:
         elif not on and self._grpc is not None:
             server, self._grpc = self._grpc, None
             await server.stop(grace=5)
+        else:
+            return
+        # For deploy, which says ready only once the models' replicas have the port.
+        internal_kv._internal_kv_put(GRPC_LISTENING_KEY, b"1" if on else b"0", namespace=SERVER_APP)  # noqa: SLF001
 
     async def _hand_over(self) -> None:
         """Listen for gRPC only while no model is ready.
@@ -157,7 +164,9 @@ class Server:
         the port: probes, metadata, and not-found or not-ready for inference.
         """
         while True:
-            await asyncio.sleep(GRPC_HANDOVER_S)
+            # Soon while listening (deploy waits for the hand-over before it says ready);
+            # seldom after, since serve.status costs this replica CPU each time.
+            await asyncio.sleep(GRPC_HANDOVER_S if self._grpc is not None else GRPC_RECHECK_S)
             try:
                 states = await model_states()
                 await self._listen(not any(state == "ready" for state in states.values()))
@@ -323,10 +332,22 @@ def deploy(configs: list[tuple[ModelConfig, str | None]], host: str, port: int, 
         if failed:
             return {n: f"failed: {m}" for n, m in failed.items()}
         if all("RUNNING" in s for s in states.values()):
+            if grpc:
+                _wait_for_grpc_hand_over()
             return {n: "ready" for n in names}
         if time.monotonic() > deadline:
             return {n: s for n, s in states.items()}
         time.sleep(1)
+
+
+def _wait_for_grpc_hand_over() -> None:
+    """Wait until the server app has left the gRPC port to the models' replicas, so that
+    no client connecting after deploy says ready lands on a server about to close."""
+    deadline = time.monotonic() + GRPC_HANDOVER_WAIT_S
+    while time.monotonic() < deadline:
+        if internal_kv._internal_kv_get(GRPC_LISTENING_KEY, namespace=SERVER_APP) == b"0":  # noqa: SLF001
+            return
+        time.sleep(0.2)
 
 
 def build_failure(name: str) -> str:
