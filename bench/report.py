@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .workloads import WORKLOADS
+
 # Targets of the issue: (workload, concurrency, peer, at least this many times its req/s).
 # (workload, concurrency, peer, wanted ratio of requests/s); "fastest-eager" is the best eager peer of that point.
 TARGETS = [
@@ -16,6 +18,9 @@ TARGETS = [
     ("W1", 16, "ray-neuron", 2.0),
     ("W1", 16, "ray-neuron-batch", 2.0),
 ]
+# Each gRPC point of neuron-serve against its HTTP twin (the same request bodies, over
+# wrk) at the same concurrency: at least this ratio of req/s, with a p50 no higher.
+GRPC_TWIN_WANTED = 1.0
 P50_SLACK_MS = 2.0  # at concurrency 1 the p50 must also be within this of the peer's
 EFFICIENCY_POINT, EFFICIENCY_WANTED = ("W1", 64), 0.8
 
@@ -71,6 +76,7 @@ def target_rows(rows: list[dict]) -> list[dict]:
                        "want": want, "ratio": ratio, "met": ratio >= want and p50_ok,
                        "p50_ours": ours["p50_ms"], "p50_theirs": theirs["p50_ms"],
                        "p99_ours": ours["p99_ms"], "p99_theirs": theirs["p99_ms"]})
+    result += grpc_twin_rows(rows)
     ours = find(*EFFICIENCY_POINT, "neuron-serve")
     if ours and ours.get("cores"):
         cores = ours["cores"]
@@ -80,6 +86,25 @@ def target_rows(rows: list[dict]) -> list[dict]:
                        "met": cores["efficiency"] >= EFFICIENCY_WANTED,
                        "p50_ours": ours["p50_ms"], "p50_theirs": float("nan"),
                        "p99_ours": ours["p99_ms"], "p99_theirs": float("nan")})
+    return result
+
+
+def grpc_twin_rows(rows: list[dict]) -> list[dict]:
+    """neuron-serve's gRPC points beside their HTTP twins of the same run: req/s ratio, p50 no higher."""
+    result = []
+    ours = {(r["workload"], r["concurrency"]): r for r in rows
+            if r["server"] == "neuron-serve" and not r.get("skipped")}
+    for (workload, conc), grpc_row in sorted(ours.items()):
+        spec = WORKLOADS.get(workload)
+        http_row = ours.get((spec.bodies, conc)) if spec is not None and spec.grpc else None
+        if http_row is None:
+            continue
+        ratio = grpc_row["rps"] / http_row["rps"] if http_row["rps"] else float("inf")
+        result.append({"target": f"{workload} c{conc} vs its HTTP twin {spec.bodies} (and p50 no higher)",
+                       "want": GRPC_TWIN_WANTED, "ratio": ratio,
+                       "met": ratio >= GRPC_TWIN_WANTED and grpc_row["p50_ms"] <= http_row["p50_ms"],
+                       "p50_ours": grpc_row["p50_ms"], "p50_theirs": http_row["p50_ms"],
+                       "p99_ours": grpc_row["p99_ms"], "p99_theirs": http_row["p99_ms"]})
     return result
 
 

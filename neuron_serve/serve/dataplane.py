@@ -1,7 +1,10 @@
 """The protocol-agnostic data plane of one model: metadata, readiness and inference.
 
-HTTP routes and Ray deployments are thin adapters over this class (as KServe's
-DataPlane), so it is tested with a local model and served by Ray alike.
+It takes a decoded `InferRequest` and answers an `InferResponse` (tensors in, tensors
+out); each protocol is a codec at the edge (``serve/protocols``) whose decode and
+encode `handle` runs around the inference, so that every protocol is timed and
+counted alike. HTTP routes and the gRPC service are thin adapters over this class (as
+KServe's DataPlane), so it is tested with a local model and served by Ray alike.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 
@@ -21,13 +24,14 @@ from ..model import CompiledModel
 from ..runtime.batcher import DynamicBatcher
 from ..runtime.runner import ModelRunner
 from ..targets.pjrt import emulated
-from .oip import check_inputs, encode_infer_response, parse_infer_request
-from .oip_types import TORCH_TO_DATATYPE, TensorSpec
+from .protocols import oip_rest
+from .protocols.infer import TORCH_TO_DATATYPE, InferRequest, InferResponse, TensorSpec, check_inputs, select_outputs
 from . import triton_ext
 from .neuron_monitor import CoreMonitor
 
 logger = logging.getLogger("neuron_serve")
 
+Encoded = TypeVar("Encoded")
 
 
 class ModelDataPlane:
@@ -161,28 +165,30 @@ class ModelDataPlane:
                                        emulated())
 
     async def infer(self, body: bytes, headers: Mapping[str, str]) -> tuple[bytes, dict[str, str]]:
-        """Decode, batch, run and encode one OIP v2 infer request."""
+        """Decode, batch, run and encode one OIP v2 REST infer request (JSON or binary)."""
+        return await self.handle(
+            lambda: oip_rest.parse_infer_request(body, headers, max_elements=self.max_elements, model=self.name),
+            oip_rest.encode_response,
+        )
+
+    async def handle(self, decode: Callable[[], InferRequest],
+                     encode: Callable[[InferResponse], Encoded]) -> Encoded:
+        """One request of any protocol: ``decode`` it, run it, ``encode`` the answer.
+
+        The codec's own work is timed with the request (Triton's compute_input and
+        compute_output), and the request is counted by status whichever step fails.
+        """
         started = time.perf_counter()
         times = triton_ext.RequestTimes(received=started)
         code, rows = "500", 0
         try:
-            request = parse_infer_request(body, headers, max_elements=self.max_elements, model=self.name)
-            tensors = check_inputs(request.inputs, self.inputs)
-            rows = tensors[0].shape[0] if tensors[0].dim() else 1
-            if rows > self.config.batching.max_batch_size:
-                raise InvalidInput(
-                    f"the request has {rows} rows; this model accepts at most "
-                    f"{self.config.batching.max_batch_size} (batching.max_batch_size)."
-                )
+            request = decode()
             times.decoded = time.perf_counter()
-            outputs = await self.batcher.submit((tensors, times), rows=rows)
-            named = list(zip(self.runner.model.output_names, outputs))
-            response = encode_infer_response(
-                model_name=self.name, model_version="1", request_id=request.id, outputs=named, request=request
-            )
+            response, rows = await self._run(request, times)
+            encoded = encode(response)
             code = "200"
             times.answered = time.perf_counter()
-            return response
+            return encoded
         except NeuronServeError as exc:
             code = str(exc.http_status)
             raise
@@ -190,6 +196,20 @@ class ModelDataPlane:
             triton_ext.record(self.name, self.replica, times, code == "200", rows)
             self._child(metrics.REQUESTS, code=code).inc()
             self._latency.observe(time.perf_counter() - started)
+
+    async def _run(self, request: InferRequest, times: triton_ext.RequestTimes) -> tuple[InferResponse, int]:
+        """Check a decoded request against the model, batch and run it; (answer, rows)."""
+        tensors = check_inputs(request.inputs, self.inputs)
+        rows = tensors[0].shape[0] if tensors[0].dim() else 1
+        if rows > self.config.batching.max_batch_size:
+            raise InvalidInput(
+                f"the request has {rows} rows; this model accepts at most "
+                f"{self.config.batching.max_batch_size} (batching.max_batch_size)."
+            )
+        outputs = await self.batcher.submit((tensors, times), rows=rows)
+        named = list(zip(self.runner.model.output_names, outputs))
+        selected = select_outputs(request, named, self.name)
+        return InferResponse(self.name, "1", request.id, selected), rows
 
 
 _current: ModelDataPlane | None = None

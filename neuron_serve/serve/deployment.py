@@ -41,6 +41,11 @@ METRICS_DIR_KEY = "metrics-dir"
 # How long a stopping replica waits for the requests it holds (Serve's graceful shutdown).
 DRAIN_S = 30
 ONGOING_PER_CAPACITY = 8
+# How often the server app checks whether it should listen for gRPC (see Server._hand_over).
+GRPC_HANDOVER_S = 0.5
+GRPC_LISTENING_KEY = "grpc-server-app-listening"
+GRPC_RECHECK_S = 2.0
+GRPC_HANDOVER_WAIT_S = 15.0
 
 _MODEL_API = model_app()
 
@@ -59,7 +64,7 @@ class ModelServer:
     runtime below it take the built model and never import the compiler.
     """
 
-    async def __init__(self, config: dict, base_dir: str | None) -> None:
+    async def __init__(self, config: dict, base_dir: str | None, grpc_options: dict | None = None) -> None:
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
         parsed = parse_config(config)
         auth.configure(auth.resolve_token(parsed))  # before anything can be served
@@ -69,12 +74,28 @@ class ModelServer:
         self.plane = await loop.run_in_executor(None, _build_plane, parsed, base_dir, replica)
         self.plane.start()
         dataplane.set_current(self.plane)
+        self._grpc = None
+        if grpc_options:
+            # gRPC calls for this model run here, with no hop through another replica.
+            self._grpc = await grpc_service.start(grpc_options["host"], grpc_options["port"],
+                                                  grpc_options["max_message_bytes"], model_states,
+                                                  self._call_model, local=parsed.name)
+
+    async def _call_model(self, name: str, method: str, payload) -> tuple:
+        if name == self.plane.name:
+            return await grpc_service.replica_call(self.plane, method, payload)
+        return await call_model(name, method, payload)
 
     async def grpc_call(self, method: str, payload: bytes = b"") -> tuple:
-        """A gRPC call forwarded by the server app (see grpc_service)."""
-        return await grpc_service.replica_call(dataplane.current(), method, payload)
+        """A gRPC call forwarded by another replica's gRPC server (see grpc_service)."""
+        answer = await grpc_service.replica_call(dataplane.current(), method, payload)
+        if answer[0] == "ok" and hasattr(answer[1], "SerializeToString"):
+            return ("ok", answer[1].SerializeToString())
+        return answer
 
     async def __del__(self) -> None:
+        if getattr(self, "_grpc", None) is not None:
+            await self._grpc.stop(grace=5)  # calls in flight finish; new connections go elsewhere
         dataplane.set_current(None)
         plane = getattr(self, "plane", None)  # absent when building failed
         if plane is not None:
@@ -115,11 +136,46 @@ class Server:
     async def __init__(self, grpc_options: dict | None = None) -> None:
         auth.configure(auth.resolve_token(None))
         self._grpc = None
+        self._grpc_options = grpc_options
+        self._watch = None
         if grpc_options:
-            self._grpc = await grpc_service.start(grpc_options["host"], grpc_options["port"],
-                                                  grpc_options["max_message_bytes"], model_states, call_model)
+            await self._listen(True)
+            self._watch = asyncio.get_running_loop().create_task(self._hand_over())
+
+    async def _listen(self, on: bool) -> None:
+        if on and self._grpc is None:
+            options = self._grpc_options
+            self._grpc = await grpc_service.start(options["host"], options["port"], options["max_message_bytes"],
+                                                  model_states, call_model)
+        elif not on and self._grpc is not None:
+            server, self._grpc = self._grpc, None
+            await server.stop(grace=5)
+        else:
+            return
+        # For deploy, which says ready only once the models' replicas have the port.
+        internal_kv._internal_kv_put(GRPC_LISTENING_KEY, b"1" if on else b"0", namespace=SERVER_APP)  # noqa: SLF001
+
+    async def _hand_over(self) -> None:
+        """Listen for gRPC only while no model is ready.
+
+        A ready model's replicas listen on the same port and run its calls themselves;
+        a connection that landed here would take an extra hop (a Serve handle call) for
+        every call. While models build, or when none is left, this replica answers on
+        the port: probes, metadata, and not-found or not-ready for inference.
+        """
+        while True:
+            # Soon while listening (deploy waits for the hand-over before it says ready);
+            # seldom after, since serve.status costs this replica CPU each time.
+            await asyncio.sleep(GRPC_HANDOVER_S if self._grpc is not None else GRPC_RECHECK_S)
+            try:
+                states = await model_states()
+                await self._listen(not any(state == "ready" for state in states.values()))
+            except Exception as exc:  # Serve's controller busy or restarting: ask again later
+                logger.debug("gRPC hand-over check failed: %s", exc)
 
     async def __del__(self) -> None:
+        if getattr(self, "_watch", None) is not None:
+            self._watch.cancel()
         if getattr(self, "_grpc", None) is not None:
             await self._grpc.stop(grace=5)
 
@@ -168,8 +224,9 @@ def max_ongoing_requests(config: ModelConfig) -> int:
     return ONGOING_PER_CAPACITY * (batching.max_queue_size + running)
 
 
-def model_application(config: ModelConfig, base_dir: str | None):
-    """The Serve application of one model, with replica count and resources."""
+def model_application(config: ModelConfig, base_dir: str | None, grpc: dict | None = None):
+    """The Serve application of one model, with replica count and resources; its
+    replicas serve gRPC too when ``grpc`` says where (see grpc_options)."""
     resources = {}
     if ray.cluster_resources().get(NEURON_CORES):
         resources[NEURON_CORES] = config.cores_per_replica
@@ -182,7 +239,7 @@ def model_application(config: ModelConfig, base_dir: str | None):
         options["autoscaling_config"] = config.autoscaling.model_dump()
     else:
         options["num_replicas"] = config.replicas
-    return ModelServer.options(**options).bind(config.model_dump(), base_dir)
+    return ModelServer.options(**options).bind(config.model_dump(), base_dir, grpc)
 
 
 def _token_auth_if_available() -> None:
@@ -258,7 +315,7 @@ def deploy(configs: list[tuple[ModelConfig, str | None]], host: str, port: int, 
             internal_kv._internal_kv_put(HAPROXY_ADMIN_KEY, ingress.admin_location(), namespace=SERVER_APP)  # noqa: SLF001
     for config, base_dir in configs:
         try:
-            serve.run(model_application(config, base_dir), name=config.name,
+            serve.run(model_application(config, base_dir, grpc), name=config.name,
                       route_prefix=f"/v2/models/{config.name}", blocking=False)
         except RuntimeError:
             # serve.run waits for the application and raises a generic message when
@@ -275,10 +332,22 @@ def deploy(configs: list[tuple[ModelConfig, str | None]], host: str, port: int, 
         if failed:
             return {n: f"failed: {m}" for n, m in failed.items()}
         if all("RUNNING" in s for s in states.values()):
+            if grpc:
+                _wait_for_grpc_hand_over()
             return {n: "ready" for n in names}
         if time.monotonic() > deadline:
             return {n: s for n, s in states.items()}
         time.sleep(1)
+
+
+def _wait_for_grpc_hand_over() -> None:
+    """Wait until the server app has left the gRPC port to the models' replicas, so that
+    no client connecting after deploy says ready lands on a server about to close."""
+    deadline = time.monotonic() + GRPC_HANDOVER_WAIT_S
+    while time.monotonic() < deadline:
+        if internal_kv._internal_kv_get(GRPC_LISTENING_KEY, namespace=SERVER_APP) == b"0":  # noqa: SLF001
+            return
+        time.sleep(0.2)
 
 
 def build_failure(name: str) -> str:

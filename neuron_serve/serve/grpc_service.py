@@ -1,11 +1,15 @@
 """OIP v2 over gRPC: ``inference.GRPCInferenceService`` of KServe and Triton.
 
-The server app's replica runs one gRPC server beside HTTP. KServe's and Triton's
-clients name the model inside each message (``model_name``), not in call metadata, so
-Ray Serve's gRPC proxy, which routes by an ``application`` metadata key, cannot route
-them unchanged; this server reads the name and forwards the call to that model's
-replicas through a Serve handle (``call_model``), where the model's data plane runs it
-through the same checks, limits, batcher and statistics as HTTP (see oip_grpc).
+Every model replica runs one gRPC server beside its HTTP one, all on one port
+(SO_REUSEPORT): a call for the replica's own model runs on its data plane in the
+process that received it, with no hop. KServe's and Triton's clients name the model
+inside each message (``model_name``), not in call metadata, so Ray Serve's gRPC proxy,
+which routes by an ``application`` metadata key, cannot route them unchanged; a call
+for another model is forwarded to that model's replicas through a Serve handle
+(``call_model``). The server app listens on the port only while no model is ready (it
+answers probes and not-found while models build). The model's data plane runs a call
+through the same checks, limits, batcher and statistics as HTTP (the codec is
+``protocols/oip_grpc``: protobuf to tensors, no JSON on the way).
 
 Beside it, ``grpc.health.v1.Health`` answers Kubernetes' gRPC probes: service ``live``
 (or ``""``) is SERVING while the server runs, ``ready`` (or
@@ -29,7 +33,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2 as pb, service_pb2_g
 from .. import __version__
 from ..errors import ModelNotFound, ModelNotReady, NeuronServeError
 from . import auth, triton_ext
-from .oip_grpc import request_to_rest, response_from_rest
+from .protocols import oip_grpc
 
 SERVED_VERSION = "1"  # the one version of each model (dataplane's metadata lists it)
 
@@ -55,8 +59,12 @@ class _Failed(Exception):
         self.status = status
 
 
-async def replica_call(plane: Any, method: str, payload: bytes) -> tuple:
-    """Run one forwarded gRPC call on a model replica's data plane (``plane`` may be None)."""
+async def replica_call(plane: Any, method: str, payload: bytes | pb.ModelInferRequest) -> tuple:
+    """Run one gRPC call on a model replica's data plane (``plane`` may be None).
+
+    ``payload`` is the serialized request when the call was forwarded from another
+    replica, or the message itself when this replica's own gRPC server received it.
+    """
     try:
         if plane is None or not plane.ready():
             raise ModelNotReady("model is loading or shutting down")
@@ -66,9 +74,7 @@ async def replica_call(plane: Any, method: str, payload: bytes) -> tuple:
             return ("ok", plane.triton_config())
         if method == "infer":
             plane.batcher.admit()  # refuse before decoding when the queue is full
-            body, headers = request_to_rest(pb.ModelInferRequest.FromString(payload))
-            content, out_headers = await plane.infer(body, headers)
-            return ("ok", response_from_rest(content, out_headers).SerializeToString())
+            return ("ok", await infer(plane, payload))
         raise NeuronServeError(f"unknown model call {method!r}")
     except NeuronServeError as exc:
         return ("error", exc.http_status, str(exc))
@@ -76,12 +82,28 @@ async def replica_call(plane: Any, method: str, payload: bytes) -> tuple:
         return ("error", 500, f"internal error: {type(exc).__name__}: {exc}")
 
 
+async def infer(plane: Any, payload: bytes | pb.ModelInferRequest) -> pb.ModelInferResponse:
+    """One ``ModelInferRequest`` (or its bytes) through the plane; the answer.
+
+    The message is decoded into tensors over its own bytes and the answer encoded from
+    the output tensors: no other protocol's form is made on the way.
+    """
+    def decode():
+        message = payload if isinstance(payload, pb.ModelInferRequest) else pb.ModelInferRequest.FromString(payload)
+        return oip_grpc.decode_request(message, max_elements=plane.max_elements)
+
+    return await plane.handle(decode, oip_grpc.encode_response)
+
+
 class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     """The gRPC inference service of every model deployed together."""
 
-    def __init__(self, model_states: ModelStates, call_model: CallModel) -> None:
+    def __init__(self, model_states: ModelStates, call_model: CallModel, local: str | None = None) -> None:
         self.model_states = model_states
         self.call_model = call_model
+        # The model served by this very process, if any: its calls need no state
+        # lookup (its data plane knows whether it is ready) and no forwarding.
+        self.local = local
 
     # -- helpers ---------------------------------------------------------------------
 
@@ -115,8 +137,9 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         if state != "ready":
             raise _Failed(ModelNotReady.http_status, f"model {name!r} is not ready ({state})")
 
-    async def _call(self, context, name: str, method: str, payload: bytes = b"") -> Any:
-        await self._ready_model(name)
+    async def _call(self, context, name: str, method: str, payload: Any = b"") -> Any:
+        if name != self.local:
+            await self._ready_model(name)
         try:
             answer = await self.call_model(name, method, payload)
         except Exception as exc:  # the model's replicas went away mid-call (shutdown, crash)
@@ -171,8 +194,10 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         async def work():
             self._version(request.model_name, request.model_version)
-            raw = await self._call(context, request.model_name, "infer", request.SerializeToString())
-            return pb.ModelInferResponse.FromString(raw)
+            local = request.model_name == self.local
+            answer = await self._call(context, request.model_name, "infer",
+                                      request if local else request.SerializeToString())
+            return answer if isinstance(answer, pb.ModelInferResponse) else pb.ModelInferResponse.FromString(answer)
         return await self._guard(context, work)
 
     async def ModelConfig(self, request, context):
@@ -213,13 +238,20 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
 
 
 async def start(host: str, port: int, max_message_bytes: int, model_states: ModelStates,
-                call_model: CallModel) -> grpc.aio.Server:
-    """Start the gRPC server on ``host:port`` in the running event loop; returns it."""
+                call_model: CallModel, local: str | None = None) -> grpc.aio.Server:
+    """Start the gRPC server on ``host:port`` in the running event loop; returns it.
+
+    Every server of a deployment binds the same port with SO_REUSEPORT (the model
+    replicas' and, while no model is ready, the server app's); the kernel spreads the
+    connections over them.
+    """
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", -1),
+        ("grpc.so_reuseport", 1),
     ])
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(model_states, call_model), server)
+    servicer = InferenceServicer(model_states, call_model, local)
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(HealthServicer(model_states), server)
     address = f"{host}:{port}"
     if server.add_insecure_port(address) == 0:

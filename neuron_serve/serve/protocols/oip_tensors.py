@@ -1,6 +1,6 @@
 """Tensor data of Open Inference Protocol v2 requests: JSON `data` lists and binary chunks.
 
-Helpers of `neuron_serve.serve.oip`. Callers have already checked the shape against
+Helpers of the OIP codecs (`oip_rest`, `oip_grpc`). Callers have already checked the shape against
 the element limit and, for binary data, the chunk length against the shape, so nothing
 here allocates more than the request declared.
 """
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from neuron_serve.errors import InvalidInput
-from neuron_serve.serve.oip_types import DATATYPE_TO_TORCH, INTEGER_DATATYPES, format_shape
+from neuron_serve.serve.protocols.infer import DATATYPE_TO_TORCH, INTEGER_DATATYPES, format_shape
 
 
 _NUMPY_FLOATS = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
