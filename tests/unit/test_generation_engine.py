@@ -8,6 +8,7 @@ mid-flight; every ending has its finish reason; the cache never leaves the core.
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import json
 import os
@@ -107,9 +108,12 @@ def test_many_steps_leave_no_tensor_behind_on_the_core(llama):
     _, engine = llama
     live = lambda: xla_metrics.counter_value("CreateXlaTensor") - xla_metrics.counter_value("DestroyXlaTensor")  # noqa: E731
     engine.generate_batch([prompts()[0]], greedy(4), timeout=60)  # warm-up
+    gc.collect()
     before = live()
     engine.generate_batch(prompts()[:4], [greedy(30), greedy(20), greedy(15), greedy(10)], timeout=120)
-    assert live() == before
+    gc.collect()
+    # About 35 steps: a tensor left per step would show as dozens; the last step's outputs may still be held.
+    assert live() - before <= 2
 
 
 def test_each_ending_has_its_finish_reason(llama):
