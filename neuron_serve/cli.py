@@ -136,11 +136,6 @@ def _deploy(args: argparse.Namespace) -> int:
     from .serve import auth, deployment, failure, lifecycle  # noqa: PLC0415 - Ray is only needed to serve
 
     configs = [load_deployment(path) for path in args.configs]
-    generate = [c.name for c, _ in configs if c.task == "generate"]
-    if generate:
-        print(f"error: {', '.join(generate)}: task: generate models are not served over HTTP yet; run them in "
-              "Python with neuron_serve.generation.build_engine (see the README)", file=sys.stderr)
-        return 2
     if args.weights:
         if len(configs) != 1:
             print("error: --weights names one checkpoint; deploy one model with it (or give each model.yaml "
@@ -189,6 +184,8 @@ def _deploy(args: argparse.Namespace) -> int:
         return max(codes)
     if grpc:
         print(f"gRPC (OIP v2) on {grpc['host']}:{grpc['port']}", file=sys.stderr)
+    if any(c.task == "generate" for c, _ in configs):
+        print(f"OpenAI API on http://{host}:{port}/v1", file=sys.stderr)
     print(f"serving {', '.join(names)} on http://{host}:{port}/v2 (metrics: /metrics; ingress: {chosen}; "
           f"Ray at {deployment.ray_address()})", file=sys.stderr, flush=True)
     if started_here:

@@ -111,10 +111,11 @@ class BearerAuth:
             await self.app(scope, receive, send)
             return
         problem = "missing Authorization header" if header is None else "invalid bearer token"
-        response = JSONResponse(
-            {"error": f"unauthorized: {problem}; send 'Authorization: Bearer <token>'"},
-            status_code=401, headers=CHALLENGE,
-        )
+        message = f"unauthorized: {problem}; send 'Authorization: Bearer <token>'"
+        # OpenAI's clients read OpenAI's error object on its routes; OIP's is a string.
+        error = ({"message": message, "type": "authentication_error", "param": None, "code": "invalid_api_key"}
+                 if "/v1/" in scope["path"] else message)
+        response = JSONResponse({"error": error}, status_code=401, headers=CHALLENGE)
         await response(scope, receive, send)
 
 

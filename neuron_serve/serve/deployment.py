@@ -28,7 +28,7 @@ from ..config import ModelConfig, parse_config
 from ..targets.pjrt import neuron_devices_present
 from ..errors import ConfigError
 from .dataplane import ModelDataPlane
-from . import auth, dataplane, failure, grpc_service, ingress
+from . import auth, dataplane, failure, generate_deployment, grpc_service, ingress
 from .http import model_app, server_app
 
 logger = logging.getLogger("neuron_serve")
@@ -108,28 +108,42 @@ def _build_plane(config: ModelConfig, base_dir: str | None, replica: str) -> Mod
     return ModelDataPlane(config, build(config, base_dir), replica)
 
 
-_status_cache: tuple[float, dict[str, str]] = (0.0, {})
+_status_cache: tuple[float, dict[str, str], set[str]] = (0.0, {}, set())
 
 
-async def model_states() -> dict[str, str]:
-    """Every model application's state, from the Serve controller (cached briefly)."""
+async def _statuses() -> tuple[dict[str, str], set[str]]:
+    """(every model application's state, the names of the task: generate ones), from the Serve
+    controller (cached briefly). A generate model's application holds the "generate" deployment."""
     global _status_cache
-    stamp, cached = _status_cache
+    stamp, cached, generating = _status_cache
     if time.monotonic() - stamp < STATUS_TTL_S:
-        return cached
+        return cached, generating
     status = await asyncio.get_running_loop().run_in_executor(None, serve.status)
-    states = {}
+    states, generating = {}, set()
     for name, app in status.applications.items():
         if name == SERVER_APP:
             continue
         value = str(app.status.value if hasattr(app.status, "value") else app.status)
         states[name] = {"RUNNING": "ready", "DEPLOY_FAILED": f"failed: {app.message}"}.get(value, value.lower())
-    _status_cache = (time.monotonic(), states)
-    return states
+        if generate_deployment.DEPLOYMENT in app.deployments:
+            generating.add(name)
+    _status_cache = (time.monotonic(), states, generating)
+    return states, generating
+
+
+async def model_states() -> dict[str, str]:
+    """Every model application's state: "ready", "failed: ..." or Serve's state in lower case."""
+    return (await _statuses())[0]
+
+
+async def generate_states() -> dict[str, str]:
+    """The states of the task: generate models (those the OpenAI routes serve)."""
+    states, generating = await _statuses()
+    return {name: state for name, state in states.items() if name in generating}
 
 
 @serve.deployment(name="server", num_replicas=1, ray_actor_options={"num_cpus": 0})
-@serve.ingress(server_app(model_states))
+@serve.ingress(server_app(model_states, generate_states, generate_deployment.forward_openai))
 class Server:
     """Health, server metadata, metrics and fallbacks, and the gRPC service; holds no model."""
 
@@ -168,8 +182,10 @@ class Server:
             # seldom after, since serve.status costs this replica CPU each time.
             await asyncio.sleep(GRPC_HANDOVER_S if self._grpc is not None else GRPC_RECHECK_S)
             try:
-                states = await model_states()
-                await self._listen(not any(state == "ready" for state in states.values()))
+                # A generate model's replicas serve no gRPC: only a ready infer model takes the port.
+                states, generating = await _statuses()
+                await self._listen(not any(state == "ready" and name not in generating
+                                           for name, state in states.items()))
             except Exception as exc:  # Serve's controller busy or restarting: ask again later
                 logger.debug("gRPC hand-over check failed: %s", exc)
 
@@ -231,14 +247,14 @@ def model_application(config: ModelConfig, base_dir: str | None, grpc: dict | No
     if ray.cluster_resources().get(NEURON_CORES):
         resources[NEURON_CORES] = config.cores_per_replica
     env = {**replica_env(config), **auth.token_env_vars(config, auth.resolve_token(config))}
-    options = {
-        "ray_actor_options": {"num_cpus": 0, "resources": resources, "runtime_env": {"env_vars": env}},
-        "max_ongoing_requests": max_ongoing_requests(config),
-    }
+    options = {"ray_actor_options": {"num_cpus": 0, "resources": resources, "runtime_env": {"env_vars": env}}}
     if config.autoscaling is not None:
         options["autoscaling_config"] = config.autoscaling.model_dump()
     else:
         options["num_replicas"] = config.replicas
+    if config.task == "generate":
+        return generate_deployment.application(config, base_dir, options)
+    options["max_ongoing_requests"] = max_ongoing_requests(config)
     return ModelServer.options(**options).bind(config.model_dump(), base_dir, grpc)
 
 
@@ -332,7 +348,7 @@ def deploy(configs: list[tuple[ModelConfig, str | None]], host: str, port: int, 
         if failed:
             return {n: f"failed: {m}" for n, m in failed.items()}
         if all("RUNNING" in s for s in states.values()):
-            if grpc:
+            if grpc and any(c.task != "generate" for c, _ in configs):  # generate replicas serve no gRPC
                 _wait_for_grpc_hand_over()
             return {n: "ready" for n in names}
         if time.monotonic() > deadline:

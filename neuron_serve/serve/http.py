@@ -9,7 +9,7 @@ for models that are unknown (404) or still loading (503). Errors are always
 
 from __future__ import annotations
 
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,7 +21,7 @@ from ..version import __version__
 from ..errors import ModelNotFound, ModelNotReady, NeuronServeError, PayloadTooLarge
 from ..targets.pjrt import emulated
 from ..config import DEFAULT_MAX_REQUEST_BYTES
-from . import auth, dataplane, triton_ext
+from . import auth, dataplane, openai_routes, triton_ext
 from .dataplane import ModelDataPlane
 
 OPENAPI_PATH = "/openapi.json"
@@ -111,10 +111,14 @@ def model_app() -> FastAPI:
 
 
 ModelStates = Callable[[], Awaitable[dict[str, str]]]  # model name -> "ready" | "loading" | "failed: ..."
+# (model, "completions" | "chat", body) -> a Serve response generator: (status, headers, streamed), then bytes
+ForwardOpenAI = Callable[[str, str, bytes], Awaitable[Any]]
 
 
-def server_app(model_states: ModelStates) -> FastAPI:
-    """Health, server metadata, metrics and the fallbacks for unknown or loading models."""
+def server_app(model_states: ModelStates, generate_states: ModelStates | None = None,
+               forward_openai: ForwardOpenAI | None = None) -> FastAPI:
+    """Health, server metadata, metrics, the OpenAI routes (forwarded to the generate model a
+    request names) and the fallbacks for unknown or loading models."""
     app = FastAPI(
         title="neuron-serve",
         version=__version__,
@@ -173,8 +177,15 @@ def server_app(model_states: ModelStates) -> FastAPI:
     async def model_infer(name: str) -> JSONResponse:
         return _error(await missing(name))
 
+    @app.post("/v2/models/{name}/generate")
+    @app.post("/v2/models/{name}/generate_stream")
+    async def model_generate(name: str) -> JSONResponse:
+        return _error(await missing(name))
+
     @app.get(METRICS_PATH)
     async def scrape() -> Response:
         return Response(metrics.scrape(), media_type="text/plain; version=0.0.4")
 
+    if generate_states is not None and forward_openai is not None:
+        openai_routes.install(app, model_states, generate_states, forward_openai)
     return app

@@ -23,7 +23,7 @@ from prometheus_client import multiprocess
 from .. import metrics
 from ..config import ModelConfig
 
-EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
+EXTENSIONS = ["binary_tensor_data", "generate", "model_configuration", "statistics"]
 DURATION_STATS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
 # Triton's data_type names (model_config.proto) for OIP v2 datatypes.
 _TRITON_TYPES = {

@@ -1,0 +1,246 @@
+"""Answers of the generation routes, as (status, headers, body or stream of bytes).
+
+One function per protocol: OpenAI's completions and chat, and the OIP generate
+extension. Each decodes the request with its codec, runs it on the replica's
+GenerationPlane and encodes the pieces: a JSON body, or server-sent events. The answer
+is transport-neutral, so the model replica's own routes and a call forwarded from
+the server app (``/v1`` without a model prefix) return the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Literal
+
+from ..errors import InvalidInput, NeuronServeError
+from ..generation.sampling import SamplingParams
+from .generate_plane import GenerationPlane, Piece
+from .protocols import oip_generate, openai
+
+JSON = {"content-type": "application/json"}
+EVENTS = {"content-type": "text/event-stream", "cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+@dataclass
+class Answer:
+    status: int
+    headers: dict[str, str]
+    body: bytes | AsyncIterator[bytes]
+
+    @property
+    def streamed(self) -> bool:
+        return not isinstance(self.body, bytes)
+
+
+def _json(status: int, body: dict) -> Answer:
+    return Answer(status, dict(JSON), json.dumps(body, ensure_ascii=False).encode())
+
+
+def retry_after(status: int) -> dict[str, str]:
+    """Clients (the openai library among them) wait this long before retrying a full queue."""
+    return {"retry-after": "1"} if status in (429, 503) else {}
+
+
+def openai_error(exc: Exception) -> Answer:
+    status, body = openai.error_of(exc)
+    answer = _json(status, body)
+    answer.headers.update(retry_after(status))
+    return answer
+
+
+async def _first(stream: AsyncIterator[list[Piece]]) -> list[Piece]:
+    """The stream's first batch, so a request refused at submission is an error status, not a broken stream."""
+    return await stream.__anext__()
+
+
+# -- OpenAI ---------------------------------------------------------------------------------
+
+
+async def openai_answer(plane: GenerationPlane, kind: Literal["completions", "chat"], body: bytes) -> Answer:
+    """``POST /v1/completions`` or ``/v1/chat/completions`` on this replica's model."""
+    started = time.perf_counter()
+    try:
+        request = openai.parse(kind, body)
+        if request.model != plane.name:
+            raise openai.unknown_model(request.model, [plane.name])
+        if kind == "chat":
+            prompts = [plane.chat(openai.chat_messages(request))]
+        else:
+            prompts = [plane.encode(p) for p in openai.completion_prompts(request)]
+        every = [(prompt, openai.sampling(request, choice)) for prompt in prompts for choice in range(request.n)]
+        stream = plane.run([p for p, _ in every], [s for _, s in every])
+        first = await _first(stream)
+    except Exception as exc:  # noqa: BLE001 - every failure is answered with OpenAI's error object
+        answer = openai_error(exc)
+        plane.record(answer.status, time.perf_counter() - started)
+        return answer
+    rid, created = openai.new_id(kind), int(time.time())
+    encoder = _OpenAIEncoder(plane, kind, request, rid, created, [len(p) for p in prompts], every)
+    if request.stream:
+        return Answer(200, dict(EVENTS), encoder.events(first, stream, started))
+    try:
+        pieces = [first] + [batch async for batch in stream]
+    except Exception as exc:  # noqa: BLE001
+        answer = openai_error(exc)
+        plane.record(answer.status, time.perf_counter() - started)
+        return answer
+    plane.record(200, time.perf_counter() - started)
+    return _json(200, encoder.whole([p for batch in pieces for p in batch]))
+
+
+class _OpenAIEncoder:
+    """Pieces of one request to OpenAI's response object or its stream of chunks."""
+
+    def __init__(self, plane: GenerationPlane, kind: str, request, rid: str, created: int, prompt_lengths: list[int],
+                 every: list[tuple[list[int], SamplingParams]]) -> None:
+        self.plane, self.kind, self.request, self.rid, self.created = plane, kind, request, rid, created
+        self.prompt_tokens = sum(prompt_lengths)
+        self.logprobs = [params.logprobs is not None for _, params in every]
+        self.offsets = [0] * len(every)
+        self.include_usage = request.stream_options is not None and request.stream_options.include_usage
+
+    def _usage(self, completion_tokens: int) -> dict:
+        return openai.usage(self.prompt_tokens, completion_tokens)
+
+    def _logprobs(self, index: int, piece: Piece) -> dict | None:
+        if not self.logprobs[index]:
+            return None
+        if self.kind == "chat":
+            return openai.chat_logprobs(piece.logprobs)
+        tokens = [token for token, _, _ in piece.logprobs]
+        encoded = openai.completion_logprobs(tokens, [lp for _, lp, _ in piece.logprobs],
+                                             [dict(top) for _, _, top in piece.logprobs], self.offsets[index])
+        self.offsets[index] += sum(len(t) for t in tokens)
+        return encoded
+
+    def whole(self, pieces: list[Piece]) -> dict:
+        merged: dict[int, Piece] = {}
+        for piece in pieces:
+            if piece.index in merged:
+                merged[piece.index].merge(piece)
+            else:
+                merged[piece.index] = piece
+        choices = []
+        for index in sorted(merged):
+            piece = merged[index]
+            choice = {"index": index, "logprobs": self._logprobs(index, piece), "finish_reason": piece.finish_reason}
+            if self.kind == "chat":
+                choice["message"] = {"role": "assistant", "content": piece.text}
+            else:
+                choice["text"] = piece.text
+            choices.append(choice)
+        completion = sum(p.completion_tokens for p in merged.values())
+        return openai.envelope(self.kind, self.rid, self.request.model, self.created, choices, chunk=False,
+                               usage_=self._usage(completion))
+
+    def _chunk(self, choices: list[dict]) -> bytes:
+        body = openai.envelope(self.kind, self.rid, self.request.model, self.created, choices, chunk=True)
+        if self.include_usage:
+            body["usage"] = None  # as OpenAI: every chunk has the key, the last one the counts
+        return openai.sse(body)
+
+    def _choice(self, piece: Piece) -> dict | None:
+        if not piece.text and piece.finish_reason is None and not piece.logprobs:
+            return None  # nothing to say yet (a character still incomplete, or a stop string's possible start)
+        choice: dict = {"index": piece.index}
+        if self.kind == "chat":
+            choice["delta"] = {"content": piece.text} if piece.text or piece.logprobs else {}
+        else:
+            choice["text"] = piece.text
+        choice["logprobs"] = self._logprobs(piece.index, piece)
+        choice["finish_reason"] = piece.finish_reason
+        return choice
+
+    async def events(self, first: list[Piece], rest: AsyncIterator[list[Piece]], started: float) -> AsyncIterator[bytes]:
+        status = 200
+        completion: dict[int, int] = {}
+        try:
+            if self.kind == "chat":
+                for index in range(len(self.logprobs)):
+                    yield self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}])
+            batch = first
+            while True:
+                chunks = []
+                for piece in batch:
+                    completion[piece.index] = piece.completion_tokens
+                    choice = self._choice(piece)
+                    if choice is not None:
+                        chunks.append(self._chunk([choice]))
+                if chunks:  # one write for what arrived together
+                    yield b"".join(chunks)
+                try:
+                    batch = await rest.__anext__()
+                except StopAsyncIteration:
+                    break
+            if self.include_usage:
+                yield openai.sse(openai.envelope(self.kind, self.rid, self.request.model, self.created, [],
+                                                 chunk=True, usage_=self._usage(sum(completion.values()))))
+        except NeuronServeError as exc:  # a failed step: the stream says so, then ends
+            status, body = openai.error_of(exc)
+            yield openai.sse(body)
+        finally:
+            await rest.aclose()  # aborts what still runs when the client left
+            self.plane.record(status, time.perf_counter() - started)
+        yield openai.DONE
+
+
+# -- the OIP generate extension ------------------------------------------------------------
+
+
+async def generate_answer(plane: GenerationPlane, body: bytes, stream: bool) -> Answer:
+    """``POST /v2/models/{name}/generate`` (``stream`` False) or ``/generate_stream``."""
+    started = time.perf_counter()
+    try:
+        request = oip_generate.parse(body)
+        params = oip_generate.sampling(request)
+        batches = plane.run([plane.encode(request.text_input)], [params])
+        first = await _first(batches)
+    except Exception as exc:  # noqa: BLE001 - answered as OIP's {"error": ...}
+        status = exc.http_status if isinstance(exc, NeuronServeError) else 500
+        message = str(exc) if isinstance(exc, NeuronServeError) else f"internal error: {type(exc).__name__}: {exc}"
+        plane.record(status, time.perf_counter() - started)
+        return Answer(status, {**JSON, **retry_after(status)}, json.dumps({"error": message}).encode())
+    if stream:
+        return Answer(200, dict(EVENTS), _generate_events(plane, request, first, batches, started))
+    try:
+        pieces = [first] + [batch async for batch in batches]
+    except NeuronServeError as exc:
+        plane.record(exc.http_status, time.perf_counter() - started)
+        return Answer(exc.http_status, dict(JSON), json.dumps({"error": str(exc)}).encode())
+    merged = Piece(0)
+    for piece in (p for batch in pieces for p in batch):
+        merged.merge(piece)
+    plane.record(200, time.perf_counter() - started)
+    return _json(200, oip_generate.response(plane.name, request, merged))
+
+
+async def _generate_events(plane: GenerationPlane, request, first: list[Piece], rest: AsyncIterator[list[Piece]],
+                           started: float) -> AsyncIterator[bytes]:
+    status = 200
+    try:
+        batch = first
+        while True:
+            chunks = [openai.sse(oip_generate.response(plane.name, request, piece))
+                      for piece in batch if piece.text or piece.finish_reason is not None]
+            if chunks:
+                yield b"".join(chunks)
+            try:
+                batch = await rest.__anext__()
+            except StopAsyncIteration:
+                break
+    except NeuronServeError as exc:
+        status = exc.http_status
+        yield openai.sse({"error": str(exc)})
+    finally:
+        await rest.aclose()
+        plane.record(status, time.perf_counter() - started)
+
+
+def infer_refused(name: str) -> Answer:
+    """``/infer`` on a generate model: it takes text, through the generate routes."""
+    error = InvalidInput(f"model {name!r} is a task: generate model; send text to POST /v2/models/{name}/generate "
+                         f"(or generate_stream), or use the OpenAI routes under /v1.")
+    return Answer(400, dict(JSON), json.dumps({"error": str(error)}).encode())

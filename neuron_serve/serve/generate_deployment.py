@@ -1,0 +1,116 @@
+"""The Ray Serve deployment of a ``task: generate`` model: its engines run in the replicas.
+
+Each model is its own Serve application at ``/v2/models/{name}`` (HAProxy sends its
+routes straight to the replicas); the server app's OpenAI routes at ``/v1`` find the
+model by the request's ``model`` and call ``openai`` through a streaming Serve handle,
+as Ray Serve LLM's router does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator
+
+from ray import serve
+
+from ..config import ModelConfig, parse_config
+from ..errors import ModelNotReady
+from . import auth, generate_plane
+from .generate_answers import openai_answer, openai_error
+from .generate_http import generate_app
+from .generate_plane import GenerationPlane
+
+DEPLOYMENT = "generate"  # the deployment name tells the server app which applications generate
+DRAIN_S = 30
+# Requests a replica holds besides its running and waiting sequences (metadata, probes).
+ONGOING_MARGIN = 16
+
+_GENERATE_API = generate_app()
+
+
+@serve.deployment(name=DEPLOYMENT, graceful_shutdown_timeout_s=DRAIN_S, health_check_period_s=5,
+                  max_constructor_retry_count=1)
+@serve.ingress(_GENERATE_API)
+class GenerateServer:
+    """One replica of one generate model: builds its engines (one per core), then serves text."""
+
+    async def __init__(self, config: dict, base_dir: str | None) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+        parsed = parse_config(config)
+        auth.configure(auth.resolve_token(parsed))
+        replica = serve.get_replica_context().replica_id.unique_id
+        loop = asyncio.get_running_loop()
+        self.plane = await loop.run_in_executor(None, build_plane, parsed, base_dir, replica)
+        self.plane.start()
+        generate_plane.set_current(self.plane)
+
+    async def openai(self, kind: str, body: bytes) -> AsyncIterator:
+        """An OpenAI request forwarded by the server app: (status, headers, streamed), then the body's bytes."""
+        plane = generate_plane.current()
+        if plane is None or not plane.ready():
+            answer = openai_error(ModelNotReady("model is loading or shutting down"))
+        else:
+            answer = await openai_answer(plane, kind, body)
+        yield (answer.status, answer.headers, answer.streamed)
+        if not answer.streamed:
+            yield answer.body
+            return
+        try:
+            async for chunk in answer.body:
+                yield chunk
+        finally:  # cancelled when the client left: the sequences abort now
+            await answer.body.aclose()
+
+    async def grpc_call(self, method: str, payload: bytes = b"") -> tuple:
+        """A gRPC call forwarded from another replica: metadata is served, inference refused with the routes to use."""
+        plane = generate_plane.current()
+        if plane is None or not plane.ready():
+            return ("error", 503, "model is loading or shutting down")
+        if method == "metadata":
+            return ("ok", plane.metadata())
+        return ("error", 400, f"model {plane.name!r} is a task: generate model; gRPC serves task: infer models. Send "
+                              f"text over HTTP: POST /v2/models/{plane.name}/generate or the OpenAI routes under /v1.")
+
+    async def __del__(self) -> None:
+        generate_plane.set_current(None)
+        plane = getattr(self, "plane", None)
+        if plane is not None:
+            await plane.stop()
+
+
+def build_plane(config: ModelConfig, base_dir: str | None, replica: str) -> GenerationPlane:
+    from ..generation.build import build_engine  # noqa: PLC0415 - the compiler is loaded by replicas only
+
+    engines = build_engine(config, base_dir, replica=replica)
+    first = engines.engines[0]
+    return GenerationPlane(config, engines, first.tokenizer, first.model.max_model_len, replica,
+                           cores=len(engines.engines))
+
+
+def max_ongoing_requests(config: ModelConfig) -> int:
+    """Every sequence a replica can run or queue, and a margin: past that its engine answers 503 itself."""
+    settings = config.generation
+    slots = settings.max_num_seqs if settings else 8
+    waiting = settings.max_waiting if settings else 256
+    return config.cores_per_replica * slots + waiting + ONGOING_MARGIN
+
+
+def application(config: ModelConfig, base_dir: str | None, options: dict):
+    """The Serve application of one generate model, with ``options`` (resources, replicas) as deployment.py sets them."""
+    options = {**options, "max_ongoing_requests": max_ongoing_requests(config)}
+    # Only the fields the model.yaml set: a generate config refuses the infer-only ones even at their defaults.
+    return GenerateServer.options(**options).bind(config.model_dump(mode="json", exclude_unset=True), base_dir)
+
+
+_streams: dict = {}
+
+
+async def forward_openai(name: str, kind: str, body: bytes):
+    """Call ``openai`` on a replica of generate model ``name``: a response generator (cancel it to abort)."""
+    handle = _streams.get(name)
+    if handle is None:
+        found = await asyncio.get_running_loop().run_in_executor(None, serve.get_app_handle, name)
+        handle = _streams[name] = found.options(stream=True)
+    return handle.openai.remote(kind, body)
+

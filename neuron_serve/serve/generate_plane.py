@@ -1,0 +1,218 @@
+"""The data plane of one ``task: generate`` model on one replica: prompts in, text deltas out.
+
+It holds the engines (one per core) and the tokenizer, turns text and chat messages into
+prompt ids, and runs a request's choices as sequences of the engine, yielding what each
+event adds as text (incrementally detokenized, stop strings cut, never half a
+character). Protocols (OpenAI, the OIP generate extension) encode those pieces; leaving
+the stream early, as a disconnected client does, aborts every sequence of the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Sequence
+
+from .. import metrics
+from ..config import ModelConfig
+from ..errors import InvalidInput, ModelNotReady, NeuronServeError
+from ..generation.engine import Streams, TokenEvent
+from ..generation.sampling import SamplingParams
+from ..generation.text import IncrementalText
+from ..targets.pjrt import emulated
+from ..version import __version__
+
+logger = logging.getLogger("neuron_serve")
+
+
+@dataclass
+class Piece:
+    """What one engine event of one choice adds: text, ids and log-probabilities; the reason on the last."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    # (token text, its log-probability, the top alternatives as (text, log-probability)) per token
+    logprobs: list[tuple[str, float | None, list[tuple[str, float]]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def merge(self, later: "Piece") -> None:
+        """Fold a later piece of the same choice into this one (events that arrived together)."""
+        self.text += later.text
+        self.token_ids += later.token_ids
+        self.logprobs += later.logprobs
+        self.finish_reason = later.finish_reason
+        self.prompt_tokens, self.completion_tokens = later.prompt_tokens, later.completion_tokens
+
+
+class GenerationFailed(NeuronServeError):
+    """A generation step failed for this request (the engine keeps serving the others)."""
+
+
+class GenerationPlane:
+    """One generate model on one replica: its engines, tokenizer, metadata and request runs."""
+
+    def __init__(self, config: ModelConfig, engines: Streams, tokenizer: Any, max_model_len: int,
+                 replica: str | None = None, cores: int = 1) -> None:
+        self.config = config
+        self.name = config.name
+        self.engines = engines
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.replica = replica or str(os.getpid())
+        self.cores = cores
+        self._latency = metrics.REQUEST_LATENCY.labels(model=self.name, replica=self.replica)
+        self._codes: dict[str, Any] = {}
+        self._ready = False
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._ready = True
+
+    def ready(self) -> bool:
+        return self._ready
+
+    async def stop(self) -> None:
+        self._ready = False
+        await asyncio.get_running_loop().run_in_executor(None, self.engines.close)
+
+    def check_ready(self) -> "GenerationPlane":
+        if not self._ready:
+            raise ModelNotReady("model is loading or shutting down")
+        return self
+
+    def record(self, code: int, seconds: float) -> None:
+        """Count one answered request by status, and its latency (to the last byte)."""
+        key = str(code)
+        child = self._codes.get(key)
+        if child is None:
+            child = self._codes[key] = metrics.REQUESTS.labels(model=self.name, replica=self.replica, code=key)
+        child.inc()
+        self._latency.observe(seconds)
+
+    def metadata(self) -> dict:
+        """OIP v2 model metadata: text in, text out (the generate extension's tensors)."""
+        settings = self.config.generation
+        return {
+            "name": self.name,
+            "versions": ["1"],
+            "platform": f"neuron-serve/{self.config.target}" + ("-emulated" if emulated() else ""),
+            "inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1]}],
+            "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": [-1]}],
+            "parameters": {
+                "task": "generate",
+                "emulated": emulated(),
+                "cores": self.cores,
+                "max_num_seqs": settings.max_num_seqs if settings else None,
+                "max_model_len": self.max_model_len,
+                "neuron_serve_version": __version__,
+            },
+        }
+
+    # -- prompts --------------------------------------------------------------------------
+
+    def _need_tokenizer(self, what: str) -> Any:
+        if self.tokenizer is None:
+            raise InvalidInput(f"{what} needs a tokenizer, and model {self.name!r} has none; give the model.yaml a "
+                               f"tokenizer: directory (or send token ids as the prompt).")
+        return self.tokenizer
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Prompt ids of a text (through the tokenizer) or of ids given as they are."""
+        if isinstance(prompt, str):
+            return list(self._need_tokenizer("a text prompt")(prompt)["input_ids"])
+        return [int(t) for t in prompt]
+
+    def chat(self, messages: list[dict]) -> list[int]:
+        """Prompt ids of chat messages, through the tokenizer's chat template (with the assistant's turn opened)."""
+        tokenizer = self._need_tokenizer("a chat request")
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidInput(f"model {self.name!r}'s tokenizer has no chat template; use /v1/completions, or give "
+                               f"the tokenizer a chat_template.")
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # a template's own checks (roles in order, ...) raise jinja errors
+            raise InvalidInput(f"messages: the chat template refused them: {exc}") from None
+        # The template writes the special tokens itself (as vLLM encodes it).
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
+
+    # -- runs -------------------------------------------------------------------------------
+
+    async def run(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]) -> AsyncIterator[list[Piece]]:
+        """Generate every (prompt, params) pair as one choice each; yields the pieces that arrived together.
+
+        Every choice ends with a piece carrying its finish reason. Leaving the iteration
+        early aborts the choices still running (their slots are free at the next step).
+        """
+        self.check_ready()
+        if self.tokenizer is None:
+            raise InvalidInput(f"model {self.name!r} has no tokenizer, so its output cannot be text; give the "
+                               f"model.yaml a tokenizer: directory.")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[int, TokenEvent]] = asyncio.Queue()
+
+        def sink_for(index: int):
+            def sink(event: TokenEvent) -> None:
+                if not loop.is_closed():
+                    loop.call_soon_threadsafe(queue.put_nowait, (index, event))
+            return sink
+
+        texts = [IncrementalText(self.tokenizer, p.stop) for p in params]
+        running: dict[int, str] = {}
+        try:
+            for index, (prompt, p) in enumerate(zip(prompts, params)):
+                running[index] = self.engines.submit(prompt, p, sink_for(index))
+            while running:
+                arrived = [await queue.get()]
+                while not queue.empty():
+                    arrived.append(queue.get_nowait())
+                pieces: dict[int, Piece] = {}
+                for index, event in arrived:
+                    piece = self._piece(index, event, texts[index], params[index])
+                    if event.finished:
+                        running.pop(index, None)
+                    if index in pieces:
+                        pieces[index].merge(piece)
+                    else:
+                        pieces[index] = piece
+                yield list(pieces.values())
+        finally:
+            for rid in running.values():
+                self.engines.abort(rid)
+
+    def _piece(self, index: int, event: TokenEvent, text: IncrementalText, params: SamplingParams) -> Piece:
+        if event.error is not None:
+            raise GenerationFailed(f"generation failed: {event.error}")
+        piece = Piece(index, prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens)
+        if event.token is not None:
+            piece.text = text.add(event.token)
+            piece.token_ids.append(event.token)
+            if params.logprobs is not None:
+                top = [(self.token_text(t), lp) for t, lp in event.top_logprobs[:params.logprobs]]
+                piece.logprobs.append((self.token_text(event.token), event.logprob, top))
+        if event.finished:
+            if text.stopped is None:
+                piece.text += text.finish()
+            piece.finish_reason = event.finish_reason
+        return piece
+
+
+_current: GenerationPlane | None = None
+
+
+def current() -> GenerationPlane | None:
+    """The generation plane of this process's replica."""
+    return _current
+
+
+def set_current(plane: GenerationPlane | None) -> None:
+    global _current
+    _current = plane

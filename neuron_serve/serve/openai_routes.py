@@ -1,0 +1,103 @@
+"""The server app's OpenAI routes at ``/v1``: find the model a request names and forward to it.
+
+``/v1/completions`` and ``/v1/chat/completions`` read only the body's ``model`` here; a
+replica of that generate model decodes, runs and encodes the request
+(`generate_answers`), and its bytes are relayed as they come. A model that is not
+served is a 404 naming the served ones, as OpenAI answers; a client that leaves
+cancels the call, which aborts its sequences on the replica.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from .disconnect import ClientGone, unless_disconnected
+from .protocols import openai
+
+States = Callable[[], Awaitable[dict[str, str]]]
+
+
+def _error(exc: openai.OpenAIError) -> JSONResponse:
+    status, body = openai.error_of(exc)
+    headers = {"retry-after": "1"} if status in (429, 503) else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def requested_model(body: bytes) -> str:
+    """The ``model`` of an OpenAI request body (the rest is checked by the model's replica)."""
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise openai.OpenAIError(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise openai.OpenAIError("the request body must be a JSON object")
+    if "model" not in data:
+        raise openai.OpenAIError("model: Field required (the name of a served model; GET /v1/models lists them)",
+                                 param="model")
+    if not isinstance(data["model"], str):
+        raise openai.OpenAIError("model: Input should be a valid string", param="model")
+    return data["model"]
+
+
+async def _relay(rest: Any) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in rest:
+            yield chunk
+    finally:  # the client left (or the stream ended): a running call is cancelled, its sequences aborted
+        rest.cancel()
+
+
+def install(app: FastAPI, model_states: States, generate_states: States,
+            forward: Callable[[str, str, bytes], Awaitable[Any]]) -> None:
+    """Add ``GET /v1/models`` and the two generation routes to the server app."""
+    from .http import read_body  # noqa: PLC0415 - http installs these routes
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        states = await generate_states()
+        return JSONResponse(openai.models_list(sorted(n for n, s in states.items() if s == "ready")))
+
+    async def answer(request: Request, kind: str) -> Response:
+        try:
+            body = await read_body(request)
+            name = requested_model(body)
+            states = await generate_states()
+            if name not in states:
+                error = openai.unknown_model(name, sorted(states))
+                if name in await model_states():
+                    error = openai.OpenAIError(f"{error} ({name!r} is a task: infer model: POST "
+                                               f"/v2/models/{name}/infer)", 404, "model", "model_not_found")
+                raise error
+            if states[name] != "ready":
+                raise openai.OpenAIError(f"model {name!r} is not ready ({states[name]})", 503)
+        except openai.OpenAIError as exc:
+            return _error(exc)
+        except Exception as exc:  # noqa: BLE001 - 413 and the like, as OpenAI error objects
+            status, error = openai.error_of(exc)
+            return JSONResponse(error, status_code=status)
+        call = await forward(name, kind, body)
+        try:
+            status, headers, streamed = await unless_disconnected(request, call.__anext__())
+            if not streamed:
+                content = await unless_disconnected(request, call.__anext__())
+                return Response(content, status_code=status, headers=headers)
+        except ClientGone:
+            call.cancel()
+            return Response(status_code=499)
+        except Exception as exc:  # noqa: BLE001 - the replica went away mid-call (stopped, crashed)
+            return _error(openai.OpenAIError(f"model {name!r} is not available: {type(exc).__name__}: {exc}; retry",
+                                             503))
+        return StreamingResponse(_relay(call), status_code=status, headers=headers)
+
+    async def completions(request: Request) -> Response:
+        return await answer(request, "completions")
+
+    async def chat(request: Request) -> Response:
+        return await answer(request, "chat")
+
+    app.add_api_route("/v1/completions", completions, methods=["POST"], include_in_schema=False)
+    app.add_api_route("/v1/chat/completions", chat, methods=["POST"], include_in_schema=False)

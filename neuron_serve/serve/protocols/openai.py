@@ -1,0 +1,273 @@
+"""The OpenAI API (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``) as a codec.
+
+Requests are decoded into prompts and the engine's `SamplingParams`; the engine's output
+(text deltas, tokens, log-probabilities, finish reasons) is encoded back into OpenAI's
+JSON objects and server-sent-event chunks. Field names, defaults and error objects are
+OpenAI's; vLLM's extra sampling fields (``top_k``, ``repetition_penalty``,
+``ignore_eos``, ``stop_token_ids``) are accepted too. A field OpenAI defines that this
+server cannot honour is refused by name, never ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ...errors import InvalidInput, NeuronServeError
+from ...generation.sampling import MAX_LOGPROBS, SamplingParams
+
+MAX_N = 16  # choices per request: each is a sequence holding a KV-cache slot
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat has none: the context)
+OWNER = "neuron-serve"
+
+# OpenAI's error ``type`` for each status.
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error",
+               504: "timeout_error"}
+
+
+class OpenAIError(NeuronServeError):
+    """An error answered as OpenAI's error object, with the field it is about (``param``)."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.http_status = status
+        self.param = param
+        self.code = code
+
+
+def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
+                      "code": code}}
+
+
+def error_of(exc: Exception) -> tuple[int, dict]:
+    """(status, error object) of any exception raised while serving an OpenAI request."""
+    if isinstance(exc, OpenAIError):
+        return exc.http_status, error_body(str(exc), exc.http_status, exc.param, exc.code)
+    if isinstance(exc, NeuronServeError):
+        return exc.http_status, error_body(str(exc), exc.http_status)
+    return 500, error_body(f"internal error: {type(exc).__name__}: {exc}", 500)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    """The fields /v1/completions and /v1/chat/completions share."""
+
+    model: str
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extra sampling fields
+    top_k: int | None = Field(None, ge=-1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: passed to the chat template
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    response_format: dict | None = None
+    parallel_tool_calls: bool | None = None
+
+
+# Fields OpenAI defines that this server cannot honour: refused when given a non-default value.
+_REFUSED = {
+    "echo": (False, "echo is not supported; send the prompt back yourself"),
+    "suffix": (None, "suffix (insertion) is not supported by causal LMs served here"),
+    "logit_bias": (None, "logit_bias is not supported; use stop_token_ids or the penalties"),
+    "tools": (None, "tools are not supported: the served model has no tool-call parser"),
+    "tool_choice": (None, "tool_choice is not supported: the served model has no tool-call parser"),
+    "parallel_tool_calls": (None, "parallel_tool_calls is not supported: the served model has no tool-call parser"),
+    "response_format": (None, "response_format (structured output) is not supported"),
+}
+
+
+def parse(kind: Literal["completions", "chat"], body: bytes) -> CompletionRequest | ChatRequest:
+    """The request body decoded and checked; errors are OpenAIErrors naming the field."""
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise OpenAIError(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise OpenAIError("the request body must be a JSON object")
+    schema = CompletionRequest if kind == "completions" else ChatRequest
+    try:
+        request = schema.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        message = first["msg"]
+        if first["type"] == "extra_forbidden":
+            message = f"unknown field {param!r}: this server does not support it"
+        raise OpenAIError(f"{param}: {message}" if param else message, param=param) from None
+    for name, (default, why) in _REFUSED.items():
+        if name in request.model_fields_set and getattr(request, name, default) not in (default, {}, []):
+            raise OpenAIError(why, param=name)
+    if isinstance(request, CompletionRequest) and request.best_of not in (None, request.n):
+        raise OpenAIError("best_of is not supported unless equal to n", param="best_of")
+    if isinstance(request, ChatRequest) and request.top_logprobs is not None and not request.logprobs:
+        raise OpenAIError("top_logprobs needs logprobs: true", param="top_logprobs")
+    if request.stream_options is not None and not request.stream:
+        raise OpenAIError("stream_options is only allowed with stream: true", param="stream_options")
+    return request
+
+
+def sampling(request: CompletionRequest | ChatRequest, choice: int = 0) -> SamplingParams:
+    """The engine's parameters for one choice (each choice of a seeded request gets its own seed)."""
+    if isinstance(request, ChatRequest):
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    else:
+        max_tokens, logprobs = request.max_tokens, request.logprobs
+    stop = [request.stop] if isinstance(request.stop, str) else (request.stop or [])
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=max(request.top_k or 0, 0),
+            repetition_penalty=request.repetition_penalty or 1.0,
+            presence_penalty=request.presence_penalty or 0.0,
+            frequency_penalty=request.frequency_penalty or 0.0,
+            seed=None if request.seed is None else request.seed + choice,
+            stop_token_ids=tuple(request.stop_token_ids or ()),
+            stop=tuple(stop),
+            ignore_eos=request.ignore_eos,
+            logprobs=logprobs,
+        )
+    except InvalidInput as exc:
+        raise OpenAIError(str(exc), param=str(exc).split(" ", 1)[0]) from None
+
+
+def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completion request: text, or token ids (one or a list of either)."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise OpenAIError("prompt is empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    return list(prompt)
+
+
+def chat_messages(request: ChatRequest) -> list[dict]:
+    """Messages as a chat template takes them (text parts joined)."""
+    messages = []
+    for message in request.messages:
+        item = message.model_dump(exclude_none=True)
+        if isinstance(message.content, list):
+            item["content"] = "".join(part.text for part in message.content)
+        messages.append(item)
+    return messages
+
+
+# -- encoding ------------------------------------------------------------------------------
+
+
+def new_id(kind: str) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_logprobs(tokens: list[str], logprobs: list[float | None], tops: list[dict[str, float]],
+                        offset: int) -> dict:
+    """The legacy completions ``logprobs`` object of one chunk or choice."""
+    offsets, at = [], offset
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[tuple[str, float | None, list[tuple[str, float]]]]) -> dict:
+    """The chat ``logprobs`` object: one entry per token, with its top alternatives."""
+    return {"content": [{"token": token, "logprob": logprob, "bytes": list(token.encode()),
+                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in top]}
+                        for token, logprob, top in entries]}
+
+
+def envelope(kind: str, rid: str, model: str, created: int, choices: list[dict], *, chunk: bool,
+             usage_: dict | None = None) -> dict:
+    """A response or stream chunk around ``choices``."""
+    if kind == "chat":
+        obj = "chat.completion.chunk" if chunk else "chat.completion"
+    else:
+        obj = "text_completion"
+    body = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+    if usage_ is not None or not chunk:
+        body["usage"] = usage_
+    return body
+
+
+def sse(data: dict | str) -> bytes:
+    """One server-sent event."""
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {payload}\n\n".encode()
+
+
+DONE = sse("[DONE]")
+
+
+def models_list(names: list[str]) -> dict:
+    """``GET /v1/models``."""
+    created = int(time.time())
+    return {"object": "list", "data": [{"id": n, "object": "model", "created": created, "owned_by": OWNER}
+                                       for n in names]}
+
+
+def unknown_model(name: Any, served: list[str]) -> OpenAIError:
+    return OpenAIError(f"the model {name!r} does not exist; this server serves: {', '.join(served) or 'none'}",
+                       status=404, param="model", code="model_not_found")
