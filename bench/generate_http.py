@@ -1,0 +1,422 @@
+"""Generation over HTTP: neuron-serve's OpenAI API against peer servers on the same model.
+
+    python -m bench.generate_http [--quick] [--out DIR] [--servers a,b]   # also a part of python -m bench
+
+One model directory, deployments/llm/ (``make llm-example``: a small Llama with random
+weights and its byte-level BPE tokenizer), served by four servers, one at a time (each is
+started, measured and stopped before the next starts):
+
+1. ``neuron-serve``: ``neuron-serve deploy`` of deployments/llm.yaml with two changes,
+   written to ``<out>/neuron-serve-llm.yaml``: ``max_model_len`` 512 (the example's 256 is
+   shorter than the longest request here, 200 prompt + 128 new tokens) and ``max_num_seqs``
+   32 (the highest concurrency, so no request waits for a KV-cache slot; the peers have no
+   such bound). Its compile happens at deploy, before any request.
+2. ``transformers-cb``: ``transformers serve --continuous-batching`` with the directory
+   as its model (a local path is served as it is, named by that path), sdpa attention,
+   a paged cache of 64 pages of 256 tokens (32 sequences x 512, as bench/generate.py; auto-
+   sized it takes most of the host's memory).
+3. ``transformers``: ``transformers serve`` without continuous batching (``generate`` on
+   one inference thread, one request after another).
+4. ``ray``: Ray Serve's default HTTP proxy in front of one replica calling eager
+   ``model.generate`` per request on a thread of its own (bench/peers/ray_generate_app.py).
+
+Workload: a seeded list of text prompts whose lengths under the model's tokenizer are 8 to
+200 tokens, each with 16 to 128 new tokens, the same list for every server; streamed
+``/v1/completions`` at temperature 0, ``concurrency`` requests in flight (aiohttp,
+closed loop) at concurrency 1, 8 and 32. Each point sends its own slice of the list (no
+prompt is sent twice to a server, so no prefix cache can help); a few short requests warm
+each server up first.
+
+Equal work: every request must return exactly its ``max_tokens``. neuron-serve and the Ray
+peer take vLLM's ``ignore_eos: true``. ``transformers serve`` refuses unknown fields (422
+for ``ignore_eos``) and has no such flag, but takes a ``generation_config`` JSON string per
+request: the model's generation config with ``eos_token_id`` set to the vocabulary size, an
+id the model cannot produce (with random weights greedy decoding does reach EOS, about one
+request in twenty). Each request's ``usage.completion_tokens`` is checked against its
+``max_tokens``; a request that differs is counted (``short``) and its tokens still count.
+
+Figures per (server, concurrency): output tokens/s (completion tokens over the wall time
+from the first request sent to the last answer), time to first token (request sent to the
+first chunk with text) and time per output token per request ((last token time - first
+token time) / (tokens - 1), the last token's time being the chunk that ends the choice),
+p50 and p99. Then neuron-serve against the best peer: tokens/s at concurrency 32, TTFT and
+TPOT at concurrency 1. Writes generate_http.md (printed too) and generate_http.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import servers
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+MODEL_DIR = ROOT / "deployments" / "llm"
+CONCURRENCY = (1, 8, 32)
+REQUESTS = {"full": {1: 8, 8: 32, 32: 96}, "quick": {1: 4, 8: 16, 32: 32}}  # requests per point
+WARMUP = 4  # short requests (8 new tokens), all at once, before a server's first point
+PROMPT_TOKENS, NEW_TOKENS = (8, 200), (16, 128)
+MAX_MODEL_LEN = 512
+REQUEST_TIMEOUT_S = 600
+
+
+# -- the workload --
+
+def make_workload(tokenizer, count: int, seed: int = 0) -> list[dict]:
+    """``count`` requests: text prompts of an exact token length under ``tokenizer``, and max_tokens."""
+    rng = random.Random(seed)
+    special = set(tokenizer.all_special_ids)
+    words = [i for i in range(len(tokenizer)) if i not in special
+             and (t := tokenizer.decode([i])).strip() and t.isascii() and t.isprintable()]
+    requests = []
+    for _ in range(count):
+        n, new = rng.randint(*PROMPT_TOKENS), rng.randint(*NEW_TOKENS)
+        ids = [rng.choice(words) for _ in range(n)]
+        for _ in range(20):  # decode and encode again until the text is n tokens
+            text = tokenizer.decode(ids)
+            again = tokenizer(text)["input_ids"]
+            if len(again) == n:
+                break
+            ids = again[:n] + [rng.choice(words) for _ in range(n - len(again))]
+        else:
+            raise RuntimeError(f"no text of {n} tokens found")
+        requests.append({"prompt": text, "prompt_tokens": n, "max_tokens": new})
+    return requests
+
+
+# -- one streamed response --
+
+class SSEStream:
+    """The figures of one streamed completion, fed its SSE lines with their arrival times."""
+
+    def __init__(self, sent: float) -> None:
+        self.sent = sent
+        self.first: float | None = None   # the first chunk with text
+        self.last: float | None = None    # the last chunk with text or a finish_reason
+        self.chunks = 0                   # chunks with text
+        self.finish_reason: str | None = None
+        self.usage: dict | None = None
+        self.error: str | None = None
+        self.done = False
+
+    def feed(self, line: bytes | str, now: float) -> None:
+        line = (line.decode() if isinstance(line, bytes) else line).strip()
+        if not line.startswith("data:"):
+            return  # blank lines end events; comments (":") and event:/id: lines carry nothing here
+        data = line[5:].strip()
+        if data == "[DONE]":
+            self.done = True
+            return
+        try:
+            event = json.loads(data)
+        except json.JSONDecodeError:
+            self.error = self.error or f"not JSON: {data[:80]}"
+            return
+        if not isinstance(event, dict) or "error" in event:
+            self.error = self.error or f"error event: {data[:200]}"
+            return
+        for choice in event.get("choices") or []:
+            text = choice.get("text") or (choice.get("delta") or {}).get("content")
+            if text:
+                self.chunks += 1
+                self.first = self.first if self.first is not None else now
+                self.last = now
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+                self.last = now
+        if event.get("usage"):
+            self.usage = event["usage"]
+
+    @property
+    def tokens(self) -> int:
+        """Output tokens: the server's usage count, else one a chunk with text."""
+        return int(self.usage["completion_tokens"]) if self.usage else self.chunks
+
+    def figures(self) -> dict:
+        ttft = None if self.first is None else self.first - self.sent
+        tpot = (self.last - self.first) / (self.tokens - 1) if self.first is not None and self.tokens > 1 else None
+        return {"tokens": self.tokens, "prompt_tokens": (self.usage or {}).get("prompt_tokens"),
+                "ttft_s": ttft, "tpot_s": tpot, "finish_reason": self.finish_reason, "error": self.error}
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def summarise(results: list[dict], requests: list[dict], wall: float) -> dict:
+    """A point's figures from its requests' figures (``results[i]`` answers ``requests[i]``)."""
+    ok = [r for r in results if not r["error"]]
+    ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+    tpot = [r["tpot_s"] for r in ok if r["tpot_s"] is not None]
+    tokens = sum(r["tokens"] for r in ok)
+    return {"requests": len(results), "errors": len(results) - len(ok),
+            "short": sum(r["tokens"] != q["max_tokens"] for r, q in zip(results, requests) if not r["error"]),
+            "prompt_mismatch": sum(r["prompt_tokens"] not in (None, q["prompt_tokens"])
+                                   for r, q in zip(results, requests) if not r["error"]),
+            "output_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
+            "first_error": next((r["error"] for r in results if r["error"]), None)}
+
+
+# -- the load generator --
+
+async def stream_one(session, url: str, body: dict) -> dict:
+    import aiohttp  # noqa: PLC0415
+
+    stream = SSEStream(time.perf_counter())
+    try:
+        async with session.post(url, json=body) as response:
+            if response.status != 200:
+                stream.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+                return stream.figures()
+            async for line in response.content:
+                stream.feed(line, time.perf_counter())
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        stream.error = f"{type(exc).__name__}: {exc}"[:200]
+    if not stream.error and stream.finish_reason is None:
+        stream.error = "the stream ended with no finish_reason"
+    return stream.figures()
+
+
+async def run_point(url: str, bodies: list[dict], concurrency: int) -> tuple[list[dict], float]:
+    """Every body streamed, ``concurrency`` at a time (closed loop); (figures per body, wall seconds)."""
+    import aiohttp  # noqa: PLC0415
+
+    results: list[dict | None] = [None] * len(bodies)
+    pending = iter(range(len(bodies)))
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+        async def worker() -> None:
+            for i in pending:
+                results[i] = await stream_one(session, url, bodies[i])
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return results, time.perf_counter() - started
+
+
+# -- the servers --
+
+class OpenAIServer(servers.Server):
+    """A server under test probed and measured on /v1/completions."""
+
+    def url(self, model: str) -> str:
+        return f"http://127.0.0.1:{self.spec.port}/v1/completions"
+
+    def stop(self) -> None:
+        # transformers serve --continuous-batching never exits on SIGINT (its batching thread
+        # outlives uvicorn), so a server with no Ray under it gets 5 s, not 30, before SIGKILL;
+        # the group goes with it. Ray servers keep servers.Server's stop, which finds their daemons.
+        if self.spec.replica_marker is None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGINT)
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+            except ProcessLookupError:
+                pass
+        super().stop()
+
+
+def no_eos_config(model_dir: Path) -> str:
+    """transformers serve's per-request ``generation_config``: the model's, with an EOS id it cannot produce."""
+    config = json.loads((model_dir / "generation_config.json").read_text())
+    config = {k: v for k, v in config.items() if not k.startswith("_") and k != "transformers_version"}
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    return json.dumps({**config, "eos_token_id": vocab, "do_sample": False})
+
+
+def write_neuron_serve_yaml(model_dir: Path, path: Path) -> None:
+    """deployments/llm.yaml with room for the workload: the model dir absolute, 512 positions, 32 slots."""
+    import yaml  # noqa: PLC0415
+
+    config = yaml.safe_load((ROOT / "deployments" / "llm.yaml").read_text())
+    config["model"]["pretrained"] = str(model_dir.resolve())
+    config.setdefault("generation", {}).update(max_model_len=MAX_MODEL_LEN, max_num_seqs=max(CONCURRENCY))
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def specs(model_dir: Path, llm_yaml: Path, python: str = sys.executable) -> dict[str, tuple]:
+    """key -> (spec, the model's name in the API, extra fields of every request)."""
+    bindir, model = Path(python).parent, str(model_dir.resolve())
+    serve = [str(bindir / "transformers"), "serve", model, "--host", "127.0.0.1", "--device", "cpu",
+             "--attn-implementation", "sdpa"]
+    ignore_eos, no_eos = {"ignore_eos": True}, {"generation_config": no_eos_config(model_dir)}
+    return {spec.key: (spec, name, extra) for spec, name, extra in [
+        (servers.ServerSpec("neuron-serve", "neuron-serve (OpenAI API)",
+                            [str(bindir / "neuron-serve"), "deploy", str(llm_yaml),
+                             "--host", "127.0.0.1", "--port", "18810", "--no-grpc"], 18810, startup_s=2400,
+                            replica_marker="ray::ServeReplica:"), "llm", ignore_eos),
+        (servers.ServerSpec("transformers-cb", "transformers serve --continuous-batching",
+                            serve + ["--port", "18811", "--continuous-batching", "--cb-num-blocks", "64"], 18811,
+                            startup_s=300), model, no_eos),
+        (servers.ServerSpec("transformers", "transformers serve (generate, one at a time)",
+                            serve + ["--port", "18812"], 18812, startup_s=300), model, no_eos),
+        (servers.ServerSpec("ray", "Ray Serve, eager generate per request",
+                            [python, "-m", "bench.peers.ray_generate_app", "--model", model, "--name", "llm",
+                             "--port", "18813"], 18813, startup_s=300, replica_marker="ray::ServeReplica:"),
+         "llm", ignore_eos),
+    ]}
+
+
+def request_body(request: dict, model: str, extra: dict, max_tokens: int | None = None) -> dict:
+    return {"model": model, "prompt": request["prompt"], "max_tokens": max_tokens or request["max_tokens"],
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **extra}
+
+
+def measure_server(key: str, spec, model: str, extra: dict, slices: dict, warmup: list[dict], out: Path,
+                   log) -> dict:
+    """Start one server, warm it up, take every concurrency point, stop it."""
+    server = OpenAIServer(spec, out / "logs")
+    entry: dict = {"label": spec.label, "points": {}}
+    try:
+        probe = json.dumps({**request_body(warmup[0], model, extra, 2), "stream": False}).encode()
+        try:
+            entry["ready_s"] = server.wait_ready({model: (probe, {"Content-Type": "application/json"})})
+        except RuntimeError as exc:
+            log(f"  {key} failed: {exc}")
+            return {**entry, "failed": str(exc)}
+        log(f"  {key}: ready in {entry['ready_s']:.0f}s")
+        url = server.url(model)
+        asyncio.run(run_point(url, [request_body(r, model, extra, 8) for r in warmup], len(warmup)))
+        for conc, requests in slices.items():
+            results, wall = asyncio.run(run_point(url, [request_body(r, model, extra) for r in requests], conc))
+            point = entry["points"][conc] = summarise(results, requests, wall)
+            log(f"  {key:16s} c{conc:<3d} {point['tokens_per_s']:8.1f} tok/s  TTFT p50 {ms(point['ttft_p50_s'])} ms  "
+                f"TPOT p50 {ms(point['tpot_p50_s'])} ms  errors {point['errors']}  short {point['short']}"
+                + (f"  ({point['first_error']})" if point["first_error"] else ""))
+        entry["memory_mb"] = server.memory_mb()
+    finally:
+        server.stop()
+    return entry
+
+
+# -- the report --
+
+def ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1000:.1f}"
+
+
+def ratios(systems: dict) -> dict:
+    """neuron-serve against the best peer: tokens/s at the highest concurrency, TTFT and TPOT at 1."""
+    def point(key, conc):
+        p = systems.get(key, {}).get("points", {}).get(conc)
+        return p if p and p["errors"] < p["requests"] else None
+
+    ours, peers, result = "neuron-serve", [k for k in systems if k != "neuron-serve"], {}
+    top, one = max(CONCURRENCY), min(CONCURRENCY)
+    theirs = [(k, p) for k in peers if (p := point(k, top))]
+    if point(ours, top) and theirs:
+        best, p = max(theirs, key=lambda kp: kp[1]["tokens_per_s"])
+        result[f"tokens_per_s_c{top}"] = {"peer": best, "ratio": point(ours, top)["tokens_per_s"] / p["tokens_per_s"]}
+    for figure in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"):
+        theirs = [(k, p) for k in peers if (p := point(k, one)) and p[figure]]
+        if point(ours, one) and point(ours, one)[figure] and theirs:
+            best, p = min(theirs, key=lambda kp: kp[1][figure])
+            result[f"{figure[:-2]}_c{one}"] = {"peer": best, "ratio": point(ours, one)[figure] / p[figure]}
+    return result
+
+
+def report(figures: dict) -> str:
+    systems = figures["systems"]
+    lines = ["| server | conc | requests | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | errors | short |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for key, entry in systems.items():
+        if entry.get("failed"):
+            lines.append(f"| {entry['label']} | | | failed: {entry['failed'][:80]} | | | | |")
+        for conc, p in entry.get("points", {}).items():
+            lines.append(f"| {entry['label']} | {conc} | {p['requests']} | {p['tokens_per_s']:.1f} | "
+                         f"{ms(p['ttft_p50_s'])} / {ms(p['ttft_p99_s'])} | {ms(p['tpot_p50_s'])} / "
+                         f"{ms(p['tpot_p99_s'])} | {p['errors']} | {p['short']} |")
+    labels = {k: e["label"] for k, e in systems.items()}
+    found = figures["ratios"]
+    lines += ["", "neuron-serve against the best peer of the same run (n/a: a figure is missing):", ""]
+    for name, text in [(f"tokens_per_s_c{max(CONCURRENCY)}", f"output tok/s at concurrency {max(CONCURRENCY)}"),
+                       (f"ttft_p50_c{min(CONCURRENCY)}", "TTFT p50 at concurrency 1"),
+                       (f"ttft_p99_c{min(CONCURRENCY)}", "TTFT p99 at concurrency 1"),
+                       (f"tpot_p50_c{min(CONCURRENCY)}", "TPOT p50 at concurrency 1"),
+                       (f"tpot_p99_c{min(CONCURRENCY)}", "TPOT p99 at concurrency 1")]:
+        r = found.get(name)
+        lines.append(f"- {text}: " + (f"{r['ratio']:.2f}x {labels[r['peer']]}'s" if r else "n/a"))
+    w = figures["workload"]
+    lines += ["", f"Workload: {w['requests']} streamed /v1/completions requests per server at temperature 0, prompts "
+              f"{w['prompt_tokens']} tokens, {w['new_tokens']} new tokens each ({figures['mode']} run; requests per "
+              f"point {figures['requests_per_point']}); load average {figures['load_average'][0]:.1f} at the start, "
+              f"{figures['load_average'][-1]:.1f} at the end on {os.cpu_count()} cores. `short`: requests whose "
+              "usage.completion_tokens differs from their max_tokens."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    all_keys = ["neuron-serve", "transformers-cb", "transformers", "ray"]
+    parser = argparse.ArgumentParser(prog="python -m bench.generate_http", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer requests per point (a few seconds each)")
+    parser.add_argument("--out", type=Path, help="results directory (default bench/results/<timestamp>)")
+    parser.add_argument("--servers", default=",".join(all_keys),
+                        help="comma-separated subset of: " + ", ".join(all_keys))
+    parser.add_argument("--model-dir", type=Path, default=MODEL_DIR, help="the model directory (make llm-example)")
+    args = parser.parse_args(argv)
+    out = args.out or RESULTS / time.strftime("%Y%m%d-%H%M%S")
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    if not (args.model_dir / "config.json").exists():
+        print(f"[generate_http] no model in {args.model_dir}: run `make llm-example`", file=sys.stderr)
+        return 1
+
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    def log(message: str) -> None:
+        print(f"[generate_http] {message}", flush=True)
+
+    mode = "quick" if args.quick else "full"
+    counts = REQUESTS[mode]
+    requests = make_workload(AutoTokenizer.from_pretrained(args.model_dir, local_files_only=True),
+                             WARMUP + sum(counts.values()))
+    warmup, start, slices = requests[:WARMUP], WARMUP, {}
+    for conc in CONCURRENCY:
+        slices[conc], start = requests[start:start + counts[conc]], start + counts[conc]
+    measured = requests[WARMUP:]
+    keys = args.servers.split(",")
+    if unknown := set(keys) - set(all_keys):
+        parser.error(f"unknown servers: {', '.join(sorted(unknown))}")
+    chosen = specs(args.model_dir, out / "neuron-serve-llm.yaml")
+    if "neuron-serve" in keys:
+        write_neuron_serve_yaml(args.model_dir, out / "neuron-serve-llm.yaml")
+    load, systems = [os.getloadavg()[0]], {}
+    log(f"{len(keys)} servers x concurrency {', '.join(map(str, CONCURRENCY))} ({mode}); "
+        f"results in {out}")
+    for key in keys:
+        spec, model, extra = chosen[key]
+        systems[key] = measure_server(key, spec, model, extra, slices, warmup, out, log)
+    load.append(os.getloadavg()[0])
+    lengths = sorted(r["prompt_tokens"] for r in measured)
+    figures = {"mode": mode, "requests_per_point": counts, "load_average": load, "systems": systems,
+               "workload": {"requests": len(measured), "prompt_tokens": f"{lengths[0]}-{lengths[-1]}",
+                            "new_tokens": f"{min(r['max_tokens'] for r in measured)}-"
+                                          f"{max(r['max_tokens'] for r in measured)}",
+                            "output_tokens": sum(r["max_tokens"] for r in measured)}}
+    figures["ratios"] = ratios(systems)
+    markdown = report(figures)
+    (out / "generate_http.md").write_text(markdown + "\n")
+    (out / "generate_http.json").write_text(json.dumps(figures, indent=2))
+    print(markdown, flush=True)
+    log(f"wrote {out / 'generate_http.md'} and {out / 'generate_http.json'}")
+    # Non-zero when a server failed to start or answered with errors: the report is written either way.
+    return 1 if any(e.get("failed") or any(p["errors"] for p in e["points"].values()) for e in systems.values()) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

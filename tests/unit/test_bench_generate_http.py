@@ -1,0 +1,120 @@
+"""bench/generate_http.py without servers: the SSE parser, the per-request and per-point
+figures, the ratios against the best peer and the workload's exact prompt lengths."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from bench import generate_http as gh  # noqa: E402
+
+
+def sse(event) -> bytes:
+    return f"data: {json.dumps(event)}\n".encode()
+
+
+def chunk(text="", finish=None, usage=None, choices=True) -> bytes:
+    body = {"id": "c", "object": "text_completion",
+            "choices": [{"index": 0, "text": text, "finish_reason": finish}] if choices else []}
+    if usage:
+        body["usage"] = usage
+    return sse(body)
+
+
+def test_a_canned_stream_gives_ttft_and_tpot_from_the_usage_count():
+    # Sent at 10.0; 5 tokens whose text arrives in 4 chunks (one token decodes to no text yet);
+    # the finish chunk at 10.9, then usage in its own chunk (vLLM's layout), then [DONE].
+    stream = gh.SSEStream(sent=10.0)
+    lines = [(b": keep-alive\n", 10.05), (chunk("He"), 10.1), (b"\n", 10.1), (chunk(""), 10.2),
+             (chunk("llo"), 10.3), (chunk(" wor"), 10.5), (chunk("ld"), 10.7), (chunk("", finish="length"), 10.9),
+             (chunk(choices=False, usage={"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}), 11.5),
+             (b"data: [DONE]\n", 11.6)]
+    for line, now in lines:
+        stream.feed(line, now)
+    figures = stream.figures()
+    assert stream.done and stream.chunks == 4
+    assert figures["tokens"] == 5 and figures["prompt_tokens"] == 7 and figures["finish_reason"] == "length"
+    assert figures["ttft_s"] == pytest.approx(0.1)
+    assert figures["tpot_s"] == pytest.approx((10.9 - 10.1) / 4)  # to the finish chunk, not the usage chunk
+    assert figures["error"] is None
+
+
+def test_without_usage_each_text_chunk_is_a_token_and_chat_deltas_count():
+    stream = gh.SSEStream(sent=0.0)
+    for now, text in [(0.5, "a"), (1.0, "b"), (2.0, "c")]:
+        stream.feed(sse({"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}), now)
+    stream.feed(sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}), 2.0)
+    figures = stream.figures()
+    assert figures["tokens"] == 3 and figures["ttft_s"] == 0.5 and figures["tpot_s"] == pytest.approx(0.75)
+
+
+def test_an_error_event_or_a_bad_line_is_the_request_s_error():
+    stream = gh.SSEStream(sent=0.0)
+    stream.feed('data: {"error": "CB worker died"}', 1.0)
+    assert "CB worker died" in stream.figures()["error"]
+    stream = gh.SSEStream(sent=0.0)
+    stream.feed("data: {not json", 1.0)
+    assert stream.figures()["error"].startswith("not JSON")
+
+
+def test_one_token_has_a_ttft_and_no_tpot():
+    stream = gh.SSEStream(sent=1.0)
+    stream.feed(chunk("x", finish="length", usage={"prompt_tokens": 3, "completion_tokens": 1}), 1.25)
+    assert stream.figures()["ttft_s"] == 0.25 and stream.figures()["tpot_s"] is None
+
+
+def test_a_point_pools_its_requests_percentiles_and_counts_short_and_failed_ones():
+    requests = [{"prompt": "p", "prompt_tokens": 4, "max_tokens": 10} for _ in range(102)]
+    results = [{"tokens": 10, "prompt_tokens": 4, "ttft_s": i / 100, "tpot_s": i / 1000, "finish_reason": "length",
+                "error": None} for i in range(101)]
+    results[3] = {**results[3], "tokens": 7, "prompt_tokens": 5}  # stopped early, its prompt counted differently
+    results.append({"tokens": 0, "prompt_tokens": None, "ttft_s": None, "tpot_s": None, "finish_reason": None,
+                    "error": "HTTP 500"})
+    point = gh.summarise(results, requests, wall=2.0)
+    assert point["requests"] == 102 and point["errors"] == 1 and point["first_error"] == "HTTP 500"
+    assert point["short"] == 1 and point["prompt_mismatch"] == 1
+    assert point["output_tokens"] == 100 * 10 + 7 and point["tokens_per_s"] == pytest.approx(1007 / 2.0)
+    assert point["ttft_p50_s"] == pytest.approx(0.50) and point["ttft_p99_s"] == pytest.approx(0.99)
+    assert point["tpot_p50_s"] == pytest.approx(0.050) and point["tpot_p99_s"] == pytest.approx(0.099)
+
+
+def test_ratios_compare_neuron_serve_with_the_best_peer_and_skip_failed_points():
+    def point(tps, ttft, tpot, errors=0):
+        return {"requests": 4, "errors": errors, "tokens_per_s": tps, "ttft_p50_s": ttft, "ttft_p99_s": ttft,
+                "tpot_p50_s": tpot, "tpot_p99_s": tpot}
+
+    systems = {"neuron-serve": {"points": {1: point(100, 0.02, 0.004), 32: point(3000, 0.1, 0.01)}},
+               "transformers-cb": {"points": {1: point(90, 0.01, 0.002), 32: point(1500, 0.2, 0.02)}},
+               "ray": {"points": {1: point(80, 0.04, 0.001, errors=4), 32: point(2000, 0.3, 0.03)}},
+               "transformers": {"failed": "exited"}}
+    found = gh.ratios(systems)
+    assert found["tokens_per_s_c32"] == {"peer": "ray", "ratio": pytest.approx(1.5)}
+    # ray's concurrency-1 point failed every request: its 1 ms TPOT is not the best peer's
+    assert found["ttft_p50_c1"] == {"peer": "transformers-cb", "ratio": pytest.approx(2.0)}
+    assert found["tpot_p50_c1"] == {"peer": "transformers-cb", "ratio": pytest.approx(2.0)}
+    assert gh.ratios({k: v for k, v in systems.items() if k != "neuron-serve"}) == {}
+
+
+def test_the_workload_s_prompts_have_their_token_lengths_and_are_the_same_each_time():
+    from example_models import make_llm
+
+    tokenizer = make_llm.tokenizer()
+    first, again = gh.make_workload(tokenizer, 12), gh.make_workload(tokenizer, 12)
+    assert first == again
+    for request in first:
+        assert len(tokenizer(request["prompt"])["input_ids"]) == request["prompt_tokens"]
+        assert gh.PROMPT_TOKENS[0] <= request["prompt_tokens"] <= gh.PROMPT_TOKENS[1]
+        assert gh.NEW_TOKENS[0] <= request["max_tokens"] <= gh.NEW_TOKENS[1]
+
+
+def test_transformers_serve_gets_the_model_s_generation_config_with_an_eos_it_cannot_produce(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 1024, "eos_token_id": 1}))
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"_from_model_config": True, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1,
+         "transformers_version": "5.24.0"}))
+    assert json.loads(gh.no_eos_config(tmp_path)) == {"bos_token_id": 0, "eos_token_id": 1024, "pad_token_id": 1,
+                                                      "do_sample": False}
