@@ -13,7 +13,7 @@ KSERVE_VENV  := .venv-kserve
 KSERVE_STAMP := $(KSERVE_VENV)/.installed
 KSERVE_REQS  := tests/integration/kserve-requirements.txt
 
-.PHONY: install serve analyze test kserve-client bench bench-quick soak llm-example
+.PHONY: install serve analyze test kserve-client bench bench-quick bench-generate-http soak llm-example
 
 # Serving needs only the base dependencies; the tests add their own extra.
 $(STAMP): pyproject.toml
@@ -57,11 +57,16 @@ $(VENV)/.bench: $(TEST_STAMP)
 	command -v wrk >/dev/null || { [ "$$(id -u)" = 0 ] && s= || s=sudo; $$s apt-get install -y -qq --no-install-recommends wrk; }
 	touch $(VENV)/.bench
 
-bench: $(VENV)/.bench
+# Both include generation over HTTP (bench/generate_http.py), which serves the LLM example.
+bench: $(VENV)/.bench llm-example
 	$(BIN)/python -m bench
 
-bench-quick: $(VENV)/.bench
+bench-quick: $(VENV)/.bench llm-example
 	$(BIN)/python -m bench --quick
+
+# Generation over HTTP alone: neuron-serve's OpenAI API against transformers serve and Ray Serve.
+bench-generate-http: $(VENV)/.bench llm-example
+	$(BIN)/python -m bench.generate_http
 
 # 10 minutes at 80% of the measured capacity, valid and invalid requests mixed; not part of `make test`.
 soak: $(VENV)/.bench

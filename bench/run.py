@@ -11,7 +11,9 @@ HAProxy served W1 at concurrency 1 at 145 req/s; alone, at 299). ``--all-up`` st
 every server first and takes each point on each in turn (order rotated per point). Results go to
 bench/results/<timestamp>/: results.md, latency_throughput.png and raw.json. The generation
 benchmark (bench/generate.py: the engine against transformers, in one process, after the
-servers are stopped) adds generate.md and generate.json there.
+servers are stopped) adds generate.md and generate.json there; generation over HTTP
+(bench/generate_http.py: neuron-serve's OpenAI API against transformers serve and Ray Serve,
+one server at a time) adds generate_http.md and generate_http.json.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     generation.add_argument("--no-generate", action="store_true", help="skip the generation benchmark")
     generation.add_argument("--generate-only", action="store_true",
                             help="run only the generation benchmark (as python -m bench.generate)")
+    parser.add_argument("--no-generate-http", action="store_true",
+                        help="skip generation over HTTP (bench/generate_http.py)")
     parser.add_argument("--out", type=Path, help="results directory (default bench/results/<timestamp>)")
     return parser.parse_args(argv)
 
@@ -164,6 +168,21 @@ def run_generate(quick: bool, out: Path, log) -> str | None:
     return (out / "generate.md").read_text()
 
 
+def run_generate_http(quick: bool, out: Path, log) -> str | None:
+    """bench/generate_http.py in its own process (it starts and stops each server itself):
+    returns its Markdown table whenever it wrote one (a server that failed is a row of it)."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    command = [sys.executable, "-m", "bench.generate_http", "--out", str(out)] + (["--quick"] if quick else [])
+    log(f"generation over HTTP ({'quick' if quick else 'full'}: four servers in turn, neuron-serve compiles first)")
+    (out / "generate_http.md").unlink(missing_ok=True)
+    with open(out / "logs" / "generate_http.log", "w") as handle:
+        proc = subprocess.run(command, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=5400)
+    if proc.returncode != 0:
+        log(f"  generation over HTTP: rc {proc.returncode}; see {out / 'logs' / 'generate_http.log'}")
+    path = out / "generate_http.md"
+    return path.read_text() if path.exists() else None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
@@ -195,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     internal = None if args.no_internal else run_internal(args.quick, out, log)
     cold_warm = None if args.no_cold_warm else run_cold_warm(args.quick, out, log)
     generation = None if args.no_generate else run_generate(args.quick, out, log)
+    generation_http = None if args.no_generate_http else run_generate_http(args.quick, out, log)
 
     targets = report.target_rows(rows)
     sections = [
@@ -216,12 +236,16 @@ def main(argv: list[str] | None = None) -> int:
         sections += ["", "## Cold and warm start", "", cold_warm.strip()]
     if generation:
         sections += ["", "## Generation (in process, bench/generate.py)", "", generation.strip()]
+    if generation_http:
+        sections += ["", "## Generation over HTTP (bench/generate_http.py)", "", generation_http.strip()]
     markdown = "\n".join(sections) + "\n"
     (out / "results.md").write_text(markdown)
     (out / "raw.json").write_text(json.dumps({"rows": rows, "memory": memory, "internal": internal,
                                               "targets": targets,
                                               "generation": json.loads((out / "generate.json").read_text())
-                                              if generation else None}, indent=2))
+                                              if generation else None,
+                                              "generation_http": json.loads((out / "generate_http.json").read_text())
+                                              if generation_http else None}, indent=2))
     report.plot([r for r in rows], labels, out / "latency_throughput.png")
     print()
     print(markdown)
