@@ -360,6 +360,7 @@ class Engine(Streams):
                                     completion_tokens=len(seq.output))
         event.finish_reason, event.stop_reason, event.error = reason, stop, error
         if seq.text is not None:
+            seq.text.finish()
             event.text = seq.text.text
         self.metrics.finished(reason).inc()
         self.metrics.e2e.observe(time.perf_counter() - seq.arrival)

@@ -48,7 +48,11 @@ class IncrementalText:
         return self._release(len(self.text) - self._held())
 
     def finish(self) -> str:
-        """The text still held back (a possible stop-string start), once the sequence has ended."""
+        """The text still held back once the sequence has ended for another reason than a stop string: a
+        possible stop-string start, and bytes that never completed a character (as U+FFFD, as the
+        tokenizer decodes them), so the whole text equals the decode of every token."""
+        if self.stopped is None and self.tokens:
+            self.text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
         return self._release(len(self.text))
 
     def _held(self) -> int:

@@ -144,9 +144,9 @@ def parse(kind: Literal["completions", "chat"], body: bytes) -> CompletionReques
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
-        message = first["msg"]
         if first["type"] == "extra_forbidden":
-            message = f"unknown field {param!r}: this server does not support it"
+            raise OpenAIError(f"unknown field {param!r}: this server does not support it", param=param) from None
+        message = first["msg"]
         raise OpenAIError(f"{param}: {message}" if param else message, param=param) from None
     for name, (default, why) in _REFUSED.items():
         if name in request.model_fields_set and getattr(request, name, default) not in (default, {}, []):

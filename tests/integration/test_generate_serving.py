@@ -1,0 +1,332 @@
+"""A task: generate model served for real: the OpenAI routes through the official client,
+the OIP generate extension, disconnects, limits and a fuzz of malformed requests.
+
+The model is the LLM example (a small Llama with random weights and a byte-level BPE
+tokenizer made from local text), two replicas behind HAProxy. Every generated text is
+compared with transformers' own greedy generation of the same prompt ids, decoded by
+the same tokenizer: they must be equal, character for character.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+import transformers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from http_client import Client
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "llm"
+MAX_MODEL_LEN = 256
+CONFIG = f"""
+name: {MODEL}
+task: generate
+replicas: 2
+model:
+  pretrained: llm
+generation:
+  max_num_seqs: 8
+  max_model_len: {MAX_MODEL_LEN}
+"""
+PROMPTS = ["Hello world", "neuron-serve compiles", "The cores are emulated", "café ünïcode 中文 tokens"]
+
+
+@pytest.fixture(scope="module")
+def llm(server_factory, tmp_path_factory):
+    """The server, the model directory and transformers' model and tokenizer read from it."""
+    tmp = tmp_path_factory.mktemp("generate")
+    subprocess.run([sys.executable, str(ROOT / "deployments/example_models/make_llm.py"), str(tmp / "llm")],
+                   check=True, capture_output=True)
+    (tmp / "llm.yaml").write_text(CONFIG)
+    srv = server_factory([str(tmp / "llm.yaml")], tmp)
+    srv.model_dir = tmp / "llm"
+    srv.tokenizer = transformers.AutoTokenizer.from_pretrained(srv.model_dir)
+    srv.eager = transformers.AutoModelForCausalLM.from_pretrained(srv.model_dir, attn_implementation="eager").eval()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(llm):
+    api = openai.OpenAI(base_url=f"{llm.url}/v1", api_key="unused", max_retries=0)
+    yield api
+    api.close()
+
+
+def eager_text(llm, ids: list[int], max_tokens: int) -> str:
+    """transformers' greedy generation of ``ids``, decoded (stopping at EOS as the server does)."""
+    prompt = torch.tensor([ids])
+    with torch.no_grad():
+        out = llm.eager.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_tokens,
+                                 do_sample=False, pad_token_id=llm.tokenizer.eos_token_id)
+    return llm.tokenizer.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+
+
+def completion_ids(llm, prompt: str) -> list[int]:
+    return llm.tokenizer(prompt)["input_ids"]
+
+
+def chat_ids(llm, messages: list[dict]) -> list[int]:
+    text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return llm.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def metric(llm, name: str, **labels: str) -> float:
+    """The sum of a metric's samples on the server's /metrics (those with ``labels``)."""
+    text = urllib.request.urlopen(f"{llm.url}/metrics", timeout=10).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+# -- the OpenAI client ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_completions_streamed_and_not_equal_eager_greedy(llm, client, prompt):
+    expected = eager_text(llm, completion_ids(llm, prompt), 24)
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True))
+    assert whole.choices[0].text == expected
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert whole.usage.prompt_tokens == len(completion_ids(llm, prompt))
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_chat_streamed_and_not_equal_eager_greedy(llm, client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a NeuronCore?"}]
+    expected = eager_text(llm, chat_ids(llm, messages), 32)
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32, temperature=0)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == expected
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage == whole.usage
+    assert usage.prompt_tokens == len(chat_ids(llm, messages))
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_async_client_and_the_models_own_base_url(llm):
+    async def run():
+        async with openai.AsyncOpenAI(base_url=f"{llm.url}/v2/models/{MODEL}/v1", api_key="x") as own:
+            models = await own.models.list()
+            whole = await own.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0)
+            stream = await own.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                       max_tokens=16, temperature=0, stream=True)
+            text = "".join([c.choices[0].delta.content or "" async for c in stream])
+            return [m.id for m in models.data], whole.choices[0].text, text
+
+    names, completion, chat = asyncio.run(run())
+    assert names == [MODEL]
+    assert completion == eager_text(llm, completion_ids(llm, PROMPTS[0]), 16)
+    assert chat == eager_text(llm, chat_ids(llm, [{"role": "user", "content": "hi"}]), 16)
+
+
+def test_32_concurrent_streams_each_equal_their_own_eager_answer(llm):
+    prompts = [f"Request {i}: " + " ".join(["tokens"] * (i % 7 + 1)) for i in range(32)]
+    lengths = [16 + (i * 5) % 48 for i in range(32)]
+
+    async def one(api, prompt, max_tokens):
+        stream = await api.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                              stream=True)
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=f"{llm.url}/v1", api_key="x", max_retries=0) as api:
+            return await asyncio.gather(*(one(api, p, n) for p, n in zip(prompts, lengths)))
+
+    before = {r: metric(llm, "neuron_serve_generation_tokens_total", replica=r) for r in _replicas(llm)}
+    texts = asyncio.run(run())
+    for prompt, n, text in zip(prompts, lengths, texts):
+        assert text == eager_text(llm, completion_ids(llm, prompt), n), prompt
+    # Both replicas took part.
+    after = {r: metric(llm, "neuron_serve_generation_tokens_total", replica=r) for r in _replicas(llm)}
+    assert len(after) == 2 and all(after[r] > before.get(r, 0) for r in after), after
+
+
+def _replicas(llm) -> set[str]:
+    text = urllib.request.urlopen(f"{llm.url}/metrics", timeout=10).read().decode()
+    return set(re.findall(r'neuron_serve_generation_tokens_total\{[^}]*replica="([^"]+)"', text))
+
+
+def test_n_seed_logprobs_stop_and_penalties(llm, client):
+    seeded = [client.completions.create(model=MODEL, prompt="Hello", max_tokens=12, temperature=1.0, seed=7, n=2)
+              for _ in range(2)]
+    assert [c.text for c in seeded[0].choices] == [c.text for c in seeded[1].choices]
+    assert [c.index for c in seeded[0].choices] == [0, 1]
+    scored = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0, logprobs=3)
+    logprobs = scored.choices[0].logprobs
+    assert len(logprobs.tokens) == 5 and "".join(logprobs.tokens) == scored.choices[0].text
+    assert all(lp <= 0 for lp in logprobs.token_logprobs) and all(len(top) == 3 for top in logprobs.top_logprobs)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    assert len(chat.choices[0].logprobs.content) == 4
+    assert all(len(entry.top_logprobs) == 2 for entry in chat.choices[0].logprobs.content)
+    full = eager_text(llm, completion_ids(llm, "Hello"), 40)
+    stop = full[10:13]
+    stopped = client.completions.create(model=MODEL, prompt="Hello", max_tokens=40, temperature=0, stop=[stop])
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=40, temperature=0, stop=[stop], stream=True))
+    assert stopped.choices[0].text == full[:full.index(stop)] == streamed
+    assert stopped.choices[0].finish_reason == "stop"
+    penalized = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, temperature=0,
+                                          frequency_penalty=2.0, presence_penalty=1.0)
+    assert penalized.usage.completion_tokens >= 1
+
+
+# -- errors ------------------------------------------------------------------------------
+
+
+def test_errors_are_openai_error_objects(llm, client):
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="gpt-4", prompt="x")
+    assert missing.value.body["message"] == "the model 'gpt-4' does not exist; this server serves: llm"
+    assert missing.value.body["code"] == "model_not_found"
+    prompt = "word " * 30
+    length = len(completion_ids(llm, prompt))
+    assert length < MAX_MODEL_LEN
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_MODEL_LEN)
+    assert (f"the prompt has {length} tokens and max_tokens is {MAX_MODEL_LEN}: {length + MAX_MODEL_LEN} tokens, "
+            f"more than max_model_len ({MAX_MODEL_LEN})") in too_long.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       tools=[{"type": "function", "function": {"name": "f"}}])
+    assert refused.value.body["param"] == "tools"
+    with pytest.raises(openai.BadRequestError) as unknown:
+        client.completions.create(model=MODEL, prompt="x", extra_body={"temprature": 0})
+    assert unknown.value.body["message"] == "unknown field 'temprature': this server does not support it"
+
+
+def test_oip_generate_and_generate_stream(llm):
+    api = Client(llm.url)
+    expected = eager_text(llm, completion_ids(llm, PROMPTS[1]), 20)
+    body = json.dumps({"id": "r1", "text_input": PROMPTS[1], "parameters": {"max_tokens": 20, "temperature": 0}})
+    whole = api.request("POST", f"/v2/models/{MODEL}/generate", body.encode())
+    assert whole.status == 200, whole.body
+    answer = whole.json()
+    assert answer["text_output"] == expected and answer["model_name"] == MODEL and answer["id"] == "r1"
+    streamed = api.request("POST", f"/v2/models/{MODEL}/generate_stream", body.encode())
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    events = [json.loads(line[6:]) for line in streamed.body.decode().splitlines() if line.startswith("data: ")]
+    assert "".join(e["text_output"] for e in events) == expected
+    assert events[-1]["details"]["finish_reason"] in ("stop", "length")
+    bad = api.request("POST", f"/v2/models/{MODEL}/generate", b'{"text_input": "x", "parameters": {"tempo": 1}}')
+    assert bad.status == 400 and bad.json()["error"].startswith("parameters.tempo: unknown field")
+    infer = api.request("POST", f"/v2/models/{MODEL}/infer", b"{}")
+    assert infer.status == 400 and "task: generate" in infer.json()["error"]
+    server = api.request("GET", "/v2").json()
+    assert "generate" in server["extensions"] and MODEL in server["models"]
+    assert api.request("POST", "/v2/models/nope/generate", body.encode()).status == 404
+    api.close()
+
+
+# -- streaming and disconnects -----------------------------------------------------------------
+
+
+def _open_stream(llm, path: str, body: dict) -> socket.socket:
+    data = json.dumps(body).encode()
+    conn = socket.create_connection(("127.0.0.1", llm.port), timeout=30)
+    conn.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return conn
+
+
+def test_stream_arrives_as_generated_not_buffered(llm):
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 250, "temperature": 0, "ignore_eos": True, "stream": True}
+    started = time.perf_counter()
+    conn = _open_stream(llm, "/v1/completions", body)
+    arrivals, data = [], b""
+    with conn:
+        while not data.endswith(b"\r\n0\r\n\r\n"):  # the chunked body's end
+            chunk = conn.recv(65536)
+            assert chunk, data[-500:]
+            arrivals.append(time.perf_counter() - started)
+            data += chunk
+    assert b"data: [DONE]" in data
+    assert data.count(b'"finish_reason":"length"') == 1
+    # Through HAProxy and the Serve handle, the first token arrives long before the last.
+    assert arrivals[0] < 0.5 * arrivals[-1] and len(arrivals) > 10, arrivals
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", f"/v2/models/{MODEL}/v1/completions"])
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_aborts_the_sequence(llm, client, path, stream):
+    aborted = metric(llm, "neuron_serve_request_success_total", finished_reason="abort")
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 250, "temperature": 0, "ignore_eos": True,
+            "stream": stream}
+    conn = _open_stream(llm, path, body)
+    if stream:
+        assert conn.recv(100).startswith(b"HTTP/1.1 200")
+    else:
+        time.sleep(0.02)
+    conn.close()
+    deadline = time.monotonic() + 10
+    while metric(llm, "neuron_serve_request_success_total", finished_reason="abort") == aborted \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(llm, "neuron_serve_request_success_total", finished_reason="abort") == aborted + 1
+    assert metric(llm, "neuron_serve_num_requests_running") == 0
+    again = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0)
+    assert again.choices[0].text == eager_text(llm, completion_ids(llm, "Hi"), 4)
+
+
+# -- fuzz ------------------------------------------------------------------------------------
+
+FIELDS = {
+    "model": st.one_of(st.just(MODEL), st.integers(), st.none(), st.text(max_size=5)),
+    "prompt": st.one_of(st.text(max_size=20), st.lists(st.integers(-5, 5000), max_size=5), st.integers(),
+                        st.lists(st.lists(st.integers(0, 10), max_size=3), max_size=3), st.none()),
+    "max_tokens": st.one_of(st.integers(-10, 10**9), st.floats(allow_nan=True), st.text(max_size=3), st.none()),
+    "temperature": st.one_of(st.floats(-5, 5), st.text(max_size=3), st.booleans()),
+    "top_p": st.one_of(st.floats(-1, 2), st.integers(-1, 3)),
+    "n": st.integers(-2, 40),
+    "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=3), st.integers()),
+    "stream": st.one_of(st.booleans(), st.text(max_size=3)),
+    "logprobs": st.one_of(st.integers(-3, 40), st.booleans()),
+    "seed": st.one_of(st.integers(), st.floats()),
+    "unknown_field": st.integers(),
+}
+
+
+@settings(max_examples=150, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(st.fixed_dictionaries({}, optional=FIELDS))
+def test_fuzzed_openai_requests_get_4xx_with_messages(llm, body):
+    api = Client(llm.url, timeout=60)
+    answer = api.request("POST", "/v1/completions", json.dumps(body).encode())
+    api.close()
+    assert answer.status < 500, (body, answer.body)
+    if answer.status >= 400:
+        error = answer.json()["error"]
+        assert error["message"] and error["type"], answer.body
+
+
+@pytest.mark.parametrize("raw", [b"\xff\xfe{", b"", b"[]", b"null", b'{"model": "llm", "prompt": "\xc3\x28"}',
+                                 b'{"model": "llm", "messages": "hi"}', b'{"model":"llm","prompt":"x","max_tokens":-1}',
+                                 b'{"model":"llm","prompt":"x","max_tokens":100000000000}'])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_malformed_bodies_are_400(llm, raw, path):
+    api = Client(llm.url)
+    answer = api.request("POST", path, raw)
+    api.close()
+    assert 400 <= answer.status < 500 and answer.json()["error"]["message"], answer.body
