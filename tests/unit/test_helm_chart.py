@@ -311,6 +311,21 @@ def test_inline_model_yaml_text_without_its_shape_is_refused(inline, error):
         render({"modelConfig": {"inline": inline}})
 
 
+LLM = {"name": "llm", "task": "generate", "model": {"pretrained": "/models/llm"},
+       "generation": {"max_num_seqs": 8, "max_model_len": 256}}
+
+
+@pytest.mark.parametrize("mode", ["deployment", "rayservice"])
+def test_a_generate_model_yaml_without_inputs_renders(mode):
+    docs = render({**(RAYSERVICE if mode == "rayservice" else {}), "modelConfig": {"inline": yaml.safe_dump(LLM)}})
+    shipped = yaml.safe_load(one(docs, "ConfigMap")["data"]["model.yaml"])
+    assert shipped == LLM and parse_config(shipped).task == "generate"
+    if mode == "rayservice":
+        serve = yaml.safe_load(one(docs, "RayService")["spec"]["serveConfigV2"])
+        apps = {app["name"]: app for app in serve["applications"]}
+        assert apps["llm"]["route_prefix"] == "/v2/models/llm"  # its OpenAI routes are forwarded by the server app
+
+
 def test_parse_config_rejects_what_the_chart_must_not_ship():
     # The ConfigMap check above is only meaningful if parse_config is strict.
     with pytest.raises(ConfigError, match="inputs"):

@@ -226,7 +226,9 @@ annotations:
 {{- if hasKey $model "Error" }}
 {{- fail (printf "modelConfig.inline is not a YAML mapping: %s" $model.Error) }}
 {{- end }}
-{{- range list "name" "model" "inputs" }}
+{{- /* A task: generate model takes text, so it names no inputs. */}}
+{{- $required := ternary (list "name" "model") (list "name" "model" "inputs") (eq ($model.task | default "infer") "generate") }}
+{{- range $required }}
 {{- if not (hasKey $model .) }}
 {{- fail (printf "modelConfig.inline: the model.yaml has no '%s'; add it (see neuron-serve's model.yaml schema)." .) }}
 {{- end }}
