@@ -1,0 +1,100 @@
+"""A generate model's HTTP app in process, over ASGI, with a real compiled engine: the queue
+bound and bearer auth, which the served example does not set."""
+
+import asyncio
+import json
+
+import pytest
+
+import generation_models as gm
+from neuron_serve.config import parse_config
+from neuron_serve.generation import engine_for
+from neuron_serve.serve import auth, generate_plane
+from neuron_serve.serve.generate_http import generate_app
+from neuron_serve.serve.generate_plane import GenerationPlane
+
+TOKEN = "generate-test-token-0123456789"
+
+
+@pytest.fixture(scope="module")
+def plane():
+    """One slot and room for one waiting request: a third request at once is refused."""
+    tokenizer = gm.byte_tokenizer()
+    engine = engine_for(gm.build("llama"), max_num_seqs=1, max_model_len=128, prefill_buckets=[16, 128],
+                        decode_batch_buckets=[1], decode_context_buckets=[128], max_waiting=1, tokenizer=tokenizer,
+                        name="tiny")
+    config = parse_config({"name": "tiny", "task": "generate", "model": {"factory": "m:f"},
+                           "generation": {"max_num_seqs": 1, "max_model_len": 128, "max_waiting": 1}})
+    served = GenerationPlane(config, engine, tokenizer, 128)
+    served.start()
+    generate_plane.set_current(served)
+    yield served
+    generate_plane.set_current(None)
+    engine.close()
+
+
+async def call(app, method: str, path: str, body: bytes = b"", headers: dict | None = None):
+    """One request through the ASGI app: (status, headers, body)."""
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "server": ("t", 80),
+             "client": ("c", 1), "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]}
+    sent = asyncio.Event()
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+    answer = {"body": b""}
+
+    async def receive():
+        if messages:
+            return messages.pop(0)
+        await sent.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            answer["status"] = message["status"]
+            answer["headers"] = {k.decode(): v.decode() for k, v in message["headers"]}
+        elif message["type"] == "http.response.body":
+            answer["body"] += message.get("body", b"")
+            if not message.get("more_body"):
+                sent.set()
+
+    await app(scope, receive, send)
+    return answer["status"], answer["headers"], answer["body"]
+
+
+def completion(max_tokens: int) -> bytes:
+    return json.dumps({"model": "tiny", "prompt": "neuron", "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True}).encode()
+
+
+def test_a_full_queue_answers_503_with_retry_after(plane):
+    app = generate_app()
+
+    async def burst():
+        return await asyncio.gather(*(call(app, "POST", "/v1/completions", completion(100)) for _ in range(4)))
+
+    answers = asyncio.run(burst())
+    refused = [a for a in answers if a[0] == 503]
+    assert refused, [a[0] for a in answers]
+    for status, headers, body in refused:
+        assert headers["retry-after"] == "1"
+        error = json.loads(body)["error"]
+        assert error["type"] == "server_error" and error["message"].startswith("the generation queue is full")
+    assert all(status == 200 for status, _, _ in answers if status != 503)
+    # Once the burst is over the model answers again.
+    assert asyncio.run(call(app, "POST", "/v1/completions", completion(2)))[0] == 200
+
+
+def test_bearer_auth_answers_openais_error_object_on_v1(plane):
+    app = generate_app()
+    auth.configure(TOKEN)
+    try:
+        status, headers, body = asyncio.run(call(app, "POST", "/v1/completions", completion(2)))
+        assert status == 401 and headers["www-authenticate"].startswith("Bearer")
+        assert json.loads(body)["error"]["type"] == "authentication_error"
+        status, _, body = asyncio.run(call(app, "POST", "/generate", b'{"text_input": "x"}'))
+        assert status == 401 and json.loads(body)["error"].startswith("unauthorized: missing Authorization header")
+        status, _, body = asyncio.run(call(app, "POST", "/v1/completions", completion(2),
+                                           {"Authorization": f"Bearer {TOKEN}"}))
+        assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 2
+    finally:
+        auth.configure(None)

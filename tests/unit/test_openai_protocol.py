@@ -1,0 +1,104 @@
+"""The OpenAI codec: requests decoded into prompts and sampling parameters, errors by field."""
+
+import pytest
+
+from neuron_serve.generation.sampling import SamplingParams
+from neuron_serve.serve.protocols import oip_generate, openai
+
+
+def parse(kind, **body):
+    import json
+
+    return openai.parse(kind, json.dumps(body).encode())
+
+
+def error(kind, body: bytes) -> openai.OpenAIError:
+    with pytest.raises(openai.OpenAIError) as caught:
+        openai.parse(kind, body)
+    return caught.value
+
+
+def test_completion_defaults_are_openais():
+    request = parse("completions", model="m", prompt="hi")
+    params = openai.sampling(request)
+    assert params == SamplingParams(max_tokens=16, temperature=1.0, top_p=1.0)
+    chat = parse("chat", model="m", messages=[{"role": "user", "content": "hi"}])
+    assert openai.sampling(chat).max_tokens is None  # chat: until the context is full
+
+
+def test_sampling_fields_reach_the_engine():
+    request = parse("completions", model="m", prompt="hi", max_tokens=5, temperature=0.5, top_p=0.9, seed=3,
+                    stop="\n", presence_penalty=0.5, frequency_penalty=-0.5, logprobs=2, top_k=4,
+                    repetition_penalty=1.1, ignore_eos=True, stop_token_ids=[7], n=2)
+    first, second = openai.sampling(request, 0), openai.sampling(request, 1)
+    assert first == SamplingParams(max_tokens=5, temperature=0.5, top_p=0.9, top_k=4, repetition_penalty=1.1,
+                                   presence_penalty=0.5, frequency_penalty=-0.5, seed=3, stop_token_ids=(7,),
+                                   stop=("\n",), ignore_eos=True, logprobs=2)
+    assert second.seed == 4  # each choice of a seeded request draws its own sequence
+    chat = parse("chat", model="m", messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                         {"type": "text", "text": "b"}]}],
+                 max_completion_tokens=7, max_tokens=99, logprobs=True, top_logprobs=3)
+    assert openai.sampling(chat).max_tokens == 7 and openai.sampling(chat).logprobs == 3
+    assert openai.chat_messages(chat) == [{"role": "user", "content": "ab"}]
+
+
+@pytest.mark.parametrize("body,param,message", [
+    (b"{", None, "the request body is not valid JSON"),
+    (b"\xff", None, "the request body is not valid JSON"),
+    (b"[1]", None, "the request body must be a JSON object"),
+    (b'{"model": "m"}', "prompt", "prompt: Field required"),
+    (b'{"model": "m", "prompt": "x", "max_tokens": 0}', "max_tokens", "max_tokens: Input should be greater than or equal to 1"),
+    (b'{"model": "m", "prompt": "x", "temperature": "hot"}', "temperature", "temperature: Input should be a valid number"),
+    (b'{"model": "m", "prompt": "x", "n": 99}', "n", "n: Input should be less than or equal to 16"),
+    (b'{"model": "m", "prompt": "x", "foo": 1}', "foo", "unknown field 'foo': this server does not support it"),
+    (b'{"model": "m", "prompt": "x", "echo": true}', "echo", "echo is not supported; send the prompt back yourself"),
+    (b'{"model": "m", "prompt": "x", "best_of": 3}', "best_of", "best_of is not supported unless equal to n"),
+    (b'{"model": "m", "prompt": "x", "stream_options": {"include_usage": true}}', "stream_options",
+     "stream_options is only allowed with stream: true"),
+])
+def test_bad_completion_requests_name_the_field(body, param, message):
+    caught = error("completions", body)
+    assert str(caught).startswith(message) and caught.param == param and caught.http_status == 400
+
+
+def test_bad_chat_requests_name_the_field():
+    assert error("chat", b'{"model": "m", "messages": []}').param == "messages"
+    assert error("chat", b'{"model": "m", "messages": [{"role": "robot", "content": "x"}]}').param == "messages.0.role"
+    refused = error("chat", b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}')
+    assert str(refused) == "top_logprobs needs logprobs: true"
+    tools = error("chat", b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{}]}')
+    assert tools.param == "tools" and "tool-call parser" in str(tools)
+
+
+def test_error_objects_are_openais():
+    status, body = openai.error_of(openai.unknown_model("gpt-4", ["llm"]))
+    assert status == 404
+    assert body == {"error": {"message": "the model 'gpt-4' does not exist; this server serves: llm",
+                              "type": "not_found_error", "param": "model", "code": "model_not_found"}}
+    status, body = openai.error_of(RuntimeError("boom"))
+    assert status == 500 and body["error"]["type"] == "server_error"
+
+
+def test_prompts_text_ids_and_lists():
+    assert openai.completion_prompts(parse("completions", model="m", prompt="a")) == ["a"]
+    assert openai.completion_prompts(parse("completions", model="m", prompt=[1, 2])) == [[1, 2]]
+    assert openai.completion_prompts(parse("completions", model="m", prompt=["a", "b"])) == ["a", "b"]
+    assert openai.completion_prompts(parse("completions", model="m", prompt=[[1], [2, 3]])) == [[1], [2, 3]]
+
+
+def test_sse_and_logprob_objects():
+    assert openai.sse({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode()
+    assert openai.DONE == b"data: [DONE]\n\n"
+    legacy = openai.completion_logprobs(["He", "llo"], [-0.1, -0.2], [{"He": -0.1}, {"llo": -0.2}], offset=3)
+    assert legacy["text_offset"] == [3, 5]
+    chat = openai.chat_logprobs([("é", -0.5, [("é", -0.5), ("e", -1.0)])])
+    assert chat["content"][0]["bytes"] == [195, 169] and len(chat["content"][0]["top_logprobs"]) == 2
+
+
+def test_oip_generate_parameters():
+    request = oip_generate.parse(b'{"text_input": "hi", "parameters": {"max_tokens": 3, "stop": "x", "temperature": 0}}')
+    assert oip_generate.sampling(request) == SamplingParams(max_tokens=3, temperature=0, stop=("x",))
+    with pytest.raises(Exception, match=r"^parameters.top_q: unknown field"):
+        oip_generate.parse(b'{"text_input": "hi", "parameters": {"top_q": 1}}')
+    with pytest.raises(Exception, match=r"^text_input: Field required"):
+        oip_generate.parse(b'{"parameters": {}}')
