@@ -36,7 +36,8 @@ $(KSERVE_STAMP): $(KSERVE_REQS)
 
 kserve-client: $(KSERVE_STAMP)
 
-serve: $(STAMP)
+# The LLM example's model directory is made from local text first (llm-example).
+serve: $(STAMP) $(if $(findstring deployments/llm.yaml,$(EXAMPLE)),deployments/llm/config.json)
 	$(BIN)/neuron-serve deploy $(EXAMPLE)
 
 # The LLM example's model and tokenizer (deployments/llm.yaml), made from local text.
