@@ -55,13 +55,6 @@ def test_analyze_reports_the_prefill_and_decode_forms(llm_yaml):
         assert form["unsupported_operators"] == {"aten": []}
 
 
-def test_deploy_refuses_a_generate_model_for_now(llm_yaml):
-    deployed = _cli("deploy", llm_yaml)
-    assert deployed.returncode == 2
-    assert deployed.stderr.strip().endswith("error: tiny-llm: task: generate models are not served over HTTP yet; run "
-                                            "them in Python with neuron_serve.generation.build_engine (see the README)")
-
-
 def test_a_built_artifact_generates_as_the_model_does(llm_yaml, tmp_path):
     out = tmp_path / "built"
     built = _cli("build", llm_yaml, "-o", out)

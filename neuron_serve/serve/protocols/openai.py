@@ -77,7 +77,7 @@ class _Sampling(_Strict):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | None = None  # refused below: nothing here keeps per-user records
     # vLLM's extra sampling fields
     top_k: int | None = Field(None, ge=-1)
     repetition_penalty: float | None = Field(None, gt=0)
@@ -127,6 +127,7 @@ _REFUSED = {
     "tool_choice": (None, "tool_choice is not supported: the served model has no tool-call parser"),
     "parallel_tool_calls": (None, "parallel_tool_calls is not supported: the served model has no tool-call parser"),
     "response_format": (None, "response_format (structured output) is not supported"),
+    "user": (None, "user is not supported: this server keeps no per-user records; leave it out"),
 }
 
 
