@@ -215,6 +215,25 @@ class OpenAIServer(servers.Server):
     def url(self, model: str) -> str:
         return f"http://127.0.0.1:{self.spec.port}/v1/completions"
 
+    def wait_ready(self, probes: dict[str, tuple[bytes, dict]]) -> float:
+        """As servers.Server's, but a probe refused as invalid (400, 422) fails at once, with the answer."""
+        import urllib.error  # noqa: PLC0415
+        import urllib.request  # noqa: PLC0415
+
+        for body, headers in probes.values():
+            while self.proc.poll() is None and time.monotonic() < self.started + self.spec.startup_s:
+                try:
+                    request = urllib.request.Request(self.url(""), data=body, headers=headers, method="POST")
+                    with urllib.request.urlopen(request, timeout=60):
+                        break
+                except urllib.error.HTTPError as exc:
+                    if exc.code in (400, 422):
+                        raise RuntimeError(f"probe refused: HTTP {exc.code} {exc.read()[:300]!r}") from None
+                except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                    pass
+                time.sleep(1)
+        return super().wait_ready(probes)  # says why when the server exited or timed out
+
     def stop(self) -> None:
         # transformers serve --continuous-batching never exits on SIGINT (its batching thread
         # outlives uvicorn), so a server with no Ray under it gets 5 s, not 30, before SIGKILL;
@@ -283,7 +302,8 @@ def measure_server(key: str, spec, model: str, extra: dict, slices: dict, warmup
     server = OpenAIServer(spec, out / "logs")
     entry: dict = {"label": spec.label, "points": {}}
     try:
-        probe = json.dumps({**request_body(warmup[0], model, extra, 2), "stream": False}).encode()
+        probe = {**request_body(warmup[0], model, extra, 2), "stream": False}
+        probe = json.dumps({k: v for k, v in probe.items() if k != "stream_options"}).encode()
         try:
             entry["ready_s"] = server.wait_ready({model: (probe, {"Content-Type": "application/json"})})
         except RuntimeError as exc:
