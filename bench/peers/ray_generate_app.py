@@ -7,7 +7,8 @@ proxy, answering ``POST /v1/completions`` (a text prompt or a list of token ids;
 with ``stream_options.include_usage``; ``max_tokens``; ``temperature`` 0 or absent is
 greedy, above 0 samples; vLLM's ``ignore_eos``) and ``GET /v1/models``. Each request runs
 its own ``generate`` on a thread of its own (no batching across requests, as a first Ray
-Serve deployment of an LLM would); a streamer hands every new token to the event loop,
+Serve deployment of an LLM would; concurrent requests share torch's default threads, one per
+core, with nothing capping them); a streamer hands every new token to the event loop,
 which sends it as one SSE chunk once its text is complete (tokenizers' ``DecodeStream``,
 as ``transformers serve`` does). ``ignore_eos`` makes the end-of-text id one the model
 cannot produce (the vocabulary size), so the request runs to ``max_tokens``.
