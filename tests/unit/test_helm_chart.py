@@ -844,11 +844,18 @@ def test_dashboard_configmap_carries_the_dashboard_for_the_grafana_sidecar():
 
 def test_dashboard_panels_cover_the_serving_metrics():
     dashboard = json.loads(DASHBOARD.read_text())
-    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p.get("targets", []))  # rows have none
     for metric in ("neuron_serve_requests_total", "neuron_serve_request_latency_seconds_bucket",
                    "neuron_serve_queue_time_seconds_bucket", "neuron_serve_batch_size_rows",
                    "neuron_serve_padding_rows_total", "neuroncore_utilization_ratio",
-                   "neuron_serve_partition_seconds", "neuron_serve_compile_cache_hits_total"):
+                   "neuron_serve_partition_seconds", "neuron_serve_compile_cache_hits_total",
+                   # the generation engine's (task: generate), in the Generation row
+                   "neuron_serve_generation_tokens_total", "neuron_serve_prompt_tokens_total",
+                   "neuron_serve_time_to_first_token_seconds_bucket",
+                   "neuron_serve_time_per_output_token_seconds_bucket",
+                   "neuron_serve_e2e_request_latency_seconds_bucket", "neuron_serve_num_requests_running",
+                   "neuron_serve_num_requests_waiting", "neuron_serve_kv_cache_usage_perc",
+                   "neuron_serve_request_success_total", "neuron_serve_generation_step_seconds_sum"):
         assert metric in exprs, metric
     # Every metric a panel reads is one neuron-serve declares.
     from neuron_serve import metrics
@@ -857,3 +864,29 @@ def test_dashboard_panels_cover_the_serving_metrics():
     used = set(re.findall(r"\b(neuron_serve_\w+|neuroncore_\w+|execution_\w+)\{", exprs))
     suffixes = ("_bucket", "_sum", "_count", "_total")
     assert {next((u[: -len(s)] for s in suffixes if u.endswith(s)), u) for u in used} <= declared
+
+
+def test_dashboard_panels_tile_without_overlap_and_generation_comes_last():
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    cells = {}
+    for p in panels:
+        g = p["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24, p["title"]
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                assert (x, y) not in cells, f"{p['title']} overlaps {cells[(x, y)]}"
+                cells[(x, y)] = p["title"]
+    rows = [p for p in panels if p["type"] == "row"]
+    assert [r["title"] for r in rows] == ["Generation"]
+    # Grafana puts the panels after a row in it: the row sits below every serving panel
+    # and above every generation one, which read the generation metrics only.
+    at = panels.index(rows[0])
+    serving, generation = panels[:at], panels[at + 1:]
+    assert max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in serving) <= rows[0]["gridPos"]["y"]
+    assert min(p["gridPos"]["y"] for p in generation) >= rows[0]["gridPos"]["y"] + 1
+    generation_metrics = re.compile(r"neuron_serve_(time_to_first_token|time_per_output_token|e2e_request_latency|"
+                                    r"prompt_tokens|generation_tokens|num_requests|kv_cache|request_success|"
+                                    r"generation_step)")
+    assert all(generation_metrics.search(t["expr"]) for p in generation for t in p["targets"])
+    assert not any(generation_metrics.search(t["expr"]) for p in serving for t in p["targets"])
