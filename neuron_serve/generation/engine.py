@@ -88,7 +88,9 @@ class _Metrics:
         metrics.PREEMPTIONS.labels(**labels)
         self.labels = labels
         self._steps: dict[str, Any] = {}
-        self._finished: dict[str, Any] = {}
+        # Every reason exported at 0 from the start (as vLLM does), so the first of each is a visible increase.
+        self._finished: dict[str, Any] = {reason: metrics.REQUEST_SUCCESS.labels(**labels, finished_reason=reason)
+                                          for reason in ("stop", "length", "abort", "error")}
 
     def step(self, shape: Shape) -> Any:
         if shape.label not in self._steps:
