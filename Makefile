@@ -13,7 +13,7 @@ KSERVE_VENV  := .venv-kserve
 KSERVE_STAMP := $(KSERVE_VENV)/.installed
 KSERVE_REQS  := tests/integration/kserve-requirements.txt
 
-.PHONY: install serve analyze test kserve-client bench bench-quick soak llm-example
+.PHONY: install serve analyze test test-system-packages kserve-client bench bench-quick soak llm-example docs
 
 # Serving needs only the base dependencies; the tests add their own extra.
 $(STAMP): pyproject.toml
@@ -48,7 +48,21 @@ llm-example: deployments/llm/config.json
 analyze: $(STAMP)
 	$(BIN)/neuron-serve analyze $(EXAMPLE)
 
-test: $(TEST_STAMP) $(KSERVE_STAMP)
+# Debian packages the tests drive, installed when missing (as bench does for wrk): chromium for
+# the partition report's browser test (tests/chromium.py), prometheus for the Grafana dashboard's
+# test (tests/integration/test_dashboard.py).
+TEST_SYSTEM_PACKAGES := chromium prometheus
+
+test-system-packages:
+	@missing=; for p in $(TEST_SYSTEM_PACKAGES); do command -v $$p >/dev/null || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  [ "$$(id -u)" = 0 ] && s= || s=sudo; \
+	  echo "installing Debian packages the tests need:$$missing"; \
+	  $$s env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	  $$s env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
+test: $(TEST_STAMP) $(KSERVE_STAMP) test-system-packages
 	$(BIN)/pytest
 
 # Benchmarks against peer servers (needs wrk: apt-get install wrk). Results: bench/results/.
