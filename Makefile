@@ -6,6 +6,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
+DOCS_STAMP := $(VENV)/.installed-docs
+DOCS_ADDRESS ?= 127.0.0.1:8080
 EXAMPLE ?= deployments/mlp.yaml
 # The KServe Python client lives in its own venv: kserve pins protobuf<7, which the
 # Ray in .venv needs. tests/integration/test_kserve_client.py runs its python.
@@ -22,9 +24,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -e .
 	touch $(STAMP)
 
+# The tests build the documentation site too (tests/unit/test_docs.py), so they take the docs extra.
 $(TEST_STAMP): $(STAMP)
-	$(BIN)/pip install -e '.[test]'
+	$(BIN)/pip install -e '.[test,docs]'
 	touch $(TEST_STAMP)
+
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/pip install -e '.[docs]'
+	touch $(DOCS_STAMP)
 
 install: $(STAMP)
 
@@ -44,6 +51,10 @@ deployments/llm/config.json: deployments/example_models/make_llm.py | $(STAMP)
 	$(BIN)/python deployments/example_models/make_llm.py deployments/llm
 
 llm-example: deployments/llm/config.json
+
+# The documentation site (mkdocs.yml, docs/) on http://$(DOCS_ADDRESS), rebuilt as files change.
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve -a $(DOCS_ADDRESS)
 
 analyze: $(STAMP)
 	$(BIN)/neuron-serve analyze $(EXAMPLE)
