@@ -81,7 +81,7 @@ def _type(spec: dict, paths: dict[str, str]) -> str:
         if key in spec:
             return " or ".join(_type(option, paths) for option in spec[key])
     if "enum" in spec:
-        return " \\| ".join(f"`{json.dumps(v)}`" for v in spec["enum"])
+        return " or ".join(f"`{json.dumps(v)}`" for v in spec["enum"])
     if "const" in spec:
         return f"`{json.dumps(spec['const'])}`"
     kind = spec.get("type")
