@@ -1,5 +1,5 @@
 """The Helm chart's Grafana dashboard against a real Prometheus (Debian's `prometheus`
-package, which .ci/run installs) scraping a real server under load: every query of
+package, which `make test` installs) scraping a real server under load: every query of
 every panel returns data."""
 
 import json
@@ -29,7 +29,7 @@ def prometheus(server, tmp_path_factory):
     """Prometheus on loopback scraping the server's /metrics every second; its base URL."""
     binary = shutil.which("prometheus") or "/usr/bin/prometheus"
     if not Path(binary).exists():
-        pytest.fail("Prometheus is missing: apt-get install prometheus (Debian's package; .ci/run installs it)")
+        pytest.fail("Prometheus is missing: apt-get install prometheus (Debian's package; make test installs it)")
     tmp = tmp_path_factory.mktemp("prometheus")
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
