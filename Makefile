@@ -6,6 +6,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
+DOCS_STAMP := $(VENV)/.installed-docs
+DOCS_ADDRESS ?= 127.0.0.1:8080
 EXAMPLE ?= deployments/mlp.yaml
 # The KServe Python client lives in its own venv: kserve pins protobuf<7, which the
 # Ray in .venv needs. tests/integration/test_kserve_client.py runs its python.
@@ -13,7 +15,7 @@ KSERVE_VENV  := .venv-kserve
 KSERVE_STAMP := $(KSERVE_VENV)/.installed
 KSERVE_REQS  := tests/integration/kserve-requirements.txt
 
-.PHONY: install serve analyze test kserve-client bench bench-quick bench-generate-http soak llm-example
+.PHONY: install serve analyze test test-system-packages kserve-client bench bench-quick bench-generate-http soak llm-example docs
 
 # Serving needs only the base dependencies; the tests add their own extra.
 $(STAMP): pyproject.toml
@@ -22,9 +24,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -e .
 	touch $(STAMP)
 
+# The tests build the documentation site too (tests/unit/test_docs.py), so they take the docs extra.
 $(TEST_STAMP): $(STAMP)
-	$(BIN)/pip install -e '.[test]'
+	$(BIN)/pip install -e '.[test,docs]'
 	touch $(TEST_STAMP)
+
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/pip install -e '.[docs]'
+	touch $(DOCS_STAMP)
 
 install: $(STAMP)
 
@@ -46,10 +53,28 @@ deployments/llm/config.json: deployments/example_models/make_llm.py | $(STAMP)
 
 llm-example: deployments/llm/config.json
 
+# The documentation site (mkdocs.yml, docs/) on http://$(DOCS_ADDRESS), rebuilt as files change.
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve -a $(DOCS_ADDRESS)
+
 analyze: $(STAMP)
 	$(BIN)/neuron-serve analyze $(EXAMPLE)
 
-test: $(TEST_STAMP) $(KSERVE_STAMP)
+# Debian packages the tests drive, installed when missing (as bench does for wrk): chromium for
+# the partition report's browser test (tests/chromium.py), prometheus for the Grafana dashboard's
+# test (tests/integration/test_dashboard.py).
+TEST_SYSTEM_PACKAGES := chromium prometheus
+
+test-system-packages:
+	@missing=; for p in $(TEST_SYSTEM_PACKAGES); do command -v $$p >/dev/null || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  [ "$$(id -u)" = 0 ] && s= || s=sudo; \
+	  echo "installing Debian packages the tests need:$$missing"; \
+	  $$s env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	  $$s env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
+test: $(TEST_STAMP) $(KSERVE_STAMP) test-system-packages
 	$(BIN)/pytest
 
 # Benchmarks against peer servers (needs wrk: apt-get install wrk). Results: bench/results/.

@@ -9,7 +9,8 @@ same request files by wrk, and stopped before the next starts: an idle Ray clust
 beside the one measured is not idle enough (with all seven servers up, Ray Serve behind
 HAProxy served W1 at concurrency 1 at 145 req/s; alone, at 299). ``--all-up`` starts
 every server first and takes each point on each in turn (order rotated per point). Results go to
-bench/results/<timestamp>/: results.md, latency_throughput.png and raw.json. The generation
+bench/results/<timestamp>/: results.md, raw.json and PNG charts (latency_throughput.png, and from
+bench/charts.py throughput.png, latency.png and generation.png). The generation
 benchmark (bench/generate.py: the engine against transformers, in one process, after the
 servers are stopped) adds generate.md and generate.json there; generation over HTTP
 (bench/generate_http.py: neuron-serve's OpenAI API against transformers serve and Ray Serve,
@@ -26,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import efficiency, grpc_load, loadgen, report, servers, workloads
+from . import charts, efficiency, grpc_load, loadgen, report, servers, workloads
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -192,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         generation = run_generate(args.quick, out, print)
         if generation:
             print(generation)
+            print(f"wrote {', '.join(str(p) for p in charts.charts_of(out, out))}")
         return 0 if generation else 1
     seconds = args.seconds or (4 if args.quick else 10)
     points = QUICK_POINTS if args.quick else FULL_POINTS
@@ -247,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                                               "generation_http": json.loads((out / "generate_http.json").read_text())
                                               if generation_http else None}, indent=2))
     report.plot([r for r in rows], labels, out / "latency_throughput.png")
+    pictures = [out / "latency_throughput.png", *charts.charts_of(out, out, labels)]
     print()
     print(markdown)
-    log(f"wrote {out / 'results.md'} and {out / 'latency_throughput.png'} in {time.monotonic() - started:.0f}s")
+    log(f"wrote {out / 'results.md'} and {', '.join(p.name for p in pictures)} in {time.monotonic() - started:.0f}s")
     return 0

@@ -21,7 +21,7 @@ BATCH = 2
 @dataclass(frozen=True)
 class Entry:
     name: str  # the matrix's id, e.g. "transformers/gpt2"
-    kind: str  # encoder, decoder, vision, ... (the README table's column)
+    kind: str  # encoder, decoder, vision, ... (the zoo table's column, docs/reference/zoo.md)
     build: Callable[[], tuple[torch.nn.Module, tuple]]
     fails_at: str | None = None  # for models that cannot be captured: the construct trace() must name
 

@@ -1,10 +1,10 @@
-"""Render the model zoo matrix's results (build/zoo-results.json) into README.md.
+"""Render the model zoo matrix's results (build/zoo-results.json) into docs/reference/zoo.md.
 
     PYTHONPATH=$PWD .venv/bin/python -m pytest tests/unit/test_zoo.py   # writes build/zoo-results.json
-    .venv/bin/python tests/zoo_table.py                                # rewrites the table in README.md
+    .venv/bin/python tests/zoo_table.py                                # rewrites the table in the docs
 
 The table goes between the ``<!-- zoo-table:begin -->`` and ``<!-- zoo-table:end -->``
-markers; everything else in README.md is left as it is.
+markers; everything else in the page is left as it is.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def _partitions(devices: list[str]) -> str:
 
 
 def _why(error: str) -> str:
-    # The first sentence or two: the construct and its line; the README keeps it short.
+    # The first sentence or two: the construct and its line; the table keeps it short.
     text = error.replace("|", "\\|").replace("\n", " ")
     return re.sub(r" \(/[^)]*\)", "", text.split(" The condition")[0])
 
@@ -49,7 +49,8 @@ def render(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(results: str = str(ROOT / "build" / "zoo-results.json"), readme: str = str(ROOT / "README.md")) -> None:
+def main(results: str = str(ROOT / "build" / "zoo-results.json"),
+         readme: str = str(ROOT / "docs" / "reference" / "zoo.md")) -> None:
     rows = json.loads(Path(results).read_text())
     text = Path(readme).read_text()
     if BEGIN not in text or END not in text:

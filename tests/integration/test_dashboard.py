@@ -1,5 +1,5 @@
 """The Helm chart's Grafana dashboard against a real Prometheus (Debian's `prometheus`
-package, which .ci/run installs) scraping two real servers under load: the shared one
+package, which `make test` installs) scraping two real servers under load: the shared one
 (mlp and encoder, for the serving panels) and a task: generate one (the LLM example,
 for the Generation row). Every query of every panel returns data."""
 
@@ -59,7 +59,7 @@ def prometheus(server, llm, tmp_path_factory):
     """Prometheus on loopback scraping both servers' /metrics every second; its base URL."""
     binary = shutil.which("prometheus") or "/usr/bin/prometheus"
     if not Path(binary).exists():
-        pytest.fail("Prometheus is missing: apt-get install prometheus (Debian's package; .ci/run installs it)")
+        pytest.fail("Prometheus is missing: apt-get install prometheus (Debian's package; make test installs it)")
     tmp = tmp_path_factory.mktemp("prometheus")
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_shipped_schema_is_current():
     shipped = json.loads((ROOT / "model.schema.json").read_text())
-    assert shipped == json_schema(), "regenerate: python -c 'from neuron_serve.config import json_schema' (see README)"
+    assert shipped == json_schema(), "regenerate: python -c 'from neuron_serve.config import json_schema' (see docs/reference/model-yaml.md)"
 
 
 @pytest.mark.parametrize("name", ["mlp", "encoder", "convnet", "llm"])

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = find_chromium()
 if CHROMIUM is None:
     if os.environ.get("CI"):
-        raise RuntimeError("chromium is missing; .ci/run installs it (apt-get install -y chromium)")
+        raise RuntimeError("chromium is missing; make test installs it (apt-get install -y chromium)")
     pytest.skip("chromium is not installed (apt-get install -y chromium)", allow_module_level=True)
 
 # The app note's MLP with relu forced to CPU: all three placements in one graph.
