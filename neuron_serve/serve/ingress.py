@@ -129,9 +129,9 @@ def worker_setup_hook() -> str | None:
     """The ``worker_process_setup_hook`` an embedded Ray's workers run for this ingress."""
     if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
         return None
-    from . import haproxy_reuse  # noqa: PLC0415
+    from . import haproxy_template  # noqa: PLC0415
 
-    return haproxy_reuse.HOOK
+    return haproxy_template.HOOK
 
 
 def _identity(pid: int) -> str | None:

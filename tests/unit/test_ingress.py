@@ -110,16 +110,40 @@ def test_free_ports_avoid_the_ranges_a_starting_ray_draws_from():
     assert len(chosen) > 10  # drawn at random, so two deploys started together differ
 
 
-def test_the_reuse_hook_turns_serves_always_into_safe():
-    """Ray Serve's template still says `http-reuse always` (else the hook has nothing to
-    replace and this fails, pointing here), and the hook renders `safe` instead."""
+def test_the_template_hook_turns_serves_always_into_safe_and_routes_openai():
+    """Ray Serve's template still says `http-reuse always` and has the per-backend ACLs (else
+    the hook has nothing to change and this fails, pointing here); the hook renders `safe`
+    instead, and the OpenAI route before the ACLs."""
     code = (
         "from ray.serve._private import haproxy_templates as t\n"
         "assert 'http-reuse always' in t.HAPROXY_CONFIG_TEMPLATE\n"
-        "from neuron_serve.serve import haproxy_reuse as h\n"
-        "h.use_safe_reuse()\n"
+        "from neuron_serve.serve import haproxy_template as h\n"
+        "h.patch()\n"
+        "h.patch()\n"
         "from ray.serve._private import haproxy\n"
         "for text in (t.HAPROXY_CONFIG_TEMPLATE, haproxy.HAPROXY_CONFIG_TEMPLATE):\n"
         "    assert 'http-reuse always' not in text and text.count('http-reuse safe') >= 1\n"
+        "    assert text.count(h.OPENAI_ROUTES) == 1 and text.index(h.OPENAI_ROUTES) < text.index(h.ROUTES_ANCHOR)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("deployments,rewritten", [
+    (["model", "generate"], "/v2/models/b"),   # one generate model: /v1 goes to it
+    (["generate", "generate"], None),          # several: the server app reads the body's model
+    (["model"], None),
+])
+def test_openai_routes_go_to_the_one_generate_model(deployments, rewritten):
+    from types import SimpleNamespace
+
+    from jinja2 import Environment
+
+    from neuron_serve.serve import haproxy_template
+
+    backends = [SimpleNamespace(ingress_deployment_name=d, path_prefix=f"/v2/models/{name}")
+                for d, name in zip(deployments, "ab")]
+    rendered = Environment().from_string(haproxy_template.OPENAI_ROUTES).render(backends=backends)
+    if rewritten is None:
+        assert "set-path" not in rendered
+    else:
+        assert f"http-request set-path {rewritten}%[path] if {{ path_beg /v1/ }}" in rendered
