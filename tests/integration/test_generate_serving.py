@@ -330,3 +330,64 @@ def test_malformed_bodies_are_400(llm, raw, path):
     answer = api.request("POST", path, raw)
     api.close()
     assert 400 <= answer.status < 500 and answer.json()["error"]["message"], answer.body
+
+
+# -- two generate models: /v1 is routed by the body's model (the server app forwards) ---------------
+
+PAIR = """
+name: {name}
+task: generate
+model:
+  pretrained: llm
+generation:
+  max_num_seqs: 4
+  max_model_len: 128
+"""
+
+
+@pytest.fixture(scope="module")
+def pair(llm, server_factory, tmp_path_factory):
+    """Two generate models of the same directory, "left" and "right", one server."""
+    tmp = tmp_path_factory.mktemp("pair")
+    (tmp / "llm").symlink_to(llm.model_dir)
+    for name in ("left", "right"):
+        (tmp / f"{name}.yaml").write_text(PAIR.format(name=name))
+    srv = server_factory([str(tmp / "left.yaml"), str(tmp / "right.yaml")], tmp)
+    yield srv
+    srv.stop()
+
+
+def test_two_generate_models_share_v1_by_the_requests_model(llm, pair):
+    expected = eager_text(llm, completion_ids(llm, PROMPTS[2]), 12)
+    with openai.OpenAI(base_url=f"{pair.url}/v1", api_key="x", max_retries=0) as api:
+        assert sorted(m.id for m in api.models.list().data) == ["left", "right"]
+        for name in ("left", "right"):
+            whole = api.completions.create(model=name, prompt=PROMPTS[2], max_tokens=12, temperature=0)
+            streamed = "".join(c.choices[0].text for c in api.completions.create(
+                model=name, prompt=PROMPTS[2], max_tokens=12, temperature=0, stream=True))
+            assert whole.model == name and whole.choices[0].text == streamed == expected
+        with pytest.raises(openai.NotFoundError) as missing:
+            api.completions.create(model="llm", prompt="x")
+        assert missing.value.body["message"] == "the model 'llm' does not exist; this server serves: left, right"
+        with pytest.raises(openai.BadRequestError) as bad:
+            api.completions.create(model="left", prompt="x", max_tokens=0)
+        assert bad.value.body["param"] == "max_tokens"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_forwarded_request_whose_client_leaves_is_aborted(pair, stream):
+    aborted = metric(pair, "neuron_serve_request_success_total", finished_reason="abort")
+    body = {"model": "right", "prompt": "Hi", "max_tokens": 120, "temperature": 0, "ignore_eos": True,
+            "stream": stream}
+    conn = _open_stream(pair, "/v1/completions", body)
+    if stream:
+        assert conn.recv(100).startswith(b"HTTP/1.1 200")
+    else:
+        time.sleep(0.02)
+    conn.close()
+    deadline = time.monotonic() + 10
+    while metric(pair, "neuron_serve_request_success_total", finished_reason="abort") == aborted \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(pair, "neuron_serve_request_success_total", finished_reason="abort") == aborted + 1
+    assert metric(pair, "neuron_serve_num_requests_running") == 0
