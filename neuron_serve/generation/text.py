@@ -30,15 +30,22 @@ class IncrementalText:
         self.text = ""  # every complete character so far (cut before a stop string once one is found)
         self.released = 0  # characters of ``text`` handed out
         self.stopped: str | None = None
+        # Tokens decoded for context only, and where the tokens not yet in ``text`` start.
+        self._prefix = self._read = 0
 
     def add(self, token: int) -> str:
         """Take one more output token; the text it releases (possibly empty)."""
         if self.stopped is not None:
             return ""
         self.tokens.append(token)
-        # Decode from the start: merges and byte fallbacks depend on the tokens before.
-        decoded = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        self.text = decoded.rstrip(REPLACEMENT) if decoded.endswith(REPLACEMENT) else decoded
+        # vLLM's incremental detokenizing: decode the new tokens after a few earlier ones (merges
+        # and leading spaces depend on them) and keep the difference, once it ends in a whole
+        # character. Each token costs two short decodes, not one of the whole output.
+        before = self.tokenizer.decode(self.tokens[self._prefix:self._read], skip_special_tokens=True)
+        after = self.tokenizer.decode(self.tokens[self._prefix:], skip_special_tokens=True)
+        if len(after) > len(before) and not after.endswith(REPLACEMENT):
+            self.text += after[len(before):]
+            self._prefix, self._read = self._read, len(self.tokens)
         found = [(self.text.find(s, max(0, self.released - len(s))), s) for s in self.stop]
         found = [(at, s) for at, s in found if at >= 0]
         if found:

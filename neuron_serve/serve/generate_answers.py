@@ -21,6 +21,7 @@ from .protocols import oip_generate, openai
 
 JSON = {"content-type": "application/json"}
 EVENTS = {"content-type": "text/event-stream", "cache-control": "no-cache", "x-accel-buffering": "no"}
+CHOICES = "\u0000choices\u0000"  # where a stream chunk's choices go in its encoded frame
 
 
 @dataclass
@@ -100,6 +101,7 @@ class _OpenAIEncoder:
         self.logprobs = [params.logprobs is not None for _, params in every]
         self.offsets = [0] * len(every)
         self.include_usage = request.stream_options is not None and request.stream_options.include_usage
+        self._frame: tuple[bytes, bytes] | None = None
 
     def _usage(self, completion_tokens: int) -> dict:
         return openai.usage(self.prompt_tokens, completion_tokens)
@@ -136,10 +138,17 @@ class _OpenAIEncoder:
                                usage_=self._usage(completion))
 
     def _chunk(self, choices: list[dict]) -> bytes:
-        body = openai.envelope(self.kind, self.rid, self.request.model, self.created, choices, chunk=True)
-        if self.include_usage:
-            body["usage"] = None  # as OpenAI: every chunk has the key, the last one the counts
-        return openai.sse(body)
+        if self._frame is None:
+            # Everything of a chunk but its choices is the same for the whole stream: encoded
+            # once, around a marker the choices replace (one small dumps a token, not the envelope).
+            body = openai.envelope(self.kind, self.rid, self.request.model, self.created, [CHOICES], chunk=True)
+            if self.include_usage:
+                body["usage"] = None  # as OpenAI: every chunk has the key, the last one the counts
+            head, _, tail = openai.sse(body).partition(json.dumps(CHOICES).encode())
+            self._frame = (head, tail)
+        head, tail = self._frame
+        return head + b",".join(json.dumps(c, separators=(",", ":"), ensure_ascii=False).encode()
+                                for c in choices) + tail
 
     def _choice(self, piece: Piece) -> dict | None:
         if not piece.text and piece.finish_reason is None and not piece.logprobs:

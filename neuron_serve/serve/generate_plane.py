@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
@@ -23,6 +24,7 @@ from ..generation.sampling import SamplingParams
 from ..generation.text import IncrementalText
 from ..targets.pjrt import emulated
 from ..version import __version__
+from .mailbox import Mailbox
 
 logger = logging.getLogger("neuron_serve")
 
@@ -67,6 +69,7 @@ class GenerationPlane:
         self.cores = cores
         self._latency = metrics.REQUEST_LATENCY.labels(model=self.name, replica=self.replica)
         self._codes: dict[str, Any] = {}
+        self._mailboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._ready = False
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -156,13 +159,12 @@ class GenerationPlane:
         if self.tokenizer is None:
             raise InvalidInput(f"model {self.name!r} has no tokenizer, so its output cannot be text; give the "
                                f"model.yaml a tokenizer: directory.")
-        loop = asyncio.get_running_loop()
+        mailbox = self._mailbox()
         queue: asyncio.Queue[tuple[int, TokenEvent]] = asyncio.Queue()
 
         def sink_for(index: int):
             def sink(event: TokenEvent) -> None:
-                if not loop.is_closed():
-                    loop.call_soon_threadsafe(queue.put_nowait, (index, event))
+                mailbox.post(queue.put_nowait, (index, event))
             return sink
 
         texts = [IncrementalText(self.tokenizer, p.stop) for p in params]
@@ -187,6 +189,14 @@ class GenerationPlane:
         finally:
             for rid in running.values():
                 self.engines.abort(rid)
+
+    def _mailbox(self) -> Mailbox:
+        """The mailbox of the running loop (a replica serves from one loop; tests may use several)."""
+        loop = asyncio.get_running_loop()
+        found = self._mailboxes.get(loop)
+        if found is None:
+            found = self._mailboxes[loop] = Mailbox(loop)
+        return found
 
     def _piece(self, index: int, event: TokenEvent, text: IncrementalText, params: SamplingParams) -> Piece:
         if event.error is not None:

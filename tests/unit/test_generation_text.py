@@ -47,3 +47,17 @@ def test_a_stop_string_ends_the_text_before_it_and_never_leaks(tokenizer):
 def test_the_earliest_of_several_stop_strings_wins(tokenizer):
     deltas, out = stream(tokenizer, "xx ✓ end yy", stop=("yy", "✓"))
     assert (out.stopped, "".join(deltas)) == ("✓", "xx ")
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_tokens_stream_to_exactly_their_whole_decode(tokenizer, seed):
+    """What a random model emits, invalid byte runs included: the streamed deltas and the
+    final text both equal the tokenizer's decode of every token."""
+    import random
+
+    rng = random.Random(seed)
+    tokens = [rng.randrange(gm.VOCAB) for _ in range(60)]
+    out = IncrementalText(tokenizer)
+    deltas = [out.add(t) for t in tokens] + [out.finish()]
+    whole = tokenizer.decode(tokens, skip_special_tokens=True)
+    assert "".join(deltas) == whole == out.text
