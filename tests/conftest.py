@@ -41,3 +41,14 @@ def fresh_cache(tmp_path):
     yield store
     placement._ORACLES.clear()
     compile_cache.configure()
+
+
+def pytest_collection_modifyitems(config, items):
+    """The documentation's examples last.
+
+    They run in this process, as a reader runs them (a page's blocks share one
+    namespace): they initialise XLA, whose environment variables a page's clean-up then
+    removes, and they compile graphs that other tests expect to compile first (torch-xla
+    keeps compiled graphs per process). Run last, they change nothing another test sees.
+    """
+    items.sort(key=lambda item: "test_doc_examples.py" in item.nodeid)  # stable: the rest keep their order
