@@ -15,6 +15,7 @@ from typing import AsyncIterator
 from ray import serve
 
 from ..config import ModelConfig, parse_config
+from ..generation.settings import GenerationSettings
 from ..errors import ModelNotReady
 from . import auth, generate_plane
 from .generate_answers import openai_answer, openai_error
@@ -90,10 +91,8 @@ def build_plane(config: ModelConfig, base_dir: str | None, replica: str) -> Gene
 
 def max_ongoing_requests(config: ModelConfig) -> int:
     """Every sequence a replica can run or queue, and a margin: past that its engine answers 503 itself."""
-    settings = config.generation
-    slots = settings.max_num_seqs if settings else 8
-    waiting = settings.max_waiting if settings else 256
-    return config.cores_per_replica * slots + waiting + ONGOING_MARGIN
+    settings = config.generation or GenerationSettings()
+    return config.cores_per_replica * settings.max_num_seqs + settings.max_waiting + ONGOING_MARGIN
 
 
 def application(config: ModelConfig, base_dir: str | None, options: dict):

@@ -13,11 +13,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..errors import ModelNotReady
-from . import auth, generate_plane
+from . import generate_plane
 from .disconnect import ClientGone, unless_disconnected
 from .generate_answers import Answer, infer_refused, openai_answer, generate_answer, openai_error
 from .generate_plane import GenerationPlane
-from .http import _install_error_handlers, read_body
+from .http import model_base_app, read_body
 from .protocols import openai
 
 
@@ -30,46 +30,33 @@ def to_response(answer: Answer) -> Response:
 
 def generate_app() -> FastAPI:
     """Routes under /v2/models/{name} of a generate model, served by the replica's GenerationPlane."""
-    app = FastAPI(title="neuron-serve generate model", openapi_url=None, docs_url=None, redoc_url=None)
-    _install_error_handlers(app)
-    auth.install(app)
+    app, plane = model_base_app("neuron-serve generate model", generate_plane.current)
 
-    def plane() -> GenerationPlane:
-        found = generate_plane.current()
-        if found is None or not found.ready():
-            raise ModelNotReady("model is loading or shutting down")
-        return found
-
-    @app.get("")
-    @app.get("/")
-    async def metadata() -> JSONResponse:
-        return JSONResponse(plane().metadata())
-
-    @app.get("/ready")
-    async def ready() -> JSONResponse:
-        return JSONResponse({"name": plane().name, "ready": True})
-
-    async def answer(request: Request, work) -> Response:
-        served = generate_plane.current()
-        limit = served.config.http.max_request_bytes if served is not None else None
-        body = await (read_body(request, limit) if limit else read_body(request))
+    async def answer(request: Request, work, openai_errors: bool = False) -> Response:
         try:
-            result = await unless_disconnected(request, work(body))
+            served: GenerationPlane = plane()
+        except ModelNotReady as exc:
+            if not openai_errors:
+                raise
+            return to_response(openai_error(exc))
+        body = await read_body(request, served.config.http.max_request_bytes)
+        try:
+            result = await unless_disconnected(request, work(served, body))
         except ClientGone:
             return Response(status_code=499)  # nobody reads it; the sequences are aborted
         return to_response(result)
 
     async def generate(request: Request) -> Response:
-        return await answer(request, lambda body: generate_answer(plane(), body, stream=False))
+        return await answer(request, lambda served, body: generate_answer(served, body, stream=False))
 
     async def generate_stream(request: Request) -> Response:
-        return await answer(request, lambda body: generate_answer(plane(), body, stream=True))
+        return await answer(request, lambda served, body: generate_answer(served, body, stream=True))
 
     async def completions(request: Request) -> Response:
-        return await answer(request, lambda body: _openai(plane, "completions", body))
+        return await answer(request, lambda served, body: openai_answer(served, "completions", body), True)
 
     async def chat(request: Request) -> Response:
-        return await answer(request, lambda body: _openai(plane, "chat", body))
+        return await answer(request, lambda served, body: openai_answer(served, "chat", body), True)
 
     async def models(_: Request) -> Response:
         return JSONResponse(openai.models_list([plane().name]))
@@ -82,11 +69,3 @@ def generate_app() -> FastAPI:
                                     ("/v1/models", models, ["GET"]), ("/infer", infer, ["POST"])):
         app.router.routes.append(Route(path, endpoint, methods=methods))
     return app
-
-
-async def _openai(plane, kind: str, body: bytes) -> Answer:
-    try:
-        served = plane()
-    except ModelNotReady as exc:
-        return openai_error(exc)
-    return await openai_answer(served, kind, body)

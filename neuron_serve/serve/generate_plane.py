@@ -21,6 +21,7 @@ from ..config import ModelConfig
 from ..errors import InvalidInput, ModelNotReady, NeuronServeError
 from ..generation.engine import Streams, TokenEvent
 from ..generation.sampling import SamplingParams
+from ..generation.settings import GenerationSettings
 from ..generation.text import IncrementalText
 from ..targets.pjrt import emulated
 from ..version import __version__
@@ -100,7 +101,7 @@ class GenerationPlane:
 
     def metadata(self) -> dict:
         """OIP v2 model metadata: text in, text out (the generate extension's tensors)."""
-        settings = self.config.generation
+        settings = self.config.generation or GenerationSettings()
         return {
             "name": self.name,
             "versions": ["1"],
@@ -111,7 +112,7 @@ class GenerationPlane:
                 "task": "generate",
                 "emulated": emulated(),
                 "cores": self.cores,
-                "max_num_seqs": settings.max_num_seqs if settings else None,
+                "max_num_seqs": settings.max_num_seqs,
                 "max_model_len": self.max_model_len,
                 "neuron_serve_version": __version__,
             },

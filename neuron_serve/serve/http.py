@@ -22,7 +22,6 @@ from ..errors import ModelNotFound, ModelNotReady, NeuronServeError, PayloadTooL
 from ..targets.pjrt import emulated
 from ..config import DEFAULT_MAX_REQUEST_BYTES
 from . import auth, dataplane, openai_routes, triton_ext
-from .dataplane import ModelDataPlane
 
 OPENAPI_PATH = "/openapi.json"
 HEALTH_LIVE = "/v2/health/live"
@@ -63,18 +62,19 @@ async def read_body(request: Request, limit: int = DEFAULT_MAX_REQUEST_BYTES) ->
     return b"".join(chunks)
 
 
-def model_app() -> FastAPI:
-    """Routes under /v2/models/{name}, served by the replica's current data plane.
+def model_base_app(title: str, current: Callable[[], Any]) -> tuple[FastAPI, Callable[[], Any]]:
+    """A model's app with its error handlers, auth, metadata (``""``) and readiness (``/ready``),
+    and the function that returns the replica's plane (``current()``) or raises ModelNotReady.
 
-    Ray Serve ships this app to each replica by value, so handlers find the plane
-    through the dataplane module (imported by name in the replica), not a closure.
+    Ray Serve ships the app to each replica by value, so ``current`` is a module function
+    (found by name in the replica), not a closure over a plane.
     """
-    app = FastAPI(title="neuron-serve model", openapi_url=None, docs_url=None, redoc_url=None)
+    app = FastAPI(title=title, openapi_url=None, docs_url=None, redoc_url=None)
     _install_error_handlers(app)
     auth.install(app)
 
-    def plane() -> ModelDataPlane:
-        found = dataplane.current()
+    def plane() -> Any:
+        found = current()
         if found is None or not found.ready():
             raise ModelNotReady("model is loading or shutting down")
         return found
@@ -87,6 +87,13 @@ def model_app() -> FastAPI:
     @app.get("/ready")
     async def ready() -> JSONResponse:
         return JSONResponse({"name": plane().name, "ready": True})
+
+    return app, plane
+
+
+def model_app() -> FastAPI:
+    """Routes under /v2/models/{name} of an infer model, served by the replica's current data plane."""
+    app, plane = model_base_app("neuron-serve model", dataplane.current)
 
     @app.get("/config")
     async def config() -> JSONResponse:

@@ -9,7 +9,6 @@ cancels the call, which aborts its sequences on the replica.
 
 from __future__ import annotations
 
-import json
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
@@ -29,12 +28,7 @@ def _error(exc: openai.OpenAIError) -> JSONResponse:
 
 def requested_model(body: bytes) -> str:
     """The ``model`` of an OpenAI request body (the rest is checked by the model's replica)."""
-    try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise openai.OpenAIError(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise openai.OpenAIError("the request body must be a JSON object")
+    data = openai.json_object(body)
     if "model" not in data:
         raise openai.OpenAIError("model: Field required (the name of a served model; GET /v1/models lists them)",
                                  param="model")

@@ -17,6 +17,13 @@ ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 600
 
 
+def make_llm(directory: Path) -> Path:
+    """The LLM example's model and tokenizer (deployments/example_models/make_llm.py) written to ``directory``."""
+    subprocess.run([sys.executable, str(ROOT / "deployments/example_models/make_llm.py"), str(directory)],
+                   check=True, capture_output=True)
+    return directory
+
+
 def free_port() -> int:
     return ports.free_port("127.0.0.1")
 

@@ -8,7 +8,6 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
 import time
 import urllib.parse
 import urllib.request
@@ -20,7 +19,7 @@ import openai
 import pytest
 import tritonclient.http as triton
 
-from conftest import free_port
+from conftest import free_port, make_llm
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "helm" / "neuron-serve" / "dashboards" / "neuron-serve.json"
@@ -46,8 +45,7 @@ generation:
 def llm(server_factory, tmp_path_factory):
     """The LLM example (deployments/example_models/make_llm.py) served with task: generate."""
     tmp = tmp_path_factory.mktemp("generate")
-    subprocess.run([sys.executable, str(ROOT / "deployments/example_models/make_llm.py"), str(tmp / LLM)],
-                   check=True, capture_output=True)
+    make_llm(tmp / LLM)
     (tmp / f"{LLM}.yaml").write_text(LLM_CONFIG)
     srv = server_factory([str(tmp / f"{LLM}.yaml")], tmp)
     yield srv

@@ -3,13 +3,13 @@ it serves the OpenAI routes with the text transformers generates, without the tr
 
 import subprocess
 import sys
-from pathlib import Path
 
 import openai
 import torch
 import transformers
 
-ROOT = Path(__file__).resolve().parents[2]
+from conftest import make_llm
+
 CONFIG = """
 name: llm
 task: generate
@@ -22,8 +22,7 @@ generation:
 
 
 def test_a_built_generate_artifact_serves_what_transformers_generates(server_factory, tmp_path):
-    subprocess.run([sys.executable, str(ROOT / "deployments/example_models/make_llm.py"), str(tmp_path / "llm")],
-                   check=True, capture_output=True)
+    make_llm(tmp_path / "llm")
     (tmp_path / "llm.yaml").write_text(CONFIG)
     built = subprocess.run([sys.executable, "-m", "neuron_serve.cli", "build", str(tmp_path / "llm.yaml"), "-o",
                             str(tmp_path / "built")], capture_output=True, text=True, timeout=900)

@@ -13,11 +13,8 @@ import asyncio
 import json
 import re
 import socket
-import subprocess
-import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import openai
 import pytest
@@ -26,9 +23,9 @@ import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import make_llm
 from http_client import Client
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL = "llm"
 MAX_MODEL_LEN = 256
 CONFIG = f"""
@@ -48,8 +45,7 @@ PROMPTS = ["Hello world", "neuron-serve compiles", "The cores are emulated", "ca
 def llm(server_factory, tmp_path_factory):
     """The server, the model directory and transformers' model and tokenizer read from it."""
     tmp = tmp_path_factory.mktemp("generate")
-    subprocess.run([sys.executable, str(ROOT / "deployments/example_models/make_llm.py"), str(tmp / "llm")],
-                   check=True, capture_output=True)
+    make_llm(tmp / "llm")
     (tmp / "llm.yaml").write_text(CONFIG)
     srv = server_factory([str(tmp / "llm.yaml")], tmp)
     srv.model_dir = tmp / "llm"
@@ -252,6 +248,25 @@ def _open_stream(llm, path: str, body: dict) -> socket.socket:
     return conn
 
 
+def leave_and_see_the_abort(server, path: str, model: str, max_tokens: int, stream: bool) -> None:
+    """Send a long generation, close the connection early: exactly one abort, nothing left running."""
+    aborted = metric(server, "neuron_serve_request_success_total", finished_reason="abort")
+    body = {"model": model, "prompt": "Hi", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": stream}
+    conn = _open_stream(server, path, body)
+    if stream:
+        assert conn.recv(100).startswith(b"HTTP/1.1 200")
+    else:
+        time.sleep(0.02)
+    conn.close()
+    deadline = time.monotonic() + 10
+    while metric(server, "neuron_serve_request_success_total", finished_reason="abort") == aborted \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(server, "neuron_serve_request_success_total", finished_reason="abort") == aborted + 1
+    assert metric(server, "neuron_serve_num_requests_running") == 0
+
+
 def test_stream_arrives_as_generated_not_buffered(llm):
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 250, "temperature": 0, "ignore_eos": True, "stream": True}
     started = time.perf_counter()
@@ -272,21 +287,7 @@ def test_stream_arrives_as_generated_not_buffered(llm):
 @pytest.mark.parametrize("path", ["/v1/completions", f"/v2/models/{MODEL}/v1/completions"])
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_aborts_the_sequence(llm, client, path, stream):
-    aborted = metric(llm, "neuron_serve_request_success_total", finished_reason="abort")
-    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 250, "temperature": 0, "ignore_eos": True,
-            "stream": stream}
-    conn = _open_stream(llm, path, body)
-    if stream:
-        assert conn.recv(100).startswith(b"HTTP/1.1 200")
-    else:
-        time.sleep(0.02)
-    conn.close()
-    deadline = time.monotonic() + 10
-    while metric(llm, "neuron_serve_request_success_total", finished_reason="abort") == aborted \
-            and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert metric(llm, "neuron_serve_request_success_total", finished_reason="abort") == aborted + 1
-    assert metric(llm, "neuron_serve_num_requests_running") == 0
+    leave_and_see_the_abort(llm, path, MODEL, 250, stream)
     again = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0)
     assert again.choices[0].text == eager_text(llm, completion_ids(llm, "Hi"), 4)
 
@@ -376,18 +377,4 @@ def test_two_generate_models_share_v1_by_the_requests_model(llm, pair):
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_forwarded_request_whose_client_leaves_is_aborted(pair, stream):
-    aborted = metric(pair, "neuron_serve_request_success_total", finished_reason="abort")
-    body = {"model": "right", "prompt": "Hi", "max_tokens": 120, "temperature": 0, "ignore_eos": True,
-            "stream": stream}
-    conn = _open_stream(pair, "/v1/completions", body)
-    if stream:
-        assert conn.recv(100).startswith(b"HTTP/1.1 200")
-    else:
-        time.sleep(0.02)
-    conn.close()
-    deadline = time.monotonic() + 10
-    while metric(pair, "neuron_serve_request_success_total", finished_reason="abort") == aborted \
-            and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert metric(pair, "neuron_serve_request_success_total", finished_reason="abort") == aborted + 1
-    assert metric(pair, "neuron_serve_num_requests_running") == 0
+    leave_and_see_the_abort(pair, "/v1/completions", "right", 120, stream)

@@ -8,13 +8,13 @@ answers ``{"id"?, "model_name", "model_version", "text_output", "details"}``;
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ...errors import InvalidInput
 from ...generation.sampling import MAX_LOGPROBS, SamplingParams
+from .openai import json_object
 
 DEFAULT_MAX_TOKENS = 16  # as /v1/completions: a request without max_tokens is answered quickly
 
@@ -46,12 +46,7 @@ class GenerateRequest(BaseModel):
 
 def parse(body: bytes) -> GenerateRequest:
     """The request decoded and checked; errors name the field."""
-    try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidInput(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise InvalidInput("the request body must be a JSON object with text_input")
+    data = json_object(body, InvalidInput)
     try:
         return GenerateRequest.model_validate(data)
     except ValidationError as exc:

@@ -131,14 +131,20 @@ _REFUSED = {
 }
 
 
-def parse(kind: Literal["completions", "chat"], body: bytes) -> CompletionRequest | ChatRequest:
-    """The request body decoded and checked; errors are OpenAIErrors naming the field."""
+def json_object(body: bytes, error: type[NeuronServeError] = OpenAIError) -> dict:
+    """A request body as a JSON object, or ``error`` (400) saying why it is not one."""
     try:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise OpenAIError(f"the request body is not valid JSON: {exc}") from None
+        raise error(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise OpenAIError("the request body must be a JSON object")
+        raise error("the request body must be a JSON object")
+    return data
+
+
+def parse(kind: Literal["completions", "chat"], body: bytes) -> CompletionRequest | ChatRequest:
+    """The request body decoded and checked; errors are OpenAIErrors naming the field."""
+    data = json_object(body)
     schema = CompletionRequest if kind == "completions" else ChatRequest
     try:
         request = schema.model_validate(data)
