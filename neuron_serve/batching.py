@@ -78,6 +78,8 @@ def join_chunks(outputs: list[Any], batch: int) -> Any:
     """Concatenate per-chunk outputs (same structure) along dim 0 and drop the padding."""
     leaves = [pytree.tree_flatten(o) for o in outputs]
     spec = leaves[0][1]
+    if len(leaves) == 1:  # one chunk: cut its padding off, no copy
+        return pytree.tree_unflatten([t[:batch] for t in leaves[0][0]], spec)
     joined = [torch.cat(parts)[:batch] for parts in zip(*(flat for flat, _ in leaves))]
     return pytree.tree_unflatten(joined, spec)
 

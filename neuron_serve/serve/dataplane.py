@@ -9,6 +9,8 @@ KServe's DataPlane), so it is tested with a local model and served by Ray alike.
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import logging
 import os
 import time
@@ -34,6 +36,39 @@ logger = logging.getLogger("neuron_serve")
 Encoded = TypeVar("Encoded")
 
 
+class DeferredMetrics:
+    """Metric updates queued while a request runs and applied once its answer is out.
+
+    A request makes about twenty updates (Triton's statistics, latency, batch, chunk and
+    stage metrics), each a lock and an mmap write in Prometheus' multiprocess mode. Applied
+    on the event loop's next turn, after the handler has written the answer, they cost a
+    request no latency. Any thread may queue (``deque.append`` is atomic); the event loop
+    applies them, in order.
+    """
+
+    def __init__(self) -> None:
+        self._queue: collections.deque[tuple[Callable[..., None], tuple]] = collections.deque()
+        self._scheduled = False
+
+    def add(self, record: Callable[..., None], *args: Any) -> None:
+        self._queue.append((record, args))
+
+    def flush_soon(self) -> None:
+        """Apply what is queued on the running loop's next turn (once, however often asked)."""
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        self._scheduled = False
+        while self._queue:
+            record, args = self._queue.popleft()
+            try:
+                record(*args)
+            except Exception:  # a metric must never fail serving
+                logger.exception("recording a metric failed")
+
+
 class ModelDataPlane:
     """One built model on one replica: loads it on the cores, batches its requests, speaks OIP v2."""
 
@@ -47,6 +82,7 @@ class ModelDataPlane:
         self._queue_time = metrics.QUEUE_TIME.labels(**self._labels)
         self._latency = metrics.REQUEST_LATENCY.labels(**self._labels)
         self._children: dict[tuple, Any] = {}
+        self.deferred = DeferredMetrics()
         self.runner = ModelRunner(model, cores=config.cores_per_replica, name=self.name, on_stage=self._on_stage,
                                   on_chunk=self._on_chunk, on_padding=self._on_padding, on_transfer=self._on_transfer)
         metrics.COMPILE_TIME.labels(**labels).observe(model.build_info.seconds + self.runner.load_seconds)
@@ -92,22 +128,36 @@ class ModelDataPlane:
             child = self._children[key] = metric.labels(**self._labels, **labels)
         return child
 
+    # Each hook queues its update (DeferredMetrics); ``_record_*`` apply them later.
+
     def _on_stage(self, partition: str, device: str, core: int, seconds: float) -> None:
+        self.deferred.add(self._record_stage, partition, device, core, seconds)  # on the core's thread
+
+    def _record_stage(self, partition: str, device: str, core: int, seconds: float) -> None:
         self._child(metrics.PARTITION_TIME, partition=partition, device=device, core=str(core)).observe(seconds)
 
     def _on_transfer(self, stage: str, core: int, size_bytes: int) -> None:
+        self.deferred.add(self._record_transfer, stage, core, size_bytes)
+
+    def _record_transfer(self, stage: str, core: int, size_bytes: int) -> None:
         self._child(metrics.STAGE_INPUT_BYTES, partition=stage, core=str(core)).inc(size_bytes)
 
     def _on_chunk(self, core: int, batch_size: int, padded: int) -> None:
+        self.deferred.add(self._record_chunk, core, batch_size, padded)
+
+    def _record_chunk(self, core: int, batch_size: int, padded: int) -> None:
         # One per chunk, however many accelerator partitions the chunk runs through.
         self._child(metrics.CORE_BATCHES, core=str(core)).inc()
         self._child(metrics.SIZE_CHUNKS, batch_size=str(batch_size)).inc()
         self._child(metrics.PADDING_ROWS).inc(padded)
 
     def _on_padding(self, padded: int) -> None:
-        self._child(metrics.BATCH_PADDING).observe(padded)
+        self.deferred.add(self._child(metrics.BATCH_PADDING).observe, padded)
 
     def _on_batch(self, rows: int, waits: list[float]) -> None:
+        self.deferred.add(self._record_batch, rows, waits)
+
+    def _record_batch(self, rows: int, waits: list[float]) -> None:
         self._child(metrics.BATCH_SIZE).observe(rows)
         for wait in waits:
             self._queue_time.observe(wait)
@@ -123,6 +173,7 @@ class ModelDataPlane:
     async def stop(self) -> None:
         self._ready = False
         await self.batcher.stop(drain=True)
+        self.deferred.flush()
         if getattr(self, "monitor", None) is not None:
             self.monitor.stop()
         self.runner.close()
@@ -155,7 +206,7 @@ class ModelDataPlane:
         for _, times in items:
             times.started, times.ran = started, ran
         if any(not isinstance(r, Exception) for r in results):
-            self._child(metrics.EXECUTIONS).inc()
+            self.deferred.add(self._child(metrics.EXECUTIONS).inc)
         return results
 
     def triton_config(self) -> dict:
@@ -193,9 +244,15 @@ class ModelDataPlane:
             code = str(exc.http_status)
             raise
         finally:
-            triton_ext.record(self.name, self.replica, times, code == "200", rows)
-            self._child(metrics.REQUESTS, code=code).inc()
-            self._latency.observe(time.perf_counter() - started)
+            ended = time.perf_counter()
+            times.answered = times.answered or ended
+            self.deferred.add(self._record_request, times, code, rows, ended - started)
+            self.deferred.flush_soon()
+
+    def _record_request(self, times: triton_ext.RequestTimes, code: str, rows: int, seconds: float) -> None:
+        triton_ext.record(self.name, self.replica, times, code == "200", rows)
+        self._child(metrics.REQUESTS, code=code).inc()
+        self._latency.observe(seconds)
 
     async def _run(self, request: InferRequest, times: triton_ext.RequestTimes) -> tuple[InferResponse, int]:
         """Check a decoded request against the model, batch and run it; (answer, rows)."""

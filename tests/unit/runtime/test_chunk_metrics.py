@@ -62,6 +62,7 @@ def test_a_chunk_through_two_accelerator_partitions_counts_once_and_padding_is_c
                 content, _ = await plane.infer(body(x), {})
                 out = torch.tensor(json.loads(content)["outputs"][0]["data"]).reshape(rows, 4)
                 outputs.append((out, eager(x)))
+            await asyncio.sleep(0)  # metrics are applied on the loop's next turn, after the answer
             return before, counts(), outputs
         finally:
             await plane.stop()
@@ -99,6 +100,7 @@ def test_each_shape_bucket_pads_its_own_rows_and_the_padding_is_counted():
             short, long = torch.rand(1, 3), torch.rand(1, 6)  # one row for each shape bucket, in one batch
             replies = await asyncio.gather(plane.infer(body(short), {}), plane.infer(body(long), {}))
             outs = [torch.tensor(json.loads(c)["outputs"][0]["data"]).reshape(1, 2) for c, _ in replies]
+            await asyncio.sleep(0)  # metrics are applied on the loop's next turn, after the answer
             return before, padding(), list(zip(outs, (eager(short), eager(long)))), dict(plane.runner.chunks)
         finally:
             await plane.stop()

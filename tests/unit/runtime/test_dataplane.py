@@ -72,3 +72,50 @@ def test_build_time_and_cache_hits_reach_the_metrics(config, built):
     asyncio.run(serve(config, built, lambda plane: asyncio.sleep(0)))
     count = metrics.COMPILE_TIME.labels(model="scores", replica="test")._sum.get()
     assert count >= built.build_info.seconds > 0
+
+
+def test_a_lone_request_on_an_idle_replica_runs_without_waiting_max_queue_delay(config, built, eager):
+    # A 2 s delay: a lone request that waited for company would take at least that long.
+    patient = config.model_copy(update={"batching": config.batching.model_copy(update={"max_queue_delay_ms": 2000})})
+    labels = {"model": "scores", "replica": "lone"}
+
+    async def calls():
+        plane = ModelDataPlane(patient, built, replica="lone")
+        plane.start()
+        try:
+            queued_before = metrics.QUEUE_TIME.labels(**labels)._sum.get()
+            started = asyncio.get_running_loop().time()
+            x = torch.rand(1, 8)
+            content, _ = await plane.infer(body(x), {})
+            took = asyncio.get_running_loop().time() - started
+            await asyncio.sleep(0)  # metrics are applied on the loop's next turn
+            return x, json.loads(content), took, metrics.QUEUE_TIME.labels(**labels)._sum.get() - queued_before
+        finally:
+            await plane.stop()
+
+    x, response, took, queued = asyncio.run(calls())
+    torch.testing.assert_close(torch.tensor(response["outputs"][0]["data"]).reshape(1, 4), eager(x),
+                               atol=TOLERANCE, rtol=TOLERANCE)
+    assert took < 1.0 and queued < 0.5, (took, queued)
+
+
+def test_request_metrics_are_recorded_after_the_answer_not_before(config, built):
+    labels = {"model": "scores", "replica": "deferred"}
+
+    def served() -> float:
+        return metrics.REQUESTS.labels(**labels, code="200")._value.get()
+
+    async def calls():
+        plane = ModelDataPlane(config, built, replica="deferred")
+        plane.start()
+        try:
+            before = served()
+            await plane.infer(body(torch.rand(2, 8)), {})
+            at_answer = served()  # the handler is about to write the answer: nothing recorded yet
+            await asyncio.sleep(0)
+            return before, at_answer, served()
+        finally:
+            await plane.stop()
+
+    before, at_answer, after = asyncio.run(calls())
+    assert (at_answer - before, after - before) == (0, 1)
