@@ -6,22 +6,26 @@ from pathlib import Path
 
 from .workloads import WORKLOADS
 
-# Targets of the issue: (workload, concurrency, peer, at least this many times its req/s).
-# (workload, concurrency, peer, wanted ratio of requests/s); "fastest-eager" is the best eager peer of that point.
+# (workload, concurrency, peer, wanted ratio of requests/s, p50 slack in ms or None); "fastest-eager"
+# is the best eager peer of that point. At concurrency 1 a target also wants neuron-serve's p50
+# at most the peer's plus the slack: none against plain Ray Serve + HAProxy (a lone request must
+# pay no more serving overhead than Ray Serve's own), 2 ms against the peers that run the
+# compiled model inline at batch 1 (they skip batching and the cores' threads altogether).
 TARGETS = [
-    ("W1", 1, "ray-haproxy", 1.0),
-    ("W1", 16, "fastest-eager", 1.3),
-    ("W1", 64, "fastest-eager", 1.5),
-    ("W2", 16, "fastest-eager", 1.5),
-    ("W1", 1, "ray-neuron", 1.0),
-    ("W1", 1, "ray-neuron-batch", 1.0),
-    ("W1", 16, "ray-neuron", 2.0),
-    ("W1", 16, "ray-neuron-batch", 2.0),
+    ("W1", 1, "ray-haproxy", 1.0, 0.0),
+    ("W3-mlp", 1, "ray-haproxy", 1.0, 0.0),
+    ("W3-enc", 1, "ray-haproxy", 1.0, 0.0),
+    ("W1", 16, "fastest-eager", 1.3, None),
+    ("W1", 64, "fastest-eager", 1.5, None),
+    ("W2", 16, "fastest-eager", 1.5, None),
+    ("W1", 1, "ray-neuron", 1.0, 2.0),
+    ("W1", 1, "ray-neuron-batch", 1.0, 2.0),
+    ("W1", 16, "ray-neuron", 2.0, None),
+    ("W1", 16, "ray-neuron-batch", 2.0, None),
 ]
 # Each gRPC point of neuron-serve against its HTTP twin (the same request bodies, over
 # wrk) at the same concurrency: at least this ratio of req/s, with a p50 no higher.
 GRPC_TWIN_WANTED = 1.0
-P50_SLACK_MS = 2.0  # at concurrency 1 the p50 must also be within this of the peer's
 EFFICIENCY_POINT, EFFICIENCY_WANTED = ("W1", 64), 0.8
 
 # Peers that run neuron_serve's compiled module (Ray Serve's NeuronCore tutorial pattern), not eager PyTorch.
@@ -58,7 +62,7 @@ def target_rows(rows: list[dict]) -> list[dict]:
                      and not r.get("skipped")), None)
 
     result = []
-    for workload, conc, peer, want in TARGETS:
+    for workload, conc, peer, want, slack in TARGETS:
         ours = find(workload, conc, "neuron-serve")
         if peer == "fastest-eager":
             peers = [r for r in rows if r["workload"] == workload and r["concurrency"] == conc
@@ -70,9 +74,9 @@ def target_rows(rows: list[dict]) -> list[dict]:
         if not ours or not theirs:
             continue
         ratio = ours["rps"] / theirs["rps"] if theirs["rps"] else float("inf")
-        p50_ok = conc != 1 or ours["p50_ms"] <= theirs["p50_ms"] + P50_SLACK_MS
-        result.append({"target": f"{workload} c{conc} vs {theirs['server']}"
-                                 + (f" (and p50 within {P50_SLACK_MS:g} ms)" if conc == 1 else ""),
+        p50_ok = slack is None or ours["p50_ms"] <= theirs["p50_ms"] + slack
+        within = "" if slack is None else " (and p50 no higher)" if not slack else f" (and p50 within {slack:g} ms)"
+        result.append({"target": f"{workload} c{conc} vs {theirs['server']}{within}",
                        "want": want, "ratio": ratio, "met": ratio >= want and p50_ok,
                        "p50_ours": ours["p50_ms"], "p50_theirs": theirs["p50_ms"],
                        "p99_ours": ours["p99_ms"], "p99_theirs": theirs["p99_ms"]})

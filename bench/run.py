@@ -33,9 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 
 # (workload, concurrency) points measured on every server.
-FULL_POINTS = [("W1", 1), ("W1", 16), ("W1", 64), ("W2", 16), ("W3-mlp", 16), ("W3-enc", 16),
-               ("W1-grpc", 16), ("W3-mlp-grpc", 16), ("W3-enc-grpc", 16)]
-QUICK_POINTS = [("W1", 16), ("W2", 16), ("W3-mlp", 16), ("W3-enc", 16), ("W1-grpc", 16), ("W3-mlp-grpc", 16)]
+FULL_POINTS = [("W1", 1), ("W1", 16), ("W1", 64), ("W2", 16), ("W3-mlp", 1), ("W3-enc", 1), ("W3-mlp", 16),
+               ("W3-enc", 16), ("W1-grpc", 16), ("W3-mlp-grpc", 16), ("W3-enc-grpc", 16)]
+QUICK_POINTS = [("W1", 1), ("W1", 16), ("W2", 16), ("W3-mlp", 1), ("W3-mlp", 16), ("W3-enc", 16), ("W1-grpc", 16),
+                ("W3-mlp-grpc", 16)]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
