@@ -77,10 +77,12 @@ test-system-packages:
 test: $(TEST_STAMP) $(KSERVE_STAMP) test-system-packages
 	$(BIN)/pytest
 
-# Benchmarks against peer servers (needs wrk: apt-get install wrk). Results: bench/results/.
+# Benchmarks against peer servers (needs wrk for HTTP and h2load for gRPC: apt-get install wrk
+# nghttp2-client). Results: bench/results/.
 $(VENV)/.bench: $(TEST_STAMP)
 	$(BIN)/pip install -e '.[test,bench]'
 	command -v wrk >/dev/null || { [ "$$(id -u)" = 0 ] && s= || s=sudo; $$s apt-get install -y -qq --no-install-recommends wrk; }
+	command -v h2load >/dev/null || { [ "$$(id -u)" = 0 ] && s= || s=sudo; $$s apt-get install -y -qq --no-install-recommends nghttp2-client; }
 	touch $(VENV)/.bench
 
 # Both include generation over HTTP (bench/generate_http.py), which serves the LLM example.

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -77,9 +78,22 @@ def measure_point(server: servers.Server, workload: str, conc: int, manifest: Pa
     if wl.grpc:
         address = f"127.0.0.1:{server.spec.grpc_port}"
         grpc_load.wait_ready(address)
-        grpc_load.run_grpc_load(address, wl.model, manifest, conc, 1)  # warm-up, as below
-        row.update(grpc_load.run_grpc_load(address, wl.model, manifest, conc, seconds).as_dict())
+        # h2load (C, as wrk) when the manifest's requests are all one shape (it sends only the
+        # first); else grpcio's asyncio client, which takes cores from the server.
+        if shutil.which("h2load") and grpc_load.one_shape(grpc_load.requests_of(wl.model, manifest)):
+            row["loadgen"] = "h2load"
+            try:
+                row.update(grpc_load.run_h2load(address, wl.model, manifest, conc, seconds, warm_up_s=1).as_dict())
+            except grpc_load.GrpcPreflightError as exc:  # h2load would count gRPC errors as successes
+                log(f"  {server.spec.key:13s} {workload} c{conc}: not measured: {exc}")
+                row["skipped"] = f"failed: {exc}"[:80]
+                return row
+        else:
+            row["loadgen"] = "grpcio-asyncio"
+            grpc_load.run_grpc_load(address, wl.model, manifest, conc, 1)  # warm-up, as below
+            row.update(grpc_load.run_grpc_load(address, wl.model, manifest, conc, seconds).as_dict())
     else:
+        row["loadgen"] = "wrk"
         # A short warm-up at the same concurrency, so first-call costs are not measured.
         loadgen.run_load(server.url(wl.model), manifest, conc, 1)
         ours = server.spec.key == "neuron-serve" and wl.model == "mlp"  # one shape bucket: costs per size apply

@@ -75,6 +75,13 @@ REQUESTS = Counter(
     "neuron_serve_requests_total", "Infer requests by outcome (HTTP status code)",
     ["model", "replica", "code"],
 )
+# A gRPC call for a model another replica received (Triton's and KServe's clients name the
+# model in the message): ``via`` "relay" went straight to a replica of ``model``'s private
+# port, "serve" through the Serve handle (no replica of it registered).
+GRPC_FORWARDED = Counter(
+    "neuron_serve_grpc_forwarded_total", "gRPC calls for another model, passed to its replicas (via relay or serve)",
+    ["model", "via"],
+)
 PADDING_ROWS = Counter(
     "neuron_serve_padding_rows_total", "Rows added to fill compiled batch or bucket shapes (wasted work)",
     ["model", "replica"],

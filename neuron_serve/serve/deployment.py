@@ -46,6 +46,9 @@ GRPC_HANDOVER_S = 0.5
 GRPC_LISTENING_KEY = "grpc-server-app-listening"
 GRPC_RECHECK_S = 2.0
 GRPC_HANDOVER_WAIT_S = 15.0
+# Each model replica's private gRPC address, for relayed calls (grpc_service.Relay): one key
+# per replica, "grpc-relay/{model}/{replica}/{address}" (model names have no "/").
+GRPC_RELAY_PREFIX = "grpc-relay/"
 
 _MODEL_API = model_app()
 
@@ -74,12 +77,17 @@ class ModelServer:
         self.plane = await loop.run_in_executor(None, _build_plane, parsed, base_dir, replica)
         self.plane.start()
         dataplane.set_current(self.plane)
-        self._grpc = None
+        self._grpc = self._relay = self._relay_key = None
         if grpc_options:
-            # gRPC calls for this model run here, with no hop through another replica.
-            self._grpc = await grpc_service.start(grpc_options["host"], grpc_options["port"],
-                                                  grpc_options["max_message_bytes"], model_states,
-                                                  self._call_model, local=parsed.name)
+            # gRPC calls for this model run here, with no hop through another replica;
+            # other replicas relay theirs for it to the private address registered here.
+            self._grpc, self._relay, private = await grpc_service.start(
+                grpc_options["host"], grpc_options["port"], grpc_options["max_message_bytes"], model_states,
+                self._call_model, local=parsed.name, registry=relay_addresses,
+                private_host=ray.util.get_node_ip_address())
+            self._relay_key = f"{GRPC_RELAY_PREFIX}{parsed.name}/{replica}/{private}"
+            await loop.run_in_executor(None, lambda: internal_kv._internal_kv_put(  # noqa: SLF001
+                self._relay_key, b"", namespace=SERVER_APP))
 
     async def _call_model(self, name: str, method: str, payload) -> tuple:
         if name == self.plane.name:
@@ -94,8 +102,16 @@ class ModelServer:
         return answer
 
     async def __del__(self) -> None:
+        if getattr(self, "_relay_key", None) is not None:
+            try:  # no replica relays here once its list is read again (RELAY_TTL_S)
+                await asyncio.get_running_loop().run_in_executor(None, lambda: internal_kv._internal_kv_del(  # noqa: SLF001
+                    self._relay_key, namespace=SERVER_APP))
+            except Exception as exc:  # Ray going down: the key goes with it
+                logger.debug("gRPC relay address not unregistered: %s", exc)
         if getattr(self, "_grpc", None) is not None:
             await self._grpc.stop(grace=5)  # calls in flight finish; new connections go elsewhere
+        if getattr(self, "_relay", None) is not None:
+            await self._relay.close()
         dataplane.set_current(None)
         plane = getattr(self, "plane", None)  # absent when building failed
         if plane is not None:
@@ -159,8 +175,8 @@ class Server:
     async def _listen(self, on: bool) -> None:
         if on and self._grpc is None:
             options = self._grpc_options
-            self._grpc = await grpc_service.start(options["host"], options["port"], options["max_message_bytes"],
-                                                  model_states, call_model)
+            self._grpc, _, _ = await grpc_service.start(options["host"], options["port"],
+                                                        options["max_message_bytes"], model_states, call_model)
         elif not on and self._grpc is not None:
             server, self._grpc = self._grpc, None
             await server.stop(grace=5)
@@ -194,6 +210,17 @@ class Server:
             self._watch.cancel()
         if getattr(self, "_grpc", None) is not None:
             await self._grpc.stop(grace=5)
+
+
+async def relay_addresses() -> dict[str, list[str]]:
+    """Every model's registered private gRPC addresses (the replicas' relay ports)."""
+    keys = await asyncio.get_running_loop().run_in_executor(
+        None, lambda: internal_kv._internal_kv_list(GRPC_RELAY_PREFIX, namespace=SERVER_APP))  # noqa: SLF001
+    addresses: dict[str, list[str]] = {}
+    for key in keys:
+        model, _replica, address = key.decode()[len(GRPC_RELAY_PREFIX):].split("/", 2)
+        addresses.setdefault(model, []).append(address)
+    return {model: sorted(found) for model, found in addresses.items()}
 
 
 _handles: dict = {}
