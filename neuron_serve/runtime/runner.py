@@ -78,9 +78,10 @@ class ModelRunner:
         self._plans: list[dict[int, list[int]]] = [{} for _ in self.pipelines]
         self.chunks = Counter()  # (shape bucket, compiled batch size) -> chunks run
         self.load_seconds = time.perf_counter() - started
-        logger.info("model %s ready on %d core(s) in %.1fs; batch sizes %s cost %s ms per call", name,
-                    len(self.cores), self.load_seconds, model.batch_sizes,
-                    [round(self.costs[0][n] * 1000, 2) for n in model.batch_sizes])
+        in_place = sorted({n for grid in self.pipelines for p in grid.values() for n in p.in_place})
+        logger.info("model %s ready on %d core(s) in %.1fs; batch sizes %s cost %s ms per call; one row runs as %s; "
+                    "CPU stages run in place: %s", name, len(self.cores), self.load_seconds, model.batch_sizes,
+                    [round(self.costs[0][n] * 1000, 2) for n in model.batch_sizes], self.plan(0, 1), in_place or "none")
         if self.span > 1:
             logger.info("model %s pipelined over %d core(s) per copy; %d copies on cores %s", name, self.span,
                         self.copies, self.groups)
@@ -115,7 +116,7 @@ class ModelRunner:
         for pipeline in pipelines:
             times = stage_times[id(pipeline)]
             pipeline.run_in_place({name for name in pipeline.cpu_modules if times.get(name, math.inf) < IN_PLACE_CPU_S})
-        return [{n: fastest[id(p)] for n, p in grid.items()} for grid in grids]
+        return [sizes.monotone({n: fastest[id(p)] for n, p in grid.items()}) for grid in grids]
 
     def use_costs(self, costs: list[dict[int, float]]) -> None:
         """Choose sizes by ``costs`` (per shape bucket, seconds per call of each size) instead of those measured."""

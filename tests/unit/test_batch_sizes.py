@@ -6,7 +6,7 @@ import torch
 import neuron_serve
 from neuron_serve.config import parse_config
 from neuron_serve.errors import ConfigError, InvalidInput
-from neuron_serve.model.sizes import default_batch_sizes, plan
+from neuron_serve.model.sizes import default_batch_sizes, monotone, plan
 from neuron_serve.progress import BuildProgress, reporting
 from reference_models import MLP
 
@@ -36,6 +36,14 @@ def test_a_fixed_cost_per_call_prefers_one_padded_call():
     costs = {1: 3.0, 4: 3.1, 16: 3.5, 32: 4.0}  # launch-bound: rows are nearly free
     assert plan(5, costs) == [16]
     assert plan(40, costs) == [32, 16]
+
+
+def test_a_measured_inversion_never_pads_one_row_to_a_larger_size():
+    # As timed at load on the MLP example: size 4 came out cheaper than size 1 (cold caches).
+    measured = {1: 2.34, 4: 2.04, 16: 2.72, 32: 6.24, 64: 9.26}
+    assert plan(1, measured) == [4]  # taken at face value, a lone row pays for four
+    assert monotone(measured) == {1: 2.34, 4: 2.34, 16: 2.72, 32: 6.24, 64: 9.26}
+    assert plan(1, monotone(measured)) == [1]  # a tie goes to fewer padded rows
 
 
 def test_plan_refuses_no_rows_and_no_sizes():

@@ -43,6 +43,7 @@ def test_raw_contents_reach_the_model_without_json(config, built, eager, monkeyp
         plane.start()
         try:
             await grpc_service.replica_call(plane, "infer", payload)  # warm: first-call costs are not counted
+            await asyncio.sleep(0)  # ... nor its metrics, applied on the loop's next turn (a label's first use encodes a JSON key)
             json_calls = Calls(monkeypatch, (json, "loads"), (json, "dumps"), (jiter, "from_json"))
             rest_calls = Calls(monkeypatch, (oip_rest, "parse_infer_request"), (oip_rest, "encode_response"))
             answer = await grpc_service.replica_call(plane, "infer", payload)
