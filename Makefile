@@ -15,7 +15,7 @@ KSERVE_VENV  := .venv-kserve
 KSERVE_STAMP := $(KSERVE_VENV)/.installed
 KSERVE_REQS  := tests/integration/kserve-requirements.txt
 
-.PHONY: install serve analyze test test-system-packages kserve-client bench bench-quick bench-generate-http soak llm-example docs
+.PHONY: install serve analyze test test-system-packages kserve-client bench bench-quick bench-latency bench-generate-http soak llm-example docs
 
 # Serving needs only the base dependencies; the tests add their own extra.
 $(STAMP): pyproject.toml
@@ -91,6 +91,10 @@ bench: $(VENV)/.bench llm-example
 
 bench-quick: $(VENV)/.bench llm-example
 	$(BIN)/python -m bench --quick
+
+# Where one request's time goes at concurrency 1 (bench/latency.py): by stage in process, by process when served.
+bench-latency: $(VENV)/.bench
+	$(BIN)/python -m bench.latency
 
 # Generation over HTTP alone: neuron-serve's OpenAI API against transformers serve and Ray Serve.
 bench-generate-http: $(VENV)/.bench llm-example

@@ -14,10 +14,15 @@ Three parts, each re-runnable alone on a quiet machine:
    the eager MLP, one at a time, under wrk at concurrency 1. For neuron-serve the replica's
    own timestamps (Triton's statistics: decode, queue, execute, encode) say how much of the
    client's latency is spent inside the model app; the rest is the ingress (HAProxy, Ray's
-   direct-ingress HTTP server, the ASGI app) and the network.
-3. With ``--py-spy``, a sampling profile of neuron-serve's replica during the served run,
-   summarized as the functions where the replica spends its time (``py-spy`` is in the
-   bench extra).
+   direct-ingress HTTP server, the ASGI app) and the network. CPU time per request of each
+   process (the model's replica, HAProxy, the rest), less what it uses idle, says where
+   the work is.
+3. With ``--py-spy``, a sampling profile of neuron-serve's replica during the served run
+   (the thread holding the GIL), summarized as the functions where the replica spends its
+   time (``py-spy`` is in the bench extra). The profiler slows the replica: its run's
+   latencies are not comparable with the others.
+
+The served part runs first; the in-process part then builds the model in this process.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ os.environ.setdefault("CPU_NUM_DEVICES", "2")
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "deployments" / "mlp.yaml"
-IDLE_S = 3.0  # seconds of no load over which each server's own CPU use is measured
+IDLE_S = 5.0  # seconds of no load over which each server's own CPU use is measured
 
 
 def _median_ms(samples: list[float]) -> float:
@@ -224,9 +229,11 @@ def served(seconds: float, out: Path, py_spy: bool) -> dict:
             if profiler is not None:
                 profiler.wait(timeout=60)
             row = load.as_dict()
+            # Idle use is itself measured, so a process that did little under load can come out
+            # below zero; it is shown as 0.
             row["cpu_ms_per_request"] = {
-                kind: (cpu_after[kind] - cpu_before.get(kind, 0.0) - idle.get(kind, 0.0) * load.seconds) * 1e3
-                / max(load.requests, 1) for kind in cpu_after}
+                kind: max(0.0, (cpu_after[kind] - cpu_before.get(kind, 0.0) - idle.get(kind, 0.0) * load.seconds)
+                          * 1e3 / max(load.requests, 1)) for kind in cpu_after}
             if before is not None:
                 after = _stats(spec.port)
                 count = after["success"]["count"] - before["success"]["count"]
@@ -293,8 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / time.strftime("latency-%Y%m%d-%H%M%S"))
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    layers = [] if args.served_only else in_process(300 if args.quick else 1000)
+    # Served first: the in-process part leaves this process holding the compiled model and
+    # XLA's threads, and a server measured beside that ran measurably slower.
     serving = None if args.in_process_only else served(5 if args.quick else 15, args.out, args.py_spy)
+    layers = [] if args.served_only else in_process(300 if args.quick else 1000)
     markdown = report(layers, serving)
     if args.py_spy and (args.out / "py-spy.txt").exists():
         markdown += "\n\n### Where neuron-serve's replica spends its time (py-spy)\n\n" + \
