@@ -169,6 +169,13 @@ class ModelRunner:
         return sum(self.plan(bucket, rows)) - rows
 
     async def _run_group(self, bucket, members, requests, placed, results) -> None:
+        if len(members) == 1:  # a lone request: its rows are the batch, its outputs the answer
+            [i] = members
+            try:
+                results[i] = self.model.unpad(await self._run_rows(bucket, placed[i]), requests[i])
+            except Exception as exc:
+                results[i] = exc
+            return
         batch, sizes = collate.collate([placed[i] for i in members])
         try:
             outputs = await self._run_rows(bucket, batch)
@@ -189,6 +196,8 @@ class ModelRunner:
     async def _run_rows(self, bucket: int, batch: list[torch.Tensor]) -> list[torch.Tensor]:
         rows = batch[0].shape[0]
         chunks = sizes.split(batch, rows, self.plan(bucket, rows))
+        if len(chunks) == 1 and not chunks[0][2]:  # one unpadded chunk: its outputs are the rows'
+            return await self._run_chunk(bucket, *chunks[0])
         if len(chunks) == 1:
             outputs = [await self._run_chunk(bucket, *chunks[0])]
         else:
