@@ -84,7 +84,7 @@ class Core:
 
 
 class CorePool:
-    """The cores of this process, handed out round-robin (``take``: the least busy, in turn)."""
+    """The cores of this process, handed out round-robin."""
 
     def __init__(self, count: int) -> None:
         torch_xla = xla()
@@ -103,10 +103,6 @@ class CorePool:
             self.cores.append(Core(index, device, executor))
         self._order = itertools.cycle(self.cores)
         self._lock = threading.Lock()
-        self._leads = list(self.cores)
-        self._in_flight = {core.index: 0 for core in self.cores}
-        self._last: Core | None = None  # the lead core whose chunk finished last
-        self._turn = 0
 
     def __len__(self) -> int:
         return len(self.cores)
@@ -114,38 +110,10 @@ class CorePool:
     def lead_every(self, span: int, copies: int) -> None:
         """Hand out only the first core of each of ``copies`` groups of ``span`` cores (pipelined models)."""
         self._order = itertools.cycle(self.cores[: copies * span : span])
-        self._leads = self.cores[: copies * span : span]
 
     def next(self) -> Core:
-        """The next core in round-robin order."""
         with self._lock:
             return next(self._order)
-
-    def take(self) -> Core:
-        """The core for the next chunk; hand it back with :meth:`give_back` when the chunk is done.
-
-        Under load this is round-robin: the core with the fewest chunks in flight, in turn.
-        When more than one is idle, it is the one that finished a chunk last. On emulated
-        cores each holds its own copy of the weights in host memory, and that copy is the
-        one still in the CPU's caches: at concurrency 1 alternating between two copies of
-        the MLP example's 46 MB made each call about 0.13 ms slower.
-        """
-        with self._lock:
-            fewest = min(self._in_flight[c.index] for c in self._leads)
-            if fewest == 0 and self._last is not None and self._in_flight[self._last.index] == 0:
-                core = self._last
-            else:
-                count = len(self._leads)
-                core = next(self._leads[(self._turn + k) % count] for k in range(count)
-                            if self._in_flight[self._leads[(self._turn + k) % count].index] == fewest)
-                self._turn = (self._leads.index(core) + 1) % count
-            self._in_flight[core.index] += 1
-            return core
-
-    def give_back(self, core: Core) -> None:
-        with self._lock:
-            self._in_flight[core.index] -= 1
-            self._last = core
 
     def shutdown(self) -> None:
         for core in self.cores:

@@ -5,8 +5,7 @@ serving edge) and learns everything from it: which bucket a request goes to (the
 model's kernel), how many rows one compiled call takes (the bucket's batch size), and
 how outputs are cut back. Requests of one bucket are concatenated along dim 0, split
 into chunks of that batch size (the last padded) and spread round-robin over the
-cores (an idle replica keeps to the core that ran last: CorePool.take), each chunk a
-pipeline of core and CPU stages.
+cores, each chunk a pipeline of core and CPU stages.
 """
 
 from __future__ import annotations
@@ -206,14 +205,11 @@ class ModelRunner:
         return batching.join_chunks(list(outputs), rows)
 
     async def _run_chunk(self, bucket: int, size: int, flat: list[torch.Tensor], padded: int) -> list[torch.Tensor]:
-        core = self.cores.take()
-        try:
-            self.chunks[bucket, size] += 1
-            if self.on_chunk:
-                self.on_chunk(core.index, size, padded)
-            return await self.pipelines[bucket][size].run(flat, core)
-        finally:
-            self.cores.give_back(core)
+        core = self.cores.next()
+        self.chunks[bucket, size] += 1
+        if self.on_chunk:
+            self.on_chunk(core.index, size, padded)
+        return await self.pipelines[bucket][size].run(flat, core)
 
     @property
     def groups(self) -> list[list[int]]:
