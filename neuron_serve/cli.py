@@ -133,7 +133,7 @@ def _deploy(args: argparse.Namespace) -> int:
 
     # Before Ray is imported: Ray Serve reads its ingress settings at import.
     chosen = ingress.configure(args.ingress)
-    from .serve import auth, deployment, failure, lifecycle  # noqa: PLC0415 - Ray is only needed to serve
+    from .serve import auth, deployment, failure, grpc_port, lifecycle  # noqa: PLC0415 - Ray is only needed to serve
 
     configs = [load_deployment(path) for path in args.configs]
     if args.weights:
@@ -159,7 +159,7 @@ def _deploy(args: argparse.Namespace) -> int:
     if args.no_grpc and args.grpc_port:
         print("error: --no-grpc and --grpc-port contradict each other; give one", file=sys.stderr)
         return 2
-    grpc = None if args.no_grpc else deployment.grpc_options([c for c, _ in configs], host, args.grpc_port)
+    grpc = None if args.no_grpc else grpc_port.options([c for c, _ in configs], host, args.grpc_port)
     started_here = deployment.connect(args.address)
     life = lifecycle.Lifecycle(deployment, drain_s=deployment.DRAIN_S)
     if started_here:

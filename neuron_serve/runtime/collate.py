@@ -53,8 +53,6 @@ def collate(requests: list[list[torch.Tensor]], pad_to: int | None = None) -> tu
     total = sum(sizes)
     if pad_to is not None and pad_to < total:
         raise ValueError(f"pad_to={pad_to} is smaller than the {total} rows of the batch.")
-    if len(requests) == 1 and pad_to in (None, total):
-        return list(requests[0]), sizes  # a lone request is its own batch: no copy
     batched = []
     for i in range(n_inputs):
         first = requests[0][i]

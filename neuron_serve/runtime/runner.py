@@ -180,9 +180,6 @@ class ModelRunner:
         try:
             outputs = await self._run_rows(bucket, batch)
         except Exception as exc:
-            if len(members) == 1:
-                results[members[0]] = exc
-                return
             # One request's rows can make a subgraph raise (a CPU op refusing a value);
             # re-running each request alone confines the failure to the request that
             # caused it, so its batch-mates still get their results.

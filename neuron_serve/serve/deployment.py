@@ -1,4 +1,4 @@
-"""Ray Serve deployments: the only place neuron-serve talks to Ray.
+"""Ray Serve deployments: where neuron-serve starts, joins and deploys to Ray.
 
 Each model is its own Serve application at ``/v2/models/{name}`` (so requests go
 straight to its replicas); the ``neuron-serve`` application at ``/`` serves health,
@@ -28,12 +28,12 @@ from ..config import ModelConfig, parse_config
 from ..targets.pjrt import neuron_devices_present
 from ..errors import ConfigError
 from .dataplane import ModelDataPlane
-from . import auth, dataplane, failure, generate_deployment, grpc_service, ingress
+from . import auth, dataplane, failure, generate_deployment, grpc_port, grpc_service, ingress
 from .http import model_app, server_app
 
 logger = logging.getLogger("neuron_serve")
 
-SERVER_APP = "neuron-serve"
+SERVER_APP = grpc_port.NAMESPACE
 NEURON_CORES = "neuron_cores"  # the Ray resource each replica asks for on Neuron clusters
 STATUS_TTL_S = 1.0
 HAPROXY_ADMIN_KEY = "haproxy-admin-socket"
@@ -43,12 +43,7 @@ DRAIN_S = 30
 ONGOING_PER_CAPACITY = 8
 # How often the server app checks whether it should listen for gRPC (see Server._hand_over).
 GRPC_HANDOVER_S = 0.5
-GRPC_LISTENING_KEY = "grpc-server-app-listening"
 GRPC_RECHECK_S = 2.0
-GRPC_HANDOVER_WAIT_S = 15.0
-# Each model replica's private gRPC address, for relayed calls (grpc_service.Relay): one key
-# per replica, "grpc-relay/{model}/{replica}/{address}" (model names have no "/").
-GRPC_RELAY_PREFIX = "grpc-relay/"
 
 _MODEL_API = model_app()
 
@@ -83,11 +78,9 @@ class ModelServer:
             # other replicas relay theirs for it to the private address registered here.
             self._grpc, self._relay, private = await grpc_service.start(
                 grpc_options["host"], grpc_options["port"], grpc_options["max_message_bytes"], model_states,
-                self._call_model, local=parsed.name, registry=relay_addresses,
+                self._call_model, local=parsed.name, registry=grpc_port.relay_addresses,
                 private_host=ray.util.get_node_ip_address())
-            self._relay_key = f"{GRPC_RELAY_PREFIX}{parsed.name}/{replica}/{private}"
-            await loop.run_in_executor(None, lambda: internal_kv._internal_kv_put(  # noqa: SLF001
-                self._relay_key, b"", namespace=SERVER_APP))
+            self._relay_key = await grpc_port.register_relay(parsed.name, replica, private)
 
     async def _call_model(self, name: str, method: str, payload) -> tuple:
         if name == self.plane.name:
@@ -104,8 +97,7 @@ class ModelServer:
     async def __del__(self) -> None:
         if getattr(self, "_relay_key", None) is not None:
             try:  # no replica relays here once its list is read again (RELAY_TTL_S)
-                await asyncio.get_running_loop().run_in_executor(None, lambda: internal_kv._internal_kv_del(  # noqa: SLF001
-                    self._relay_key, namespace=SERVER_APP))
+                await grpc_port.unregister_relay(self._relay_key)
             except Exception as exc:  # Ray going down: the key goes with it
                 logger.debug("gRPC relay address not unregistered: %s", exc)
         if getattr(self, "_grpc", None) is not None:
@@ -182,8 +174,7 @@ class Server:
             await server.stop(grace=5)
         else:
             return
-        # For deploy, which says ready only once the models' replicas have the port.
-        internal_kv._internal_kv_put(GRPC_LISTENING_KEY, b"1" if on else b"0", namespace=SERVER_APP)  # noqa: SLF001
+        grpc_port.record_listening(on)  # deploy says ready only once the models' replicas have the port
 
     async def _hand_over(self) -> None:
         """Listen for gRPC only while no model is ready.
@@ -212,17 +203,6 @@ class Server:
             await self._grpc.stop(grace=5)
 
 
-async def relay_addresses() -> dict[str, list[str]]:
-    """Every model's registered private gRPC addresses (the replicas' relay ports)."""
-    keys = await asyncio.get_running_loop().run_in_executor(
-        None, lambda: internal_kv._internal_kv_list(GRPC_RELAY_PREFIX, namespace=SERVER_APP))  # noqa: SLF001
-    addresses: dict[str, list[str]] = {}
-    for key in keys:
-        model, _replica, address = key.decode()[len(GRPC_RELAY_PREFIX):].split("/", 2)
-        addresses.setdefault(model, []).append(address)
-    return {model: sorted(found) for model, found in addresses.items()}
-
-
 _handles: dict = {}
 
 
@@ -233,16 +213,6 @@ async def call_model(name: str, method: str, payload: bytes) -> tuple:
         handle = await asyncio.get_running_loop().run_in_executor(None, serve.get_app_handle, name)
         _handles[name] = handle
     return await handle.grpc_call.remote(method, payload)
-
-
-def grpc_options(configs: list[ModelConfig], host: str, port: int | None) -> dict | None:
-    """Where the gRPC service listens (``port`` overrides the first model.yaml's), or
-    None when the first model.yaml turns it off and no port is given."""
-    first = configs[0].grpc
-    if port is None and not first.enabled:
-        return None
-    return {"host": host, "port": port or first.port,
-            "max_message_bytes": max(c.http.max_request_bytes for c in configs)}
 
 
 def replica_env(config: ModelConfig) -> dict[str, str]:
@@ -269,7 +239,7 @@ def max_ongoing_requests(config: ModelConfig) -> int:
 
 def model_application(config: ModelConfig, base_dir: str | None, grpc: dict | None = None):
     """The Serve application of one model, with replica count and resources; its
-    replicas serve gRPC too when ``grpc`` says where (see grpc_options)."""
+    replicas serve gRPC too when ``grpc`` says where (see grpc_port.options)."""
     resources = {}
     if ray.cluster_resources().get(NEURON_CORES):
         resources[NEURON_CORES] = config.cores_per_replica
@@ -376,21 +346,11 @@ def deploy(configs: list[tuple[ModelConfig, str | None]], host: str, port: int, 
             return {n: f"failed: {m}" for n, m in failed.items()}
         if all("RUNNING" in s for s in states.values()):
             if grpc and any(c.task != "generate" for c, _ in configs):  # generate replicas serve no gRPC
-                _wait_for_grpc_hand_over()
+                grpc_port.wait_for_hand_over()
             return {n: "ready" for n in names}
         if time.monotonic() > deadline:
             return {n: s for n, s in states.items()}
         time.sleep(1)
-
-
-def _wait_for_grpc_hand_over() -> None:
-    """Wait until the server app has left the gRPC port to the models' replicas, so that
-    no client connecting after deploy says ready lands on a server about to close."""
-    deadline = time.monotonic() + GRPC_HANDOVER_WAIT_S
-    while time.monotonic() < deadline:
-        if internal_kv._internal_kv_get(GRPC_LISTENING_KEY, namespace=SERVER_APP) == b"0":  # noqa: SLF001
-            return
-        time.sleep(0.2)
 
 
 def build_failure(name: str) -> str:
