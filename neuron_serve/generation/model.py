@@ -29,6 +29,7 @@ from ..bucketing import BucketModelConfig
 from ..errors import ConfigError, InvalidInput, UnsupportedModelError
 from ..model import Bucket, CompiledModel
 from ..model.state import DeviceState
+from .attention import grouped_for_compile
 from .buckets import GenerationBuckets
 from .slots import SlotLM
 
@@ -225,7 +226,8 @@ def compile_generation(lm: torch.nn.Module, buckets: GenerationBuckets, *, targe
                                func_kwargs=[{"context": s.context if s.kind == "decode" else None} for s in shapes])
     name = type(lm).__name__
     try:
-        with progress.reporting(progress.BuildProgress(name, len(shapes), labels=[s.label for s in shapes])):
+        with grouped_for_compile(lm), \
+                progress.reporting(progress.BuildProgress(name, len(shapes), labels=[s.label for s in shapes])):
             compiled = bucket_model_trace(func, [_example(s) for s in shapes], config, compiler_workdir,
                                           compiler_args, target=target)
     except UnsupportedModelError as exc:

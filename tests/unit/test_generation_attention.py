@@ -1,0 +1,44 @@
+"""Grouped-query attention for the compile: the same numbers as transformers' eager attention, used only where it applies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import eager_attention_forward
+
+import generation_models as gm
+from neuron_serve.generation import attention
+from neuron_serve.generation.buckets import GenerationBuckets
+from neuron_serve.generation.model import compile_generation
+
+
+class _Module(torch.nn.Module):
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.num_key_value_groups = groups
+
+
+@pytest.mark.parametrize("q", [1, 5])
+def test_grouped_attention_equals_transformers_eager_attention(q):
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, kv_heads, k, head_dim = 3, 8, 2, 12, 16
+    query = torch.randn(batch, heads, q, head_dim, generator=generator)
+    key = torch.randn(batch, kv_heads, k, head_dim, generator=generator)
+    value = torch.randn(batch, kv_heads, k, head_dim, generator=generator)
+    visible = torch.arange(k)[None, None, None, :] <= torch.randint(0, k, (batch, 1, q, 1), generator=generator)
+    mask = torch.where(visible, 0.0, torch.finfo(torch.float32).min)
+    module = _Module(heads // kv_heads).eval()
+    want, _ = eager_attention_forward(module, query, key, value, mask, scaling=head_dim ** -0.5)
+    got, _ = attention.grouped_attention(module, query, key, value, mask, scaling=head_dim ** -0.5)
+    assert got.shape == want.shape == (batch, q, heads, head_dim)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_it_applies_to_grouped_query_llama_family_models_only():
+    assert [arch for arch in sorted(gm.CONFIGS) if attention.applies(gm.build(arch))] == ["llama", "mistral", "qwen2"]
+
+
+def test_the_compile_leaves_the_models_own_attention_as_it_was():
+    lm = gm.build("llama")
+    compile_generation(lm, GenerationBuckets.build(2, 16, prefill=[16], decode_rows=[2], decode_context=[16]))
+    assert lm.config._attn_implementation == "eager"
