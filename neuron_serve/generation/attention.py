@@ -30,6 +30,8 @@ def grouped_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     query (batch, heads, q, head_dim); key, value (batch, kv_heads, k, head_dim); mask
     (batch, 1, q, k), additive. Returns (batch, q, heads, head_dim) and no weights.
     """
+    if dropout:  # generation compiles in eval mode, where transformers passes 0
+        raise ValueError(f"grouped_attention runs in eval mode only; got dropout={dropout}")
     batch, heads, q, head_dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads

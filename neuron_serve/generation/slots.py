@@ -5,8 +5,9 @@ The cache holds ``max_num_seqs`` slots of ``max_model_len`` positions per layer:
 positions)``. Attention multiplies the query by the keys transposed; stored that way, the
 keys it transposes are read as they lie, where XLA:CPU otherwise copied every layer's
 key cache into that layout at each decode step (a 32-row step over 512 positions of a
-4-layer model: 13.2 to 9.0 ms). A sequence owns one slot from its prefill to its end. transformers' own attention layers call :class:`SlotCache` as
-their cache; it is the one piece written here, because a transformers
+4-layer model: 13.2 to 9.0 ms). A sequence owns one slot from its prefill to its end.
+transformers' own attention layers call :class:`SlotCache` as their cache; it is the
+one piece written here, because a transformers
 ``StaticCache`` writes every row of a batch at the same positions, where continuous
 batching needs each sequence at its own slot and position.
 

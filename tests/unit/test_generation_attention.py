@@ -38,7 +38,22 @@ def test_it_applies_to_grouped_query_llama_family_models_only():
     assert [arch for arch in sorted(gm.CONFIGS) if attention.applies(gm.build(arch))] == ["llama", "mistral", "qwen2"]
 
 
-def test_the_compile_leaves_the_models_own_attention_as_it_was():
+def test_the_compile_attends_grouped_then_leaves_the_models_own_attention_as_it_was(monkeypatch):
+    calls, grouped = [], attention.grouped_attention
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].shape)  # the query
+        return grouped(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "grouped_attention", counted)
     lm = gm.build("llama")
     compile_generation(lm, GenerationBuckets.build(2, 16, prefill=[16], decode_rows=[2], decode_context=[16]))
+    # Both layers of the prefill (16 tokens) and the decode (1 token) models were traced through it.
+    assert {shape[2] for shape in calls} == {16, 1}
     assert lm.config._attn_implementation == "eager"
+
+
+def test_grouped_attention_refuses_dropout():
+    query, key = torch.zeros(1, 4, 1, 8), torch.zeros(1, 2, 3, 8)
+    with pytest.raises(ValueError, match="eval mode only; got dropout=0.1"):
+        attention.grouped_attention(_Module(2), query, key, key, None, scaling=1.0, dropout=0.1)
