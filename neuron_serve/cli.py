@@ -132,7 +132,7 @@ def _deploy(args: argparse.Namespace) -> int:
     from .serve import ingress  # noqa: PLC0415
 
     # Before Ray is imported: Ray Serve reads its ingress settings at import.
-    chosen = ingress.configure(args.ingress)
+    chosen = ingress.configure(args.ingress, reserved_ports={p for p in (args.port, args.grpc_port) if p})
     from .serve import auth, deployment, failure, grpc_port, lifecycle  # noqa: PLC0415 - Ray is only needed to serve
 
     configs = [load_deployment(path) for path in args.configs]

@@ -23,6 +23,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -92,8 +93,11 @@ def haproxy_binary() -> str | None:
         return shutil.which("haproxy")
 
 
-def configure(kind: str = "auto") -> str:
-    """Select the ingress for the Ray that this process is about to start; returns it."""
+def configure(kind: str = "auto", reserved_ports: Collection[int] = ()) -> str:
+    """Select the ingress for the Ray that this process is about to start; returns it.
+
+    HAProxy's stats and metrics ports are drawn outside ``reserved_ports`` (ports the
+    deploy serves on, which its replicas bind only later)."""
     if kind not in INGRESS_CHOICES:
         raise ConfigError(f"ingress {kind!r} is unknown; choose one of {', '.join(INGRESS_CHOICES)}.")
     if kind == "auto":
@@ -109,8 +113,11 @@ def configure(kind: str = "auto") -> str:
         else:
             os.environ.pop(name, None)
     if kind == "haproxy":
+        taken = set(reserved_ports)
         for name in HAPROXY_PORT_ENV:
-            os.environ.setdefault(name, str(free_port()))
+            if name not in os.environ:  # nothing binds before HAProxy: never draw one port twice
+                os.environ[name] = str(port := free_port(avoid=taken))
+                taken.add(port)
         os.environ.setdefault(DRAINING_PERIOD_ENV, DRAINING_PERIOD_S)
         os.environ.setdefault(RETRY_ON_ENV, RETRY_ON)
         reaped = reap_orphans()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import socket
+from collections.abc import Collection
 from pathlib import Path
 
 BAND = (20000, 30000)  # [low, high)
@@ -29,12 +30,19 @@ def _band() -> tuple[int, int]:
     return (low, min(high, ephemeral_low)) if ephemeral_low > low + 1000 else (low, high)
 
 
-def free_port(host: str = "") -> int:
-    """A TCP port nothing listens on now (on every interface by default)."""
+def free_port(host: str = "", avoid: Collection[int] = ()) -> int:
+    """A TCP port nothing listens on now (on every interface by default), not in ``avoid``.
+
+    ``avoid`` holds ports promised to something that has not bound them yet (the
+    deploy's own --port and --grpc-port, bound by replicas seconds later): a free-looking
+    port there would be handed out twice.
+    """
     low, high = _band()
     rng = random.SystemRandom()  # processes started together must not draw the same sequence
     for _ in range(ATTEMPTS):
         port = rng.randrange(low, high)
+        if port in avoid:
+            continue
         with socket.socket() as s:
             try:
                 s.bind((host, port))

@@ -24,8 +24,8 @@ def make_llm(directory: Path) -> Path:
     return directory
 
 
-def free_port() -> int:
-    return ports.free_port("127.0.0.1")
+def free_port(avoid: tuple[int, ...] = ()) -> int:
+    return ports.free_port("127.0.0.1", avoid=avoid)
 
 
 class Server:
@@ -34,7 +34,8 @@ class Server:
     def __init__(self, configs: list[str], tmp: Path, env: dict[str, str] | None = None, args: tuple = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.grpc_port = free_port()  # gRPC is on by default; never its fixed 8001 here
+        # gRPC is on by default; never its fixed 8001 here, nor the HTTP port (unbound yet).
+        self.grpc_port = free_port(avoid=(self.port,))
         self.grpc_url = f"127.0.0.1:{self.grpc_port}"
         self.log = tmp / "deploy.log"
         env_overrides = env

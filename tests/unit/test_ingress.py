@@ -48,6 +48,26 @@ def test_haproxy_gets_its_own_stats_and_metrics_ports():
     assert len(set(ports)) == 2 and not {"8404", "9101"} & set(ports)
 
 
+def test_haproxy_ports_avoid_the_deploys_own_ports():
+    # The deploy's --port and --grpc-port are bound by replicas seconds after HAProxy's
+    # ports are drawn; in a band of four ports with two reserved, HAProxy gets the other two.
+    low = ports.free_port("127.0.0.1")
+    band = (low, low + 4)
+    snippet = ("import os\nfrom neuron_serve.serve import ingress, ports\n"
+               f"ports.BAND = {band}\ningress.configure('haproxy', reserved_ports={{{low}, {low + 1}}})\n"
+               "print(os.environ['RAY_SERVE_HAPROXY_STATS_PORT'], os.environ['RAY_SERVE_HAPROXY_METRICS_PORT'])")
+    if not ingress.haproxy_binary():
+        pytest.skip("no HAProxy binary here")
+    drawn = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, check=True).stdout.split()
+    assert sorted(map(int, drawn)) == [low + 2, low + 3]
+
+
+def test_free_port_never_returns_an_avoided_port(monkeypatch):
+    low = ports.free_port("127.0.0.1")
+    monkeypatch.setattr(ports, "BAND", (low, low + 2))
+    assert {ports.free_port("127.0.0.1", avoid={low}) for _ in range(20)} == {low + 1}
+
+
 def _haproxy_in(files, port: int) -> subprocess.Popen:
     """A real HAProxy run from a `deploy` files directory, as Ray Serve runs it."""
     node = files / "node"
