@@ -28,10 +28,22 @@ def free_port(avoid: tuple[int, ...] = ()) -> int:
     return ports.free_port("127.0.0.1", avoid=avoid)
 
 
+class PortTaken(RuntimeError):
+    """A deploy failed because one of its ports was bound by someone else meanwhile."""
+
+
 class Server:
     """`neuron-serve deploy` of ``configs`` in its own process group, ready on return."""
 
     def __init__(self, configs: list[str], tmp: Path, env: dict[str, str] | None = None, args: tuple = ()):
+        # A port that was free when drawn can be bound by another process of the machine
+        # before the replicas bind it; that is the machine's doing, so draw again once.
+        try:
+            self._start(configs, tmp, env, args)
+        except PortTaken:
+            self._start(configs, tmp, env, args)
+
+    def _start(self, configs: list[str], tmp: Path, env: dict[str, str] | None, args: tuple) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # gRPC is on by default; never its fixed 8001 here, nor the HTTP port (unbound yet).
@@ -55,7 +67,8 @@ class Server:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"neuron-serve deploy exited {self.proc.returncode}:\n{self.tail()}")
+                error = PortTaken if "Address already in use" in self.tail() else RuntimeError
+                raise error(f"neuron-serve deploy exited {self.proc.returncode}:\n{self.tail()}")
             # Ready when deploy says it serves (every app, the gRPC port too) and the
             # port answers: readiness alone was seen to answer 200 before the server app
             # and its gRPC port were up, when another server had run just before.
