@@ -11,7 +11,10 @@ serving edge.
 One thread drives the core (torch-xla replays an executable on the calling thread's
 device): each step aborts what was aborted, prefills admitted prompts one by one,
 then decodes every running sequence in one call, samples, and hands each request
-its new token. Between steps it sleeps while nothing is waiting or running.
+its new token. A step's events reach their requests while the next step's first
+model call computes (:func:`~neuron_serve.compile.subgraph.while_computing`): the
+event loop that streams them then holds the GIL while the core works, not while the
+engine prepares the call. Between steps it sleeps while nothing is waiting or running.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Sequence as Seq
 
 from .. import metrics
+from ..compile.subgraph import take_meanwhile, while_computing
 from ..errors import InvalidInput, Overloaded
 from ..targets.pjrt import use_device
 from .model import GenerationModel, Shape, StepOutput
@@ -190,6 +194,7 @@ class Engine(Streams):
         self._inbox: list[Sequence] = []
         self._aborts: set[str] = set()
         self._by_id: dict[str, Sequence] = {}
+        self._pending: list[tuple[Sequence, TokenEvent]] = []  # events not yet handed to their sinks
         self._ids = itertools.count()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
@@ -272,6 +277,9 @@ class Engine(Streams):
         if self.device is not None:
             use_device(self.device)
         while True:
+            if self.scheduler.idle:  # no model call is coming to carry them
+                take_meanwhile()  # left set when a failed step never launched its call
+                self._deliver()
             with self._lock:
                 while not self._inbox and not self._aborts and self.scheduler.idle and not self._stopping:
                     self._wake.wait()
@@ -289,7 +297,12 @@ class Engine(Streams):
                     self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
 
     def step(self, aborted: set[str] = frozenset()) -> None:
-        """One iteration: aborts, prefills under the token budget, one decode call for every running sequence."""
+        """One iteration: aborts, prefills under the token budget, one decode call for every running sequence.
+
+        The events of the step before are delivered while this step's first model call
+        computes, or at its end if it makes none."""
+        if self._pending:
+            while_computing(self._deliver)
         for rid in aborted:
             seq = self._by_id.get(rid)
             if seq is not None:
@@ -308,6 +321,9 @@ class Engine(Streams):
             self.metrics.step(shape).observe(time.perf_counter() - started)
             self._choose(running, out)
         self._gauges()
+        left = take_meanwhile()  # no model call this step
+        if left is not None:
+            left()
 
     def _choose(self, seqs: list[Sequence], out: StepOutput) -> None:
         """Each sequence's next token: the core's greedy choice, or sampled here from the logits."""
@@ -369,13 +385,20 @@ class Engine(Streams):
         self._emit(seq, event)
 
     def _emit(self, seq: Sequence, event: TokenEvent) -> None:
-        """Hand ``event`` to the request's sink; a sink that fails aborts its request, never the engine."""
-        try:
-            seq.sink(event)
-        except Exception:  # noqa: BLE001 - the sink is the caller's code
-            logger.exception("generate request %s: its event sink failed; aborting it", seq.request_id)
-            if not event.finished:
-                self.abort(seq.request_id)
+        """Queue ``event`` for the request's sink (see :meth:`_deliver`)."""
+        self._pending.append((seq, event))
+
+    def _deliver(self) -> None:
+        """Hand every queued event to its request's sink, in order; a sink that fails aborts
+        its request, never the engine."""
+        pending, self._pending = self._pending, []
+        for seq, event in pending:
+            try:
+                seq.sink(event)
+            except Exception:  # noqa: BLE001 - the sink is the caller's code
+                logger.exception("generate request %s: its event sink failed; aborting it", seq.request_id)
+                if not event.finished:
+                    self.abort(seq.request_id)
 
     def _gauges(self) -> None:
         self.metrics.running.set(len(self.scheduler.running))

@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -268,6 +269,29 @@ def test_a_failing_event_sink_aborts_its_request_and_the_engine_keeps_serving(ll
     while engine.running and time.time() < deadline:
         time.sleep(0.01)
     assert engine.running == 0
+
+
+def test_a_steps_tokens_reach_their_sinks_while_the_next_model_call_computes(llama):
+    # The event loop that streams them then holds the GIL while the core computes, not
+    # while the engine prepares its next call. Only the events of the last step, with
+    # no call after them, are handed over once the engine is idle.
+    from neuron_serve.compile.subgraph import CompiledSubgraph
+
+    lm, engine = llama
+    forward = CompiledSubgraph.forward.__code__
+    seen: list[tuple[int | None, bool, bool]] = []  # (token, finished, inside a model call)
+    done = threading.Event()
+
+    def sink(event):
+        inside = any(frame.frame.f_code is forward for frame in inspect.stack(0))
+        seen.append((event.token, event.finished, inside))
+        if event.finished:
+            done.set()
+
+    engine.submit(prompts()[0], greedy(6), sink)
+    assert done.wait(60)
+    assert [token for token, _, _ in seen] == gm.eager_greedy(lm, prompts()[0], 6)
+    assert [inside for _, finished, inside in seen] == [True] * 5 + [False]
 
 
 def test_an_engine_per_core_each_with_its_own_cache():
