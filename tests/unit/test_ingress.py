@@ -1,5 +1,6 @@
 """Choosing the Ray Serve ingress before Ray starts (neuron_serve.serve.ingress)."""
 
+import socket
 import subprocess
 import sys
 
@@ -51,7 +52,7 @@ def test_haproxy_gets_its_own_stats_and_metrics_ports():
 def test_haproxy_ports_avoid_the_deploys_own_ports():
     # The deploy's --port and --grpc-port are bound by replicas seconds after HAProxy's
     # ports are drawn; in a band of four ports with two reserved, HAProxy gets the other two.
-    low = ports.free_port("127.0.0.1")
+    low = _free_run(4)
     band = (low, low + 4)
     snippet = ("import os\nfrom neuron_serve.serve import ingress, ports\n"
                f"ports.BAND = {band}\ningress.configure('haproxy', reserved_ports={{{low}, {low + 1}}})\n"
@@ -62,8 +63,25 @@ def test_haproxy_ports_avoid_the_deploys_own_ports():
     assert sorted(map(int, drawn)) == [low + 2, low + 3]
 
 
+def _free_run(length: int) -> int:
+    """The first of ``length`` consecutive ports that are free now."""
+    while True:
+        low = ports.free_port("127.0.0.1")
+        if all(_bindable(port) for port in range(low, low + length)):
+            return low
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+        return True
+
+
 def test_free_port_never_returns_an_avoided_port(monkeypatch):
-    low = ports.free_port("127.0.0.1")
+    low = _free_run(2)
     monkeypatch.setattr(ports, "BAND", (low, low + 2))
     assert {ports.free_port("127.0.0.1", avoid={low}) for _ in range(20)} == {low + 1}
 
