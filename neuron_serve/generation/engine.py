@@ -321,9 +321,8 @@ class Engine(Streams):
             self.metrics.step(shape).observe(time.perf_counter() - started)
             self._choose(running, out)
         self._gauges()
-        left = take_meanwhile()  # no model call this step
-        if left is not None:
-            left()
+        if take_meanwhile() is not None:  # no model call this step carried them
+            self._deliver()
 
     def _choose(self, seqs: list[Sequence], out: StepOutput) -> None:
         """Each sequence's next token: the core's greedy choice, or sampled here from the logits."""

@@ -41,6 +41,7 @@ class Server:
         try:
             self._start(configs, tmp, env, args)
         except PortTaken:
+            self.kill_leftovers()  # Ray workers of the failed deploy's session
             self._start(configs, tmp, env, args)
 
     def _start(self, configs: list[str], tmp: Path, env: dict[str, str] | None, args: tuple) -> None:
