@@ -88,7 +88,7 @@ class ModelRunner:
 
     def _measure(self, grids: list[dict[int, Pipeline]]) -> list[dict[int, float]]:
         """Per shape bucket, seconds per call of each compiled size on core 0: the fastest of
-        ``TIMING_ROUNDS`` timed calls after a warm-up. A CPU stage whose fastest run took less
+        ``TIMING_ROUNDS`` timed calls after a warm-up. A CPU stage whose warm calls take less
         than ``IN_PLACE_CPU_S`` then runs in place (:meth:`Pipeline.run_in_place`).
 
         Every size of every bucket takes its turn in each round, so a burst of other work
@@ -101,21 +101,22 @@ class ModelRunner:
         examples = {id(p): [torch.zeros(shape, dtype=dtype) if shape is not None else None
                             for shape, dtype in p.bucket.input_shapes] for p in pipelines}
         fastest = {id(p): float("inf") for p in pipelines}
-        stage_times: dict[int, dict[str, float]] = {id(p): {} for p in pipelines}
         try:
             for round_ in range(1 + TIMING_ROUNDS):
                 for pipeline in pipelines:
                     started = time.perf_counter()
-                    pipeline.run_blocking(examples[id(pipeline)], core, stage_times[id(pipeline)] if round_ else None)
+                    pipeline.run_blocking(examples[id(pipeline)], core)
                     if round_:  # round 0 warms every size up
                         fastest[id(pipeline)] = min(fastest[id(pipeline)], time.perf_counter() - started)
+            for pipeline in pipelines:
+                times: dict[str, float] = {}
+                pipeline.run_blocking(examples[id(pipeline)], core, times)
+                pipeline.run_in_place({name for name in pipeline.cpu_modules
+                                       if times.get(name, math.inf) < IN_PLACE_CPU_S})
         except Exception as exc:  # a CPU op may refuse all-zero inputs; then rows stand in for time
             logger.warning("model %s: cannot time batch size %d on zeros (%s: %s); choosing sizes by rows",
                            self.name, pipeline.bucket.batch_size, type(exc).__name__, exc)
             return [{n: float(n) for n in grid} for grid in grids]
-        for pipeline in pipelines:
-            times = stage_times[id(pipeline)]
-            pipeline.run_in_place({name for name in pipeline.cpu_modules if times.get(name, math.inf) < IN_PLACE_CPU_S})
         return [sizes.monotone({n: fastest[id(p)] for n, p in grid.items()}) for grid in grids]
 
     def use_costs(self, costs: list[dict[int, float]]) -> None:
