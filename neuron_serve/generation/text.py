@@ -32,12 +32,18 @@ class IncrementalText:
         self.stopped: str | None = None
         # Tokens decoded for context only, and where the tokens not yet in ``text`` start.
         self._prefix = self._read = 0
+        self._stream, self._backend = _decode_stream(tokenizer)
 
     def add(self, token: int) -> str:
         """Take one more output token; the text it releases (possibly empty)."""
         if self.stopped is not None:
             return ""
         self.tokens.append(token)
+        if self._stream is not None:
+            piece = self._stream.step(self._backend, token)
+            if piece:
+                self.text += piece
+            return self._check_stop()
         # vLLM's incremental detokenizing: decode the new tokens after a few earlier ones (merges
         # and leading spaces depend on them) and keep the difference, once it ends in a whole
         # character. Each token costs two short decodes, not one of the whole output.
@@ -46,6 +52,10 @@ class IncrementalText:
         if len(after) > len(before) and not after.endswith(REPLACEMENT):
             self.text += after[len(before):]
             self._prefix, self._read = self._read, len(self.tokens)
+        return self._check_stop()
+
+    def _check_stop(self) -> str:
+        """The text to release now: up to a stop string found, else all but a possible stop string's start."""
         found = [(self.text.find(s, max(0, self.released - len(s))), s) for s in self.stop]
         found = [(at, s) for at, s in found if at >= 0]
         if found:
@@ -77,3 +87,25 @@ class IncrementalText:
         delta = self.text[self.released:upto]
         self.released = upto
         return delta
+
+
+def _decode_stream(tokenizer: Any) -> tuple[Any, Any]:
+    """(a ``tokenizers`` DecodeStream, the Rust tokenizer it steps) for a fast tokenizer, else (None, None).
+
+    The DecodeStream does the same windowed decode in Rust, about 0.6 µs a token against
+    4.7 µs for the two Python-level decodes (the example LLM's tokenizer, in process); on a
+    replica streaming 32 sequences that time is held under the GIL on the event loop.
+    A tokenizer that cleans up spaces after decoding (``clean_up_tokenization_spaces``)
+    does so in Python only, so it keeps the Python decodes.
+    """
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False) or backend is None:
+        return None, None
+    try:
+        from tokenizers import Tokenizer  # noqa: PLC0415
+        from tokenizers.decoders import DecodeStream  # noqa: PLC0415
+    except ImportError:  # tokenizers before 0.21
+        return None, None
+    if not isinstance(backend, Tokenizer):
+        return None, None
+    return DecodeStream(skip_special_tokens=True), backend

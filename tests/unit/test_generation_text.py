@@ -5,12 +5,24 @@ from __future__ import annotations
 import pytest
 
 import generation_models as gm
+from neuron_serve.generation import text as text_module
 from neuron_serve.generation.text import IncrementalText
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     return gm.byte_tokenizer()  # one token per byte: every multi-byte character spans several tokens
+
+
+@pytest.fixture(autouse=True, params=["rust", "python"])
+def decoding(request, monkeypatch, tokenizer):
+    """Every test runs with tokenizers' DecodeStream and with the Python decodes a tokenizer
+    without one (or one that cleans up spaces) gets."""
+    if request.param == "python":
+        monkeypatch.setattr(text_module, "_decode_stream", lambda tokenizer: (None, None))
+    else:
+        assert text_module._decode_stream(tokenizer)[0] is not None
+    return request.param
 
 
 def ids(tokenizer, text: str) -> list[int]:
@@ -61,3 +73,9 @@ def test_random_tokens_stream_to_exactly_their_whole_decode(tokenizer, seed):
     deltas = [out.add(t) for t in tokens] + [out.finish()]
     whole = tokenizer.decode(tokens, skip_special_tokens=True)
     assert "".join(deltas) == whole == out.text
+
+
+def test_a_tokenizer_that_cleans_up_spaces_decodes_in_python(tokenizer, monkeypatch):
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
+    assert text_module._decode_stream(tokenizer) == (None, None)
+
