@@ -276,6 +276,9 @@ class Engine(Streams):
     def _loop(self) -> None:
         if self.device is not None:
             use_device(self.device)
+        # Compile the slot move now, not in the middle of the first step that needs one
+        # (slot 0 over itself: the cache is empty and stays so).
+        self.model.move(0, 0)
         while True:
             if self.scheduler.idle:  # no model call is coming to carry them
                 take_meanwhile()  # left set when a failed step never launched its call
@@ -313,6 +316,9 @@ class Engine(Streams):
             self.metrics.step(shape).observe(time.perf_counter() - started)
             self.metrics.prompt_tokens.inc(len(seq.prompt))
             self._choose([seq], out)
+        for seq, slot in self.scheduler.compaction(self.model.rows_bucket):
+            self.model.move(seq.slot, slot)
+            self.scheduler.move(seq, slot)
         running = self.scheduler.decoding()
         if running:
             started = time.perf_counter()

@@ -141,6 +141,15 @@ class GenerationModel:
         outputs = self.compiled.buckets[self._index[shape]].run_flat([tokens, positions, slots, last])
         return StepOutput(outputs[0], outputs[1])
 
+    def rows_bucket(self, rows: int) -> int:
+        """The decode bucket (sequences) that ``rows`` rows run in."""
+        return self.buckets.decode_rows[min(bisect.bisect_left(self.buckets.decode_rows, rows),
+                                            len(self.buckets.decode_rows) - 1)]
+
+    def move(self, src: int, dst: int) -> None:
+        """Copy slot ``src`` of the cache over slot ``dst``, on the core (every layer's keys and values)."""
+        self.compiled.copy_state_row(src, dst)
+
     def prefill_shape(self, length: int) -> Shape:
         lengths = self.buckets.prefill
         i = bisect.bisect_left(lengths, length)

@@ -9,7 +9,11 @@ Policy, once per engine step:
    budget still runs; the budget only bounds how long running sequences wait for
    their next token while new ones are prefilled (decode is never starved).
 3. Every running sequence, the ones just prefilled included, decodes one token in a
-   single compiled call.
+   single compiled call. The call covers slots 0 to the highest running one, so when no
+   prompt is waiting and the running sequences would fit a smaller decode bucket, the
+   ones above it first move down into free slots below it (their cache slots copied on
+   the core): sequences ending out of slot order no longer keep every step at the
+   bucket of the highest slot.
 4. A sequence that ends (EOS, a stop token or string, ``max_tokens``, a full context)
    gives its slot back at once, before the next step admits anyone.
 
@@ -107,6 +111,28 @@ class Scheduler:
             seq.slot = None
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+    def compaction(self, bucket: Callable[[int], int]) -> list[tuple[Sequence, int]]:
+        """Moves (sequence, free slot) that bring the running sequences into the smallest decode
+        bucket their number fits, ``bucket(rows)`` being the bucket that ``rows`` rows run in.
+        None while prompts wait: the next step's prefills fill the lowest free slots instead."""
+        if self.waiting or not self.running:
+            return []
+        target = bucket(len(self.running))
+        if target >= bucket(max(self.running) + 1):
+            return []
+        above = sorted(slot for slot in self.running if slot >= target)
+        below = sorted(slot for slot in self.free if slot < target)
+        return [(self.running[src], dst) for src, dst in zip(above, below)]
+
+    def move(self, seq: Sequence, slot: int) -> None:
+        """Record that ``seq`` now holds free slot ``slot`` (its cache was copied there) and its old slot is free."""
+        self.free.remove(slot)
+        heapq.heapify(self.free)
+        del self.running[seq.slot]
+        heapq.heappush(self.free, seq.slot)
+        seq.slot = slot
+        self.running[slot] = seq
 
     def decoding(self) -> list[Sequence]:
         """The running sequences, in slot order (one row each in the decode call)."""

@@ -152,6 +152,11 @@ class CompiledModel(torch.nn.Module):
             state.load(values[:len(state)])
             values = values[len(state):]
 
+    def copy_state_row(self, src: int, dst: int) -> None:
+        """Copy row ``src`` of every state tensor over row ``dst`` (dim 0), on the core (a KV-cache slot move)."""
+        for state in self._device_states():
+            state.copy_row(src, dst)
+
     def _device_states(self) -> list:
         seen: list = []
         for bucket in self.buckets:

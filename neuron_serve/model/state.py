@@ -49,6 +49,20 @@ class DeviceState:
             value = value.to(self.device)
         xla()._XLAC._replace_xla_tensor(current, value)
 
+    def copy_row(self, src: int, dst: int) -> None:
+        """Copy index ``src`` of every state tensor's first dimension over index ``dst``, on the device.
+
+        One small executable (compiled once: the indices are its inputs) that updates the
+        state in place, so nothing crosses to the host but the two indices. Run it from the
+        thread that drives this device.
+        """
+        torch_xla = xla()
+        with torch.no_grad():
+            index = torch.tensor([src, dst], dtype=torch.long).to(self.device)
+            for t in self.tensors:
+                t.index_copy_(0, index[1:], t.index_select(0, index[:1]))
+            torch_xla._XLAC._xla_sync_multi(self.tensors, devices=[], wait=False)
+
     def cpu(self) -> list[torch.Tensor]:
         """A host copy of every state tensor (one transfer each; for inspection, not per call)."""
         return [t.cpu() for t in self.tensors]

@@ -65,6 +65,46 @@ def test_greedy_equals_transformers_with_sequences_joining_and_leaving(arch):
         engine.close()
 
 
+def test_sequences_left_above_a_smaller_decode_bucket_move_down_and_still_equal_transformers(llama):
+    """The last sequence to end holds the highest slot; once it runs alone it moves to slot 0
+    and decodes in the 1-row bucket, its tokens unchanged."""
+    lm, engine = llama
+    news = (3, 3, 3, 20)
+    model, moves, rows = engine.model, [], []
+    move, decode = model.move, model.decode
+
+    def recording_move(src, dst):
+        moves.append((src, dst))
+        move(src, dst)
+
+    def recording_decode(tokens, positions, slots):
+        out, shape = decode(tokens, positions, slots)
+        rows.append(shape.rows)
+        return out, shape
+
+    model.move, model.decode = recording_move, recording_decode
+    try:
+        done = engine.generate_batch(prompts()[:4], [greedy(n) for n in news])
+    finally:
+        del model.move, model.decode
+    assert [d.tokens for d in done] == [gm.eager_greedy(lm, p, n) for p, n in zip(prompts()[:4], news)]
+    assert moves == [(3, 0)]
+    assert rows[:2] == [4, 4] and set(rows[3:]) == {1}, rows  # all four, then the one left, in the 1-row bucket
+
+
+def test_a_slot_move_copies_the_cache_on_the_core(llama):
+    _, engine = llama
+    model = engine.model
+    before_cache = [t.cpu() for t in model.compiled.states]
+    before = _transferred()
+    model.move(1, 2)  # the engine's thread is idle between tests
+    moved = _transferred() - before
+    after = [t.cpu() for t in model.compiled.states]
+    assert moved == 2 * 8  # the two slot indices; no cache bytes
+    for old, new in zip(before_cache, after):
+        assert torch.equal(new[2], old[1]) and torch.equal(new[:2], old[:2]) and torch.equal(new[3:], old[3:])
+
+
 def test_a_seeded_request_gives_the_same_tokens_alone_and_in_a_batch(llama):
     _, engine = llama
     seeded = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=7)
