@@ -70,6 +70,7 @@ def test_sequences_left_above_a_smaller_decode_bucket_move_down_and_still_equal_
     and decodes in the 1-row bucket, its tokens unchanged."""
     lm, engine = llama
     news = (3, 3, 3, 20)
+    engine.generate_batch([prompts()[0]], greedy(1))  # the engine thread's own first move (its warm-up) is done
     model, moves, rows = engine.model, [], []
     move, decode = model.move, model.decode
 
