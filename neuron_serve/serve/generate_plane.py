@@ -25,7 +25,7 @@ from ..generation.settings import GenerationSettings
 from ..generation.text import IncrementalText
 from ..targets.pjrt import emulated
 from ..version import __version__
-from .mailbox import Mailbox
+from ..generation.mailbox import Mailbox
 
 logger = logging.getLogger("neuron_serve")
 
