@@ -77,6 +77,30 @@ class Completion:
     text: str | None = None
 
 
+def check_prompt(prompt: Seq[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
+                 has_tokenizer: bool) -> list[int]:
+    """The prompt's token ids, or InvalidInput saying what is wrong with the request."""
+    if not isinstance(params, SamplingParams):
+        raise InvalidInput("params must be a neuron_serve.generation.SamplingParams.")
+    ids = [int(t) for t in prompt]
+    if not ids:
+        raise InvalidInput("the prompt is empty; give at least one token.")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidInput(f"prompt token id {bad[0]} is outside the vocabulary (0 to {vocab_size - 1}).")
+    limit = max_model_len
+    if len(ids) >= limit:
+        raise InvalidInput(f"the prompt has {len(ids)} tokens, max_model_len is {limit}: no room for a generated "
+                           f"token. Shorten the prompt.")
+    if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
+        raise InvalidInput(f"the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: "
+                           f"{len(ids) + params.max_tokens} tokens, more than max_model_len ({limit}). Shorten "
+                           f"the prompt or lower max_tokens.")
+    if params.stop and not has_tokenizer:
+        raise InvalidInput("stop strings need a tokenizer; this engine has none (give stop_token_ids instead).")
+    return ids
+
+
 class _Metrics:
     """The engine's metric children, looked up once, and the updates a step leaves to apply.
 
@@ -298,25 +322,8 @@ class Engine(Streams):
     # -- checks ---------------------------------------------------------------------------
 
     def _check_prompt(self, prompt: Seq[int], params: SamplingParams) -> list[int]:
-        if not isinstance(params, SamplingParams):
-            raise InvalidInput("params must be a neuron_serve.generation.SamplingParams.")
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise InvalidInput("the prompt is empty; give at least one token.")
-        bad = [t for t in ids if not 0 <= t < self.model.vocab_size]
-        if bad:
-            raise InvalidInput(f"prompt token id {bad[0]} is outside the vocabulary (0 to {self.model.vocab_size - 1}).")
-        limit = self.model.max_model_len
-        if len(ids) >= limit:
-            raise InvalidInput(f"the prompt has {len(ids)} tokens, max_model_len is {limit}: no room for a generated "
-                               f"token. Shorten the prompt.")
-        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
-            raise InvalidInput(f"the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: "
-                               f"{len(ids) + params.max_tokens} tokens, more than max_model_len ({limit}). Shorten "
-                               f"the prompt or lower max_tokens.")
-        if params.stop and self.tokenizer is None:
-            raise InvalidInput("stop strings need a tokenizer; this engine has none (give stop_token_ids instead).")
-        return ids
+        return check_prompt(prompt, params, vocab_size=self.model.vocab_size, max_model_len=self.model.max_model_len,
+                            has_tokenizer=self.tokenizer is not None)
 
     # -- the loop -------------------------------------------------------------------------
 

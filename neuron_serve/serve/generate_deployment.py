@@ -1,4 +1,8 @@
-"""The Ray Serve deployment of a ``task: generate`` model: its engines run in the replicas.
+"""The Ray Serve deployment of a ``task: generate`` model: its engines run beside the replicas.
+
+Each replica starts an engine process (``generation/process.py``) that compiles and runs
+its engines, one per core, so the replica's event loop and the engines' steps never wait
+for each other's GIL.
 
 Each model is its own Serve application at ``/v2/models/{name}`` (HAProxy sends its
 routes straight to the replicas); the server app's OpenAI routes at ``/v1`` find the
@@ -63,6 +67,12 @@ class GenerateServer:
         finally:  # cancelled when the client left: the sequences abort now
             await answer.body.aclose()
 
+    def check_health(self) -> None:
+        """Serve's health check: a replica whose engine process has ended is replaced."""
+        plane = generate_plane.current()
+        if plane is not None and not plane.alive():
+            raise RuntimeError(f"model {plane.name!r}: the generation engine process has ended")
+
     async def grpc_call(self, method: str, payload: bytes = b"") -> tuple:
         """A gRPC call forwarded from another replica: metadata is served, inference refused with the routes to use."""
         plane = generate_plane.current()
@@ -81,12 +91,11 @@ class GenerateServer:
 
 
 def build_plane(config: ModelConfig, base_dir: str | None, replica: str) -> GenerationPlane:
-    from ..generation.build import build_engine  # noqa: PLC0415 - the compiler is loaded by replicas only
+    """The replica's plane over its engines, which run in a process of their own (generation/process.py)."""
+    from ..generation.process import EngineProcess  # noqa: PLC0415
 
-    engines = build_engine(config, base_dir, replica=replica)
-    first = engines.engines[0]
-    return GenerationPlane(config, engines, first.tokenizer, first.model.max_model_len, replica,
-                           cores=len(engines.engines))
+    engines = EngineProcess(config.model_dump(mode="json", exclude_unset=True), base_dir, replica)
+    return GenerationPlane(config, engines, engines.tokenizer, engines.max_model_len, replica, cores=engines.engines)
 
 
 def max_ongoing_requests(config: ModelConfig) -> int:

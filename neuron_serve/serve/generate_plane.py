@@ -81,6 +81,10 @@ class GenerationPlane:
     def ready(self) -> bool:
         return self._ready
 
+    def alive(self) -> bool:
+        """False once the engines can serve no more (their process has ended)."""
+        return getattr(self.engines, "alive", True)
+
     async def stop(self) -> None:
         self._ready = False
         await asyncio.get_running_loop().run_in_executor(None, self.engines.close)

@@ -1,0 +1,138 @@
+"""The engine process: a replica's generation engines, run apart from its event loop.
+
+``python -m neuron_serve.generation.worker FD`` is started by :class:`~.process.EngineProcess`
+with one end of a socket pair as ``FD``. Over it (``multiprocessing.connection`` framing,
+pickled messages) the replica sends ``(config, base_dir, replica, sys_path)``; this
+process builds the engines (compiling, or loading an artifact, as ``build_engine`` does)
+and answers ``("ready", info)`` or ``("failed", error)``. Then it reads
+
+- ``("submit", request_id, prompt_ids, params)``: a request for the engine group;
+- ``("abort", request_id)``;
+- ``("close",)``: stop; running requests end with finish_reason "abort";
+
+and sends ``("events", [TokenEvent, ...])``: every event that arrived while the last
+batch was being sent, so a step's events for all its sequences cross in one message.
+It ends with ``("closed", None)``, or when the replica's end of the socket closes (the
+replica is gone: nothing is left to serve).
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import sys
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+logger = logging.getLogger("neuron_serve")
+
+
+class Outbox:
+    """Events from the engine threads, sent in batches by a thread of their own.
+
+    The engine's thread only appends (its sinks run while the next step computes); the
+    pickling and the socket write happen here, once for everything that arrived together.
+    """
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._items: list[Any] = []
+        self._ready = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="engine-outbox", daemon=True)
+        self._thread.start()
+
+    def post(self, event: Any) -> None:
+        with self._ready:
+            self._items.append(event)
+            if len(self._items) == 1:
+                self._ready.notify()
+
+    def close(self) -> None:
+        """Send what is left, then ``("closed", None)``."""
+        with self._ready:
+            self._closed = True
+            self._ready.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                while not self._items and not self._closed:
+                    self._ready.wait()
+                items, self._items = self._items, []
+                closed = self._closed
+            try:
+                if items:
+                    self._conn.send(("events", items))
+                if closed and not items:
+                    self._conn.send(("closed", None))
+                    return
+            except OSError:  # the replica is gone
+                return
+
+
+def _portable(exc: BaseException) -> bytes:
+    """``exc`` pickled, or a RuntimeError with its message where it does not pickle."""
+    try:
+        data = pickle.dumps(exc)
+        pickle.loads(data)
+        return data
+    except Exception:  # noqa: BLE001 - any exception type may come out of a model's build
+        return pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
+
+
+def serve(conn: Connection) -> int:
+    config, base_dir, replica, paths = conn.recv()
+    # Factory models import from where the replica could import (Ray's working_dir, py_modules).
+    sys.path[:0] = [p for p in paths if p not in sys.path]
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+
+    from ..config import parse_config  # noqa: PLC0415 - after sys.path is set
+    from ..errors import NeuronServeError  # noqa: PLC0415
+    from .build import build_engine  # noqa: PLC0415
+    from .engine import TokenEvent  # noqa: PLC0415
+
+    try:
+        group = build_engine(parse_config(config), base_dir, replica=replica)
+    except BaseException as exc:  # noqa: BLE001 - the replica raises it in its constructor
+        conn.send(("failed", _portable(exc)))
+        return 1
+    first = group.engines[0]
+    max_waiting = first.max_waiting
+    for engine in group.engines:
+        # The replica admits requests (EngineProcess counts the open ones against the slots
+        # and this queue bound); here a request it let through is never refused for a queue
+        # that only looks full because the engine thread has not taken its inbox yet.
+        engine.max_waiting = sys.maxsize
+    conn.send(("ready", {"engines": len(group.engines), "slots": first.model.slots,
+                         "max_waiting": max_waiting, "vocab_size": first.model.vocab_size,
+                         "max_model_len": first.model.max_model_len, "tokenizer": first.tokenizer}))
+    outbox = Outbox(conn)
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            break
+        if message[0] == "submit":
+            _, rid, prompt, params = message
+            try:
+                group.submit(prompt, params, outbox.post, rid)
+            except NeuronServeError as exc:  # the replica's own checks let it through: say why, as its end
+                outbox.post(TokenEvent(rid, None, finish_reason="error", error=str(exc)))
+        elif message[0] == "abort":
+            group.abort(message[1])
+        elif message[0] == "close":
+            break
+    group.close()
+    outbox.close()
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    return serve(Connection(int(argv[1])))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,128 @@
+"""The engine process a generate replica runs its engines in: same answers as transformers, the
+engine's own errors at once, and what happens to open requests when the process ends."""
+
+import asyncio
+import os
+import signal
+import threading
+
+import pytest
+
+import generation_models as gm
+from neuron_serve.errors import ConfigError, InvalidInput, ModelNotReady, Overloaded
+from neuron_serve.generation import SamplingParams
+from neuron_serve.generation.process import EngineProcess
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0)
+
+
+def _config(directory, **generation) -> dict:
+    return {"name": "tiny", "task": "generate", "model": {"pretrained": str(directory)},
+            "generation": {"max_num_seqs": 2, "max_model_len": 64, "prefill_buckets": [16, 64],
+                           "decode_batch_buckets": [2], "decode_context_buckets": [64], "max_waiting": 1,
+                           **generation}}
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    gm.build("llama").save_pretrained(directory)
+    gm.byte_tokenizer().save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def engines(pretrained):
+    started = EngineProcess(_config(pretrained), None, "r0")
+    yield started
+    started.close()
+
+
+def test_the_engines_run_in_their_own_process_and_generate_as_transformers_does(engines):
+    assert engines.process.pid != os.getpid() and engines.alive
+    assert (engines.engines, engines.slots, engines.max_model_len) == (1, 2, 64)
+    assert engines.tokenizer.decode(engines.tokenizer.encode("neuron")) == "neuron"  # the replica decodes text
+    lm = gm.build("llama")
+    prompts = [[5, 9, 200, 17], list(range(40, 70)), [3]]  # three prompts over two slots: one waits its turn
+    done = engines.generate_batch(prompts, GREEDY, timeout=120)
+    assert [d.tokens for d in done] == [gm.eager_greedy(lm, p, 6) for p in prompts]
+    assert [d.finish_reason for d in done] == ["length"] * 3
+
+
+def test_the_async_stream_and_an_abort_cross_the_process(engines):
+    async def run() -> tuple[list[int], str]:
+        tokens = []
+        stream = engines.generate([1, 2, 3], SamplingParams(max_tokens=40, temperature=0))
+        async for event in stream:
+            if event.token is not None:
+                tokens.append(event.token)
+            if len(tokens) == 2:
+                break  # leaving the stream aborts the request in the worker
+        await stream.aclose()
+        return tokens, ""
+
+    tokens, _ = asyncio.run(run())
+    assert len(tokens) == 2
+    # The slot is free again: two requests at once still both finish.
+    done = engines.generate_batch([[7, 8], [9, 10]], GREEDY, timeout=120)
+    assert [d.finish_reason for d in done] == ["length", "length"]
+
+
+def test_a_request_is_checked_in_the_replica_with_the_engines_own_messages(engines):
+    with pytest.raises(InvalidInput, match=r"^prompt token id 300 is outside the vocabulary \(0 to 255\)\.$"):
+        engines.submit([1, 300], GREEDY, lambda event: None)
+    with pytest.raises(InvalidInput, match=r"^the prompt has 4 tokens and max_tokens is 61: 65 tokens, more than "
+                                           r"max_model_len \(64\)\."):
+        engines.submit([1, 2, 3, 4], SamplingParams(max_tokens=61), lambda event: None)
+
+
+def test_past_the_slots_and_the_queue_a_request_is_refused_at_once(engines):
+    ended = threading.Semaphore(0)
+    long = SamplingParams(max_tokens=50, temperature=0)
+    ids = [engines.submit([1, 2], long, lambda e: e.finished and ended.release()) for _ in range(3)]  # 2 slots + 1
+    try:
+        with pytest.raises(Overloaded, match=r"^the generation queue is full \(1 requests waiting\); retry later\.$"):
+            engines.submit([1, 2], long, lambda event: None)
+    finally:
+        for rid in ids:
+            engines.abort(rid)
+        assert all(ended.acquire(timeout=60) for _ in ids)
+
+
+def test_a_build_error_in_the_worker_is_raised_in_the_replica(tmp_path):
+    with pytest.raises(ConfigError, match=r"^model.pretrained: .*missing is not a directory"):
+        EngineProcess(_config(tmp_path / "missing"), None, "r0")
+
+
+def test_when_the_worker_dies_open_requests_end_with_an_error_and_new_ones_get_503(pretrained):
+    doomed = EngineProcess(_config(pretrained), None, "r1")
+    events = []
+    ended = threading.Event()
+
+    def sink(event):
+        events.append(event)
+        if len(events) == 2:
+            os.kill(doomed.process.pid, signal.SIGKILL)
+        if event.finished:
+            ended.set()
+
+    try:
+        doomed.submit([1, 2, 3], SamplingParams(max_tokens=60, temperature=0), sink)
+        assert ended.wait(60)
+        last = events[-1]
+        assert last.finish_reason == "error" and last.error == "the generation engine process ended (exit code -9)"
+        assert not doomed.alive
+        with pytest.raises(ModelNotReady, match=r"^the generation engine process has ended \(exit code -9\); the "
+                                                r"replica is being replaced, retry shortly\.$"):
+            doomed.submit([1], GREEDY, lambda event: None)
+    finally:
+        doomed.close()
+
+
+def test_closing_ends_open_requests_with_abort(pretrained):
+    closing = EngineProcess(_config(pretrained), None, "r2")
+    finished = []
+    closing.submit([1, 2], SamplingParams(max_tokens=60, temperature=0),
+                   lambda e: e.finished and finished.append(e.finish_reason))
+    closing.close()
+    assert finished == ["abort"] and closing.process.returncode == 0
