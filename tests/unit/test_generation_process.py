@@ -50,7 +50,7 @@ def test_the_engines_run_in_their_own_process_and_generate_as_transformers_does(
 
 
 def test_the_async_stream_and_an_abort_cross_the_process(engines):
-    async def run() -> tuple[list[int], str]:
+    async def two_tokens() -> list[int]:
         tokens = []
         stream = engines.generate([1, 2, 3], SamplingParams(max_tokens=40, temperature=0))
         async for event in stream:
@@ -59,13 +59,22 @@ def test_the_async_stream_and_an_abort_cross_the_process(engines):
             if len(tokens) == 2:
                 break  # leaving the stream aborts the request in the worker
         await stream.aclose()
-        return tokens, ""
+        return tokens
 
-    tokens, _ = asyncio.run(run())
-    assert len(tokens) == 2
-    # The slot is free again: two requests at once still both finish.
-    done = engines.generate_batch([[7, 8], [9, 10]], GREEDY, timeout=120)
-    assert [d.finish_reason for d in done] == ["length", "length"]
+    assert asyncio.run(two_tokens()) == gm.eager_greedy(gm.build("llama"), [1, 2, 3], 2)
+    # An abort sent after the second token ends the request in the worker with "abort".
+    events, ended = [], threading.Event()
+
+    def sink(event):
+        events.append(event)
+        if len(events) == 2:
+            engines.abort("abort-me")
+        if event.finished:
+            ended.set()
+
+    engines.submit([1, 2, 3], SamplingParams(max_tokens=60, temperature=0), sink, request_id="abort-me")
+    assert ended.wait(60)
+    assert events[-1].finish_reason == "abort" and len(events) < 60 and engines.running == 0
 
 
 def test_a_request_is_checked_in_the_replica_with_the_engines_own_messages(engines):
