@@ -18,7 +18,7 @@ from ..config import ModelConfig, _under, build_model
 from ..errors import ArtifactError, ConfigError
 from ..partition.pipeline import core_memory_bytes
 from . import eos_token_ids
-from .buckets import check_fits
+from .buckets import GenerationBuckets, check_fits
 from .group import EngineGroup
 from .model import GenerationModel, compile_generation
 from .settings import GenerationSettings
@@ -99,14 +99,19 @@ def weight_bytes(lm: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*lm.parameters(), *lm.buffers()])
 
 
+def check_cache_fits(lm: torch.nn.Module, buckets: GenerationBuckets, field_prefix: str = "generation.") -> int:
+    """Refuse ``buckets``' KV cache when it does not fit next to ``lm``'s weights on one core (see check_fits)."""
+    dtype_bytes = next(lm.parameters()).element_size()  # the cache's dtype (see SlotLM)
+    return check_fits(lm.config, buckets, weight_bytes(lm), dtype_bytes, core_memory_bytes(), field_prefix)
+
+
 def compile_from_config(config: ModelConfig, base_dir: str | Path | None = None) -> tuple[GenerationModel, list[int], Any]:
     """Load, check and compile a factory or pretrained ``task: generate`` model: (model, EOS ids, tokenizer)."""
     settings = config.generation or GenerationSettings()
     lm = load_lm(config, base_dir)
     tokenizer = load_tokenizer(config, base_dir)
     buckets = settings.to_buckets(lm.config)
-    dtype_bytes = next(lm.parameters()).element_size()  # the cache's dtype (see SlotLM)
-    check_fits(lm.config, buckets, weight_bytes(lm), dtype_bytes, core_memory_bytes())
+    check_cache_fits(lm, buckets)
     model = compile_generation(lm, buckets, target=config.target, compiler_args=config.compiler_args)
     return model, eos_token_ids(lm), tokenizer
 
@@ -147,4 +152,5 @@ def build_engine(config: ModelConfig, base_dir: str | Path | None = None, *, rep
         model, eos, tokenizer = compile_from_config(config, base_dir)
     return EngineGroup.on_cores(model, config.cores_per_replica, eos_token_ids=eos,
                                 tokenizer=tokenizer, max_num_batched_tokens=settings.max_num_batched_tokens,
-                                max_waiting=settings.max_waiting, name=config.name, replica=replica)
+                                max_waiting=settings.max_waiting, request_timeout_s=settings.request_timeout_s,
+                                name=config.name, replica=replica)

@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Sequence as Seq
 
@@ -58,6 +59,7 @@ class TokenEvent:
     completion_tokens: int = 0
     error: str | None = None
     text: str | None = None  # with stop strings: the output text, cut before the stop string (last event)
+    timed_out: bool = False  # an abort because the request ran past the engine's request_timeout_s (last event)
 
     @property
     def finished(self) -> bool:
@@ -232,11 +234,15 @@ class Streams(abc.ABC):
                     done.release()
             return sink
 
-        for i, (prompt, p) in enumerate(zip(prompts, every)):
-            self.submit(prompt, p, collect(i, list(prompt)))
+        ids = [self.submit(prompt, p, collect(i, list(prompt))) for i, (prompt, p) in enumerate(zip(prompts, every))]
+        deadline = None if timeout is None else time.monotonic() + timeout
         for _ in prompts:
-            if not done.acquire(timeout=timeout):
-                raise TimeoutError(f"generate_batch: not finished within {timeout}s")
+            if not done.acquire(timeout=None if deadline is None else max(0.0, deadline - time.monotonic())):
+                for rid, result in zip(ids, results):
+                    if result is None:  # nobody waits for it any more: its slot goes back
+                        self.abort(rid)
+                raise TimeoutError(f"generate_batch: not finished within {timeout}s; the unfinished requests "
+                                   f"were aborted")
         return [r for r in results if r is not None]
 
 
@@ -245,12 +251,18 @@ class Engine(Streams):
 
     ``eos_token_ids`` end a sequence (unless its ``ignore_eos``); ``tokenizer`` (a
     transformers tokenizer) is needed only for stop strings. ``max_num_batched_tokens``
-    bounds the prompt tokens prefilled per step, ``max_waiting`` the queue.
+    bounds the prompt tokens prefilled per step, ``max_waiting`` the queue. A request
+    still waiting or running ``request_timeout_s`` after it was submitted is aborted
+    (its last event says ``timed_out``) and its slot is free at the next step.
     """
 
     def __init__(self, model: GenerationModel, *, eos_token_ids: Seq[int] = (), tokenizer: Any = None,
                  max_num_batched_tokens: int | None = None, max_waiting: int = DEFAULT_MAX_WAITING,
-                 name: str = "model", replica: str = "0", device: Any = None) -> None:
+                 request_timeout_s: float | None = None, name: str = "model", replica: str = "0",
+                 device: Any = None) -> None:
+        if request_timeout_s is not None and not request_timeout_s > 0:
+            raise InvalidInput(f"request_timeout_s must be a number of seconds > 0 (or None: no limit); got "
+                               f"{request_timeout_s!r}.")
         self.model = model
         self.eos_token_ids = frozenset(eos_token_ids)
         self.tokenizer = tokenizer
@@ -258,6 +270,9 @@ class Engine(Streams):
         budget = max_num_batched_tokens or default_budget(model.max_model_len)
         self.scheduler = Scheduler(model.slots, budget)
         self.max_waiting = max_waiting
+        self.request_timeout_s = request_timeout_s
+        # Sequences in submission order: with one timeout for all, the first is the first to expire.
+        self._deadlines: deque[Sequence] = deque()
         self.metrics = _Metrics(name, replica)
         self.device = device
         self._lock = threading.Lock()
@@ -346,6 +361,8 @@ class Engine(Streams):
                 aborted, self._aborts = self._aborts, set()
             for seq in arrived:
                 self.scheduler.add(seq)
+            if self.request_timeout_s is not None:
+                self._deadlines.extend(arrived)
             try:
                 self.step(aborted)
             except Exception as exc:  # a failed call fails its sequences, never the engine
@@ -364,6 +381,8 @@ class Engine(Streams):
             seq = self._by_id.get(rid)
             if seq is not None:
                 self._finish(seq, "abort")
+        if self._deadlines:
+            self._expire()
         for seq in self.scheduler.admit():
             started = time.perf_counter()
             out, shape = self.model.prefill(seq.prompt, seq.slot)
@@ -383,6 +402,17 @@ class Engine(Streams):
         self._gauges()
         if take_meanwhile() is not None:  # no model call this step carried them
             self._deliver()
+
+    def _expire(self) -> None:
+        """Abort the sequences past ``request_timeout_s`` (waiting or running): their slots go back now."""
+        limit = time.perf_counter() - self.request_timeout_s
+        while self._deadlines and (self._deadlines[0].finish_reason is not None
+                                   or self._deadlines[0].arrival <= limit):
+            seq = self._deadlines.popleft()  # ended (nothing to do, just forgotten) or expired
+            if seq.finish_reason is None:
+                self._finish(seq, "abort", error=f"the request timed out: it was not finished "
+                                                 f"{self.request_timeout_s:g}s after it arrived (request_timeout_s); "
+                                                 f"ask for fewer tokens or retry later", timed_out=True)
 
     def _choose(self, seqs: list[Sequence], out: StepOutput) -> None:
         """Each sequence's next token: the core's greedy choice, or sampled here from the logits."""
@@ -428,14 +458,14 @@ class Engine(Streams):
         return None, None
 
     def _finish(self, seq: Sequence, reason: str, stop: int | str | None = None, event: TokenEvent | None = None,
-                error: str | None = None) -> None:
+                error: str | None = None, timed_out: bool = False) -> None:
         self.scheduler.release(seq)
         with self._lock:
             self._by_id.pop(seq.request_id, None)
         seq.finish_reason, seq.stop_reason = reason, stop
         event = event or TokenEvent(seq.request_id, None, prompt_tokens=len(seq.prompt),
                                     completion_tokens=len(seq.output))
-        event.finish_reason, event.stop_reason, event.error = reason, stop, error
+        event.finish_reason, event.stop_reason, event.error, event.timed_out = reason, stop, error, timed_out
         if seq.text is not None:
             seq.text.finish()
             event.text = seq.text.text

@@ -71,6 +71,11 @@ class GenerationSettings(BaseModel):
                     "least 32")
     max_waiting: int = Field(
         DEFAULT_MAX_WAITING, ge=1, description="requests waiting for a slot before more are refused (503)")
+    request_timeout_s: float | None = Field(
+        default=None, gt=0,
+        description="a request not finished this many seconds after it arrived (waiting or generating) is aborted: "
+                    "its slot is free at the next engine step and it is answered 504 (a stream ends with an "
+                    "error); default: no limit")
 
     @model_validator(mode="after")
     def _check(self) -> "GenerationSettings":

@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Sequence
 
 from .. import metrics
 from ..config import ModelConfig
-from ..errors import InvalidInput, ModelNotReady, NeuronServeError
+from ..errors import InvalidInput, ModelNotReady, NeuronServeError, RequestTimeout
 from ..generation.engine import Streams, TokenEvent
 from ..generation.sampling import SamplingParams
 from ..generation.settings import GenerationSettings
@@ -204,6 +204,8 @@ class GenerationPlane:
         return found
 
     def _piece(self, index: int, event: TokenEvent, text: IncrementalText, params: SamplingParams) -> Piece:
+        if event.timed_out:
+            raise RequestTimeout(event.error)
         if event.error is not None:
             raise GenerationFailed(f"generation failed: {event.error}")
         piece = Piece(index, prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens)

@@ -98,3 +98,33 @@ def test_bearer_auth_answers_openais_error_object_on_v1(plane):
         assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 2
     finally:
         auth.configure(None)
+
+
+def _timing_out(plane, seconds: float):
+    """The plane's engine with a request timeout of ``seconds``, for the length of a with block."""
+    class _Limit:
+        def __enter__(self):
+            plane.engines.request_timeout_s = seconds
+
+        def __exit__(self, *exc):
+            plane.engines.request_timeout_s = None
+    return _Limit()
+
+
+def test_a_request_past_its_timeout_is_answered_504_and_its_slot_freed(plane):
+    app = generate_app()
+    with _timing_out(plane, 0.005):  # 100 tokens take longer than 5 ms
+        status, _, body = asyncio.run(call(app, "POST", "/v1/completions", completion(100)))
+        assert status == 504, body
+        error = json.loads(body)["error"]
+        assert error["message"] == ("the request timed out: it was not finished 0.005s after it arrived "
+                                    "(request_timeout_s); ask for fewer tokens or retry later")
+        streamed = json.loads(completion(100)) | {"stream": True}
+        status, _, body = asyncio.run(call(app, "POST", "/v1/completions", json.dumps(streamed).encode()))
+        events = [line[len("data: "):] for line in body.decode().splitlines() if line.startswith("data: ")]
+        assert status == 200 and events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["message"].startswith("the request timed out")
+    assert plane.engines.running == 0
+    # The one slot is free again: the next request is served whole.
+    status, _, body = asyncio.run(call(app, "POST", "/v1/completions", completion(3)))
+    assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 3

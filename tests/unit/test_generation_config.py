@@ -81,6 +81,8 @@ REFUSED = [
      "generation.max_model_len: Input should be greater than or equal to 2"),
     ("queue bound 0", with_(GENERATE, generation={"max_waiting": 0}),
      "generation.max_waiting: Input should be greater than or equal to 1"),
+    ("request timeout 0", with_(GENERATE, generation={"request_timeout_s": 0}),
+     "generation.request_timeout_s: Input should be greater than 0"),
     ("token budget 0", with_(GENERATE, generation={"max_num_batched_tokens": 0}),
      "generation.max_num_batched_tokens: Input should be greater than or equal to 1"),
     ("bucket size 0", with_(GENERATE, generation={"prefill_buckets": [0, 32]}),
@@ -115,7 +117,8 @@ def test_a_generate_model_yaml_parses_with_defaults():
     assert given.generation == GenerationSettings()
     assert given.generation.model_dump() == {
         "max_num_seqs": 8, "max_model_len": None, "prefill_buckets": None, "decode_batch_buckets": None,
-        "decode_context_buckets": None, "max_num_batched_tokens": None, "max_waiting": 256}
+        "decode_context_buckets": None, "max_num_batched_tokens": None, "max_waiting": 256,
+        "request_timeout_s": None}
     assert parse_config(with_(GENERATE, model={"factory": "pkg.lm:build", "kwargs": {"size": 2}})).model.kwargs
     assert parse_config(INFER).task == "infer"
 
@@ -177,12 +180,12 @@ def pretrained(tmp_path_factory):
 
 
 def test_build_engine_generates_what_transformers_generates(pretrained):
-    config = parse_config(with_(GENERATE, tokenizer="words", generation=SMALL))
+    config = parse_config(with_(GENERATE, tokenizer="words", generation={**SMALL, "request_timeout_s": 90}))
     engine = build_engine(config, pretrained)
     try:
         [one] = engine.engines  # one core: one engine
         assert one.tokenizer("w3 w9").input_ids == [3, 9]
-        assert one.name == "tiny-llama"
+        assert (one.name, one.request_timeout_s) == ("tiny-llama", 90)
         prompt = [5, 17, 99, 3, 42, 7]
         [done] = engine.generate_batch([prompt], SamplingParams(max_tokens=5, temperature=0), timeout=120)
     finally:

@@ -23,7 +23,7 @@ import torch
 import torch_xla.debug.metrics as xla_metrics
 
 import generation_models as gm
-from neuron_serve.errors import InvalidInput, Overloaded, UnsupportedModelError
+from neuron_serve.errors import ConfigError, InvalidInput, Overloaded, UnsupportedModelError
 from neuron_serve.generation import SamplingParams, engine_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -224,6 +224,60 @@ def test_an_abort_frees_the_slot_at_the_next_step(llama):
     assert len(events) == 3
 
 
+def test_a_request_past_its_timeout_is_aborted_and_its_slot_freed():
+    """Waiting or running, a request still open request_timeout_s after it arrived ends with
+    finish_reason "abort" and timed_out; the slot goes back and the engine keeps serving."""
+    lm = gm.build("llama")
+    engine = engine_for(lm, **SHAPES, request_timeout_s=0.3)
+    events: dict[str, list] = {}
+
+    def slow(event):  # runs on the engine thread: every step takes at least 20 ms
+        events.setdefault(event.request_id, []).append(event)
+        time.sleep(0.02)
+
+    try:
+        ids = [engine.submit(prompts()[0], greedy(40), slow) for _ in range(SHAPES["max_num_seqs"] + 1)]
+        deadline = time.time() + 30
+        while not all(events.get(rid) and events[rid][-1].finished for rid in ids) and time.time() < deadline:
+            time.sleep(0.01)
+        for rid in ids:
+            last = events[rid][-1]
+            assert (last.finish_reason, last.timed_out) == ("abort", True), rid
+            assert last.error.startswith("the request timed out: it was not finished 0.3s after it arrived")
+            assert last.completion_tokens < 40
+        assert events[ids[-1]][-1].completion_tokens == 0  # it never left the queue
+        assert engine.running == 0 and len(engine.scheduler.free) == SHAPES["max_num_seqs"]
+        engine.request_timeout_s = None
+        [after] = engine.generate_batch([prompts()[1]], greedy(3), timeout=60)
+        assert after.finish_reason == "length" and len(after.tokens) == 3
+    finally:
+        engine.close()
+
+
+def test_generate_batch_aborts_what_it_stops_waiting_for(llama):
+    _, engine = llama
+    with pytest.raises(TimeoutError, match=r"^generate_batch: not finished within 0\.001s; the unfinished requests "
+                                           r"were aborted$"):
+        engine.generate_batch([prompts()[0]], greedy(40), timeout=0.001)
+    deadline = time.time() + 10
+    while engine.running and time.time() < deadline:
+        time.sleep(0.01)
+    assert engine.running == 0
+
+
+def test_a_cache_too_big_for_the_core_is_refused_before_compiling(monkeypatch):
+    from neuron_serve.generation.build import weight_bytes
+    from neuron_serve.partition.pipeline import CORE_MEMORY_ENV
+
+    lm = gm.build("llama")
+    monkeypatch.setenv(CORE_MEMORY_ENV, str(weight_bytes(lm) + 1024))
+    with pytest.raises(ConfigError, match=r"^max_num_seqs: 4 slots of 48 positions need \d+ bytes of KV cache "
+                                          r"\(\d+ per slot\) next to \d+ bytes of weights, more than the core's "
+                                          r"\d+ bytes; at most 0 slot\(s\) fit\. Lower max_num_seqs or "
+                                          r"max_model_len\.$"):
+        engine_for(lm, **SHAPES)
+
+
 def test_abort_by_id_gives_a_last_event():
     lm = gm.build("llama")
     engine = engine_for(lm, **SHAPES)
@@ -345,4 +399,7 @@ def test_an_engine_per_core_each_with_its_own_cache():
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["equal"] == [True] * 8
     assert result["devices"] == ["xla:0", "xla:1"]
-    assert sum(result["served"]) == 8 and min(result["served"]) >= 2, result["served"]
+    # Each request goes to the engine with the most free slots: eight at once split evenly,
+    # and with three long requests on core 0, the next three all go to core 1.
+    assert result["served"] == [4, 4], result["served"]
+    assert result["routed"] == [1, 1, 1], result["routed"]
