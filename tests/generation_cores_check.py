@@ -2,7 +2,8 @@
 
 Compiles a tiny Llama once, copies it onto core 1, runs eight greedy prompts at once on
 the group and prints one JSON object: whether every answer equals transformers' greedy
-generation, and how many requests each core's engine served.
+generation, how many requests each core's engine served, and which engine each of three
+requests went to once core 0 holds three long ones.
 """
 
 import json
@@ -35,8 +36,25 @@ def main() -> None:
     prompts = [torch.randint(0, gm.VOCAB, (n,), generator=generator).tolist() for n in (3, 9, 14, 5, 20, 7, 11, 2)]
     done = group.generate_batch(prompts, SamplingParams(max_tokens=10, temperature=0), timeout=300)
     equal = [d.tokens == gm.eager_greedy(lm, p, 10) for d, p in zip(done, prompts)]
+    at_once = list(served)
+    finished = threading.Semaphore(0)
+
+    def sink(event):
+        if event.finished:
+            finished.release()
+
+    long = SamplingParams(max_tokens=30, temperature=0)
+    for _ in range(3):
+        group.engines[0].submit(prompts[0], long, sink)
+    routed = []
+    for _ in range(3):
+        rid = group.submit(prompts[1], long, sink)
+        routed.append(group.engines.index(group._owner[rid]))
+    for _ in range(6):
+        finished.acquire(timeout=300)
     group.close()
-    print(json.dumps({"equal": equal, "served": served, "devices": [str(e.device) for e in group.engines]}))
+    print(json.dumps({"equal": equal, "served": at_once, "routed": routed,
+                      "devices": [str(e.device) for e in group.engines]}))
 
 
 if __name__ == "__main__":
