@@ -153,11 +153,12 @@ EXECUTION_LATENCY = Gauge(
 )
 
 
-# Generation (task: generate), named as vLLM's metrics are (``vllm:`` -> ``neuron_serve_``), so a
-# vLLM dashboard reads them with a prefix change. ``model`` is vLLM's ``model_name``.
+# Generation (task: generate), named and labelled as vLLM's metrics are (``vllm:`` ->
+# ``neuron_serve_``, the model in ``model_name``), so a vLLM dashboard reads them with a
+# prefix change; ``replica`` is added, as every metric here has it.
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                          0.75, 1.0, 2.5)
-GEN_LABELS = ["model", "replica"]
+GEN_LABELS = ["model_name", "replica"]
 TIME_TO_FIRST_TOKEN = Histogram(
     "neuron_serve_time_to_first_token_seconds", "Time from a generate request's arrival to its first token",
     GEN_LABELS, buckets=LATENCY_BUCKETS,

@@ -114,7 +114,7 @@ class _Metrics:
     """
 
     def __init__(self, model: str, replica: str) -> None:
-        labels = {"model": model, "replica": replica}
+        labels = {"model_name": model, "replica": replica}
         self.ttft = metrics.TIME_TO_FIRST_TOKEN.labels(**labels)
         self.tpot = metrics.TIME_PER_OUTPUT_TOKEN.labels(**labels)
         self.e2e = metrics.E2E_REQUEST_LATENCY.labels(**labels)

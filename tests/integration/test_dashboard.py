@@ -184,8 +184,9 @@ def test_every_panel_query_returns_data_under_load(server, llm, prometheus):
     # The Generation row shows the LLM's load: its sequences held slots, and its requests
     # finished by length and by abort (the client that left).
     assert LLM in {s["metric"]["model"] for s in query(prometheus, "count by (model) (neuron_serve_requests_total)")}
+    # Generation metrics name the model in vLLM's label, model_name.
     for gauge in ("neuron_serve_num_requests_running", "neuron_serve_kv_cache_usage_perc"):
-        peak = query(prometheus, f'max_over_time({gauge}{{model="{LLM}"}}[1m])')
+        peak = query(prometheus, f'max_over_time({gauge}{{model_name="{LLM}"}}[1m])')
         assert peak and float(peak[0]["value"][1]) > 0, (gauge, peak)
-    reasons = query(prometheus, f'sum by (finished_reason) (neuron_serve_request_success_total{{model="{LLM}"}})')
+    reasons = query(prometheus, f'sum by (finished_reason) (neuron_serve_request_success_total{{model_name="{LLM}"}})')
     assert {"length", "abort"} <= {s["metric"]["finished_reason"] for s in reasons}, reasons

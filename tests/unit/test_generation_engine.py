@@ -254,6 +254,19 @@ def test_a_request_past_its_timeout_is_aborted_and_its_slot_freed():
         engine.close()
 
 
+def test_metrics_name_the_model_in_vllms_label(llama):
+    from neuron_serve import metrics
+
+    def tokens() -> float:
+        return sum(s.value for m in metrics.GENERATION_TOKENS.collect() for s in m.samples
+                   if s.name.endswith("_total") and s.labels == {"model_name": "model", "replica": "0"})
+
+    _, engine = llama
+    before = tokens()
+    engine.generate_batch([prompts()[0]], greedy(3), timeout=60)
+    assert tokens() - before == 3
+
+
 def test_generate_batch_aborts_what_it_stops_waiting_for(llama):
     _, engine = llama
     with pytest.raises(TimeoutError, match=r"^generate_batch: not finished within 0\.001s; the unfinished requests "
