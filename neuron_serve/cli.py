@@ -83,13 +83,30 @@ def _print_report(report: dict, path: str | None) -> int:
 
 
 def _analyze_generation(args: argparse.Namespace, config, base_dir: Path) -> int:
-    from .generation.analyze import analyze_generation  # noqa: PLC0415
+    from .generation.analyze import forms  # noqa: PLC0415
 
-    if args.html or args.report_json or args.pipeline_cores:
-        print("error: --html, --report-json and --pipeline-cores apply to task: infer models; a task: generate "
-              "model's analysis is the JSON report of its prefill and decode forms", file=sys.stderr)
+    if args.pipeline_cores or args.profile:
+        print("error: --pipeline-cores and --profile apply to task: infer models; a task: generate model runs each "
+              "compiled model on one core, and its times are the engine's step metrics", file=sys.stderr)
         return 2
-    return _print_report(analyze_generation(config, base_dir), args.json)
+    reports, pages = {}, {}
+    for form in forms(config, base_dir):
+        reports[form.label] = build_report(form.analysis)
+        if args.html or args.report_json:
+            from .report import partition_report  # noqa: PLC0415
+
+            data = partition_report.build(config, form.model, form.captured, form.analysis)
+            data["model"] = f"{config.name} ({form.label})"
+            pages[form.label] = data
+    if args.html:  # one page per compiled model, named after its bucket
+        html = Path(args.html)
+        for label, data in pages.items():
+            path = html.with_name(f"{html.stem}-{label}{html.suffix or '.html'}")
+            print(f"wrote {partition_report.write(data, html=str(path))[0]}", file=sys.stderr)
+    if args.report_json:
+        Path(args.report_json).write_text(json.dumps(pages, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.report_json}", file=sys.stderr)
+    return _print_report(reports, args.json)
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -220,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     analyze = sub.add_parser("analyze", help="report operator support and the partition plan of a model.yaml")
     analyze.add_argument("config", help="path to a model.yaml")
     analyze.add_argument("--json", metavar="PATH", help="write the report (with the plan) to PATH")
-    analyze.add_argument("--html", metavar="PATH", help="write the partition report page (one self-contained file)")
+    analyze.add_argument("--html", metavar="PATH", help="write the partition report page (one self-contained file; for a task: "
+                         "generate model one per compiled model, PATH's stem followed by its bucket)")
     analyze.add_argument("--report-json", metavar="PATH", help="write the partition report's data as JSON")
     analyze.add_argument("--profile", type=int, nargs="?", const=5, default=0, metavar="RUNS",
                          help="with --html/--report-json: compile, run the example inputs RUNS times (default 5) "

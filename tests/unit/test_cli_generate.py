@@ -1,5 +1,5 @@
-"""The CLI on a task: generate model.yaml: analyze reports both compiled forms, build writes an artifact the engine
-serves; deploy refuses for now."""
+"""The CLI on a task: generate model.yaml: analyze reports every compiled model, build writes an artifact the engine
+serves."""
 
 import json
 import os
@@ -44,15 +44,36 @@ def _cli(*args):
                                             "PYTHONPATH": str(ROOT / "deployments")})
 
 
-def test_analyze_reports_the_prefill_and_decode_forms(llm_yaml):
-    done = _cli("analyze", llm_yaml)
+COMPILED = ["prefill_32", "prefill_64", "decode_1x64", "decode_4x64"]  # what LLM_YAML's buckets compile
+
+
+def test_analyze_reports_every_compiled_model(llm_yaml, tmp_path):
+    done = _cli("analyze", llm_yaml, "--html", tmp_path / "report.html", "--report-json", tmp_path / "report.json")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    assert list(report) == ["prefill_32", "decode_1x64"]
+    assert list(report) == COMPILED
     for form in report.values():
         assert form["support_percentage"] == "100.00%" and form["emulated"] is True
         assert form["supported_operators"]["aten"]["aten::index_put"] == 4  # keys and values of 2 layers
         assert form["unsupported_operators"] == {"aten": []}
+    # The partition report: one page per compiled model, and their data in one JSON file.
+    pages = json.loads((tmp_path / "report.json").read_text())
+    assert list(pages) == COMPILED
+    for label, data in pages.items():
+        assert data["model"] == f"tiny-llm ({label})"
+        assert [(s["name"], s["device"]) for s in data["subgraphs"]] == [("accel_0", "neuron")]  # all on the core
+        assert data["accepted"] is True
+        page = (tmp_path / f"report-{label}.html").read_text()
+        assert f"<title>Partition report: tiny-llm ({label})</title>" in page
+        assert f"analyzed {label} ({COMPILED.index(label) + 1}/4)" in done.stderr
+
+
+def test_analyze_refuses_what_applies_to_infer_models_only(llm_yaml):
+    done = _cli("analyze", llm_yaml, "--pipeline-cores", "2")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: --pipeline-cores and --profile apply to task: infer models; a task: generate model runs each compiled "
+        "model on one core, and its times are the engine's step metrics")
 
 
 def test_a_built_artifact_generates_as_the_model_does(llm_yaml, tmp_path):
