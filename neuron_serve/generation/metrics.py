@@ -1,0 +1,75 @@
+"""The generation engine's Prometheus metrics per engine, queued by a step and applied together."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import metrics
+from .model import Shape
+
+
+class EngineMetrics:
+    """The engine's metric children, looked up once, and the updates a step leaves to apply.
+
+    A step makes several updates a token (a latency observed, a token counted), each a
+    locked write to a shared file in Prometheus' multiprocess mode: about 80 at 32 running
+    sequences, 0.2 ms of the engine thread's Python a step. They are queued as the step
+    runs and applied by :meth:`flush` with the step's events, while the next step's model
+    call computes, so they leave the step's critical path.
+    """
+
+    def __init__(self, model: str, replica: str) -> None:
+        labels = {"model_name": model, "replica": replica}
+        self.ttft = metrics.TIME_TO_FIRST_TOKEN.labels(**labels)
+        self.tpot = metrics.TIME_PER_OUTPUT_TOKEN.labels(**labels)
+        self.e2e = metrics.E2E_REQUEST_LATENCY.labels(**labels)
+        self.prompt_tokens = metrics.PROMPT_TOKENS.labels(**labels)
+        self.generation_tokens = metrics.GENERATION_TOKENS.labels(**labels)
+        self.running = metrics.REQUESTS_RUNNING.labels(**labels)
+        self.waiting = metrics.REQUESTS_WAITING.labels(**labels)
+        self.usage = metrics.KV_SLOTS_USAGE.labels(**labels)
+        # Exported at 0 for vLLM's dashboards: a sequence keeps its slot to its end, never preempted.
+        metrics.PREEMPTIONS.labels(**labels)
+        self.labels = labels
+        self._steps: dict[str, Any] = {}
+        # Every reason exported at 0 from the start (as vLLM does), so the first of each is a visible increase.
+        self._finished: dict[str, Any] = {reason: metrics.REQUEST_SUCCESS.labels(**labels, finished_reason=reason)
+                                          for reason in ("stop", "length", "abort", "error")}
+        self._observed: list[tuple[Any, float]] = []  # (histogram, value), in order
+        self._counted: dict[Any, float] = {}  # counter -> amount to add
+        self._gauges: dict[Any, float] = {}  # gauge -> its latest value
+
+    @property
+    def queued(self) -> bool:
+        return bool(self._observed or self._counted or self._gauges)
+
+    def observe(self, histogram: Any, value: float) -> None:
+        self._observed.append((histogram, value))
+
+    def count(self, counter: Any, amount: float = 1) -> None:
+        self._counted[counter] = self._counted.get(counter, 0) + amount
+
+    def set(self, gauge: Any, value: float) -> None:
+        self._gauges[gauge] = value
+
+    def flush(self) -> None:
+        """Apply what was queued (on the engine's thread, as it was queued)."""
+        observed, self._observed = self._observed, []
+        counted, self._counted = self._counted, {}
+        gauges, self._gauges = self._gauges, {}
+        for histogram, value in observed:
+            histogram.observe(value)
+        for counter, amount in counted.items():
+            counter.inc(amount)
+        for gauge, value in gauges.items():
+            gauge.set(value)
+
+    def step(self, shape: Shape) -> Any:
+        if shape.label not in self._steps:
+            self._steps[shape.label] = metrics.STEP_TIME.labels(**self.labels, bucket=shape.label)
+        return self._steps[shape.label]
+
+    def finished(self, reason: str) -> Any:
+        if reason not in self._finished:
+            self._finished[reason] = metrics.REQUEST_SUCCESS.labels(**self.labels, finished_reason=reason)
+        return self._finished[reason]
