@@ -150,7 +150,7 @@ def _deploy(args: argparse.Namespace) -> int:
 
     # Before Ray is imported: Ray Serve reads its ingress settings at import.
     chosen = ingress.configure(args.ingress, reserved_ports={p for p in (args.port, args.grpc_port) if p})
-    from .serve import auth, deployment, failure, grpc_port, lifecycle  # noqa: PLC0415 - Ray is only needed to serve
+    from .serve import auth, deployment, failure, grpc_port, haproxy_template, lifecycle  # noqa: PLC0415 - Ray is only needed to serve
 
     configs = [load_deployment(path) for path in args.configs]
     if args.weights:
@@ -177,7 +177,11 @@ def _deploy(args: argparse.Namespace) -> int:
         print("error: --no-grpc and --grpc-port contradict each other; give one", file=sys.stderr)
         return 2
     grpc = None if args.no_grpc else grpc_port.options([c for c, _ in configs], host, args.grpc_port)
+    if grpc and chosen == "haproxy":  # read by the HAProxy of a Ray started here (haproxy_template)
+        os.environ[haproxy_template.GRPC_FRONT_ENV] = f"{grpc['host']}:{grpc['port']}"
     started_here = deployment.connect(args.address)
+    if grpc:
+        grpc["front"] = grpc_port.front(started_here, chosen)
     life = lifecycle.Lifecycle(deployment, drain_s=deployment.DRAIN_S)
     if started_here:
         life.install()  # from here on a signal stops the start-up too

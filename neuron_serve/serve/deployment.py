@@ -72,15 +72,10 @@ class ModelServer:
         self.plane = await loop.run_in_executor(None, _build_plane, parsed, base_dir, replica)
         self.plane.start()
         dataplane.set_current(self.plane)
-        self._grpc = self._relay = self._relay_key = None
+        self._grpc = self._relay = self._grpc_key = None
         if grpc_options:
-            # gRPC calls for this model run here, with no hop through another replica;
-            # other replicas relay theirs for it to the private address registered here.
-            self._grpc, self._relay, private = await grpc_service.start(
-                grpc_options["host"], grpc_options["port"], grpc_options["max_message_bytes"], model_states,
-                self._call_model, local=parsed.name, registry=grpc_port.relay_addresses,
-                private_host=ray.util.get_node_ip_address())
-            self._relay_key = await grpc_port.register_relay(parsed.name, replica, private)
+            self._grpc, self._relay, self._grpc_key = await grpc_port.start_for_replica(
+                grpc_options, model_states, self._call_model, parsed.name, replica)
 
     async def _call_model(self, name: str, method: str, payload) -> tuple:
         if name == self.plane.name:
@@ -95,11 +90,11 @@ class ModelServer:
         return answer
 
     async def __del__(self) -> None:
-        if getattr(self, "_relay_key", None) is not None:
+        if getattr(self, "_grpc_key", None) is not None:
             try:  # no replica relays here once its list is read again (RELAY_TTL_S)
-                await grpc_port.unregister_relay(self._relay_key)
+                await grpc_port.unregister(self._grpc_key)
             except Exception as exc:  # Ray going down: the key goes with it
-                logger.debug("gRPC relay address not unregistered: %s", exc)
+                logger.debug("gRPC address not unregistered: %s", exc)
         if getattr(self, "_grpc", None) is not None:
             await self._grpc.stop(grace=5)  # calls in flight finish; new connections go elsewhere
         if getattr(self, "_relay", None) is not None:
@@ -157,10 +152,14 @@ class Server:
 
     async def __init__(self, grpc_options: dict | None = None) -> None:
         auth.configure(auth.resolve_token(None))
-        self._grpc = None
+        self._grpc = self._grpc_key = None
         self._grpc_options = grpc_options
         self._watch = None
-        if grpc_options:
+        if grpc_options and grpc_options.get("front"):
+            # Behind HAProxy it answers what no model's replica does: server health and
+            # metadata, and calls for models that are not (yet) served.
+            self._grpc, _, self._grpc_key = await grpc_port.start_for_replica(grpc_options, model_states, call_model)
+        elif grpc_options:
             await self._listen(True)
             self._watch = asyncio.get_running_loop().create_task(self._hand_over())
 
@@ -199,6 +198,11 @@ class Server:
     async def __del__(self) -> None:
         if getattr(self, "_watch", None) is not None:
             self._watch.cancel()
+        if getattr(self, "_grpc_key", None) is not None:
+            try:
+                await grpc_port.unregister(self._grpc_key)
+            except Exception as exc:  # Ray going down: the key goes with it
+                logger.debug("gRPC address not unregistered: %s", exc)
         if getattr(self, "_grpc", None) is not None:
             await self._grpc.stop(grace=5)
 
@@ -345,7 +349,10 @@ def deploy(configs: list[tuple[ModelConfig, str | None]], host: str, port: int, 
         if failed:
             return {n: f"failed: {m}" for n, m in failed.items()}
         if all("RUNNING" in s for s in states.values()):
-            if grpc and any(c.task != "generate" for c, _ in configs):  # generate replicas serve no gRPC
+            infer = [c.name for c, _ in configs if c.task != "generate"]  # generate replicas serve no gRPC
+            if grpc and infer and grpc.get("front"):
+                grpc_port.wait_for_front(grpc, infer, deadline, auth.resolve_token(configs[0][0]))
+            elif grpc and infer:
                 grpc_port.wait_for_hand_over()
             return {n: "ready" for n in names}
         if time.monotonic() > deadline:

@@ -1,24 +1,33 @@
-"""Who holds the shared gRPC port, as recorded in Ray's KV store.
+"""Who serves the gRPC port, as recorded in Ray's KV store.
 
-The server app listens on the port only while no model is ready and records whether it
-does, so that ``deploy`` says ready only once the models' replicas have the port. Each
-model replica registers the private address its relayed calls go to (grpc_service.Relay).
+Behind HAProxy (a Ray that ``deploy`` started, ingress haproxy), HAProxy holds the port
+and each replica registers the port of its gRPC-over-HTTP/1.1 listener (``grpc_h1``),
+keyed by its actor's name, which HAProxy's configuration reads when Serve renders it
+(``haproxy_template``). Otherwise the replicas share the port: the server app listens
+on it only while no model is ready and records whether it does, so that ``deploy`` says
+ready only once the models' replicas have the port, and each model replica registers
+the private address its relayed calls go to (grpc_service.Relay).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
+import ray
 from ray.experimental import internal_kv
 
 from ..config import ModelConfig
 
 NAMESPACE = "neuron-serve"  # the deployment's Ray namespace (deployment.SERVER_APP)
 LISTENING_KEY = "grpc-server-app-listening"
+FRONT_KEY = "grpc-front"  # "1" when HAProxy holds the port
 HAND_OVER_WAIT_S = 15.0
 # One key per model replica: "grpc-relay/{model}/{replica}/{address}" (model names have no "/").
 RELAY_PREFIX = "grpc-relay/"
+# One key per replica behind HAProxy: "grpc-h1/{actor name}" -> its listener's port.
+H1_PREFIX = "grpc-h1/"
 
 
 def options(configs: list[ModelConfig], host: str, port: int | None) -> dict | None:
@@ -29,6 +38,58 @@ def options(configs: list[ModelConfig], host: str, port: int | None) -> dict | N
         return None
     return {"host": host, "port": port or first.port,
             "max_message_bytes": max(c.http.max_request_bytes for c in configs)}
+
+
+async def start_for_replica(options: dict, model_states, call_model, model: str | None = None,
+                            replica: str = "") -> tuple[Any, Any, str]:
+    """Start this replica's share of the gRPC service: (its server, its relay or None, the key to
+    unregister). Behind HAProxy, a listener HAProxy sends calls to (``model``'s, or with None the
+    server app's); else ``model``'s calls on the shared port, with a private port for relays."""
+    from . import grpc_service  # noqa: PLC0415
+
+    if options.get("front"):
+        server, port = await grpc_service.start_behind_haproxy(options["max_message_bytes"], model_states,
+                                                               call_model, local=model)
+        return server, None, await register_h1(ray.get_runtime_context().get_actor_name(), port)
+    # gRPC calls for this model run here, with no hop through another replica; other
+    # replicas relay theirs for it to the private address registered here.
+    server, relay, private = await grpc_service.start(
+        options["host"], options["port"], options["max_message_bytes"], model_states, call_model, local=model,
+        registry=relay_addresses, private_host=ray.util.get_node_ip_address())
+    return server, relay, await register_relay(model, replica, private)
+
+
+def front(started_here: bool, ingress: str) -> bool:
+    """Whether HAProxy holds the gRPC port: a Ray started by this deploy with the HAProxy
+    ingress (its HAProxy renders the patched template), or a server such a deploy started
+    (a model deployed into it with --address follows it)."""
+    if started_here:
+        on = ingress == "haproxy"
+        internal_kv._internal_kv_put(FRONT_KEY, b"1" if on else b"0", namespace=NAMESPACE)  # noqa: SLF001
+        return on
+    return internal_kv._internal_kv_get(FRONT_KEY, namespace=NAMESPACE) == b"1"  # noqa: SLF001
+
+
+def wait_for_front(options: dict, models: list[str], deadline: float, token: str | None = None) -> None:
+    """Wait until HAProxy sends each of ``models``' gRPC calls to a ready replica: Serve
+    renders HAProxy's configuration once the replicas are up, moments after they are
+    (``token``: the models' bearer token, when they have one)."""
+    import grpc  # noqa: PLC0415
+    from tritonclient.grpc import service_pb2, service_pb2_grpc  # noqa: PLC0415
+
+    host = "127.0.0.1" if options["host"] in ("0.0.0.0", "::", "") else options["host"]
+    with grpc.insecure_channel(f"{host}:{options['port']}") as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        waiting = list(models)
+        metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        while waiting and time.monotonic() < deadline:
+            try:
+                if stub.ModelReady(service_pb2.ModelReadyRequest(name=waiting[0]), timeout=5, metadata=metadata).ready:
+                    waiting.pop(0)
+                    continue
+            except grpc.RpcError:  # not routed yet: HAProxy has no replica of the model (UNAVAILABLE)
+                pass
+            time.sleep(0.2)
 
 
 def record_listening(on: bool) -> None:
@@ -54,7 +115,26 @@ async def register_relay(model: str, replica: str, address: str) -> str:
     return key
 
 
-async def unregister_relay(key: str) -> None:
+async def register_h1(actor: str, port: int) -> str:
+    """Record the port of a replica's gRPC-over-HTTP/1.1 listener; returns the key to unregister it with."""
+    key = f"{H1_PREFIX}{actor}"
+    await asyncio.get_running_loop().run_in_executor(
+        None, lambda: internal_kv._internal_kv_put(key, str(port).encode(), namespace=NAMESPACE))  # noqa: SLF001
+    return key
+
+
+def h1_ports() -> dict[str, int]:
+    """Every registered listener's port, by the replica's actor name (read when HAProxy's config is rendered)."""
+    ports = {}
+    for key in internal_kv._internal_kv_list(H1_PREFIX, namespace=NAMESPACE):  # noqa: SLF001
+        value = internal_kv._internal_kv_get(key, namespace=NAMESPACE)  # noqa: SLF001
+        if value:
+            ports[key.decode()[len(H1_PREFIX):]] = int(value)
+    return ports
+
+
+async def unregister(key: str) -> None:
+    """Forget a key registered here (a replica's relay address or listener port)."""
     await asyncio.get_running_loop().run_in_executor(
         None, lambda: internal_kv._internal_kv_del(key, namespace=NAMESPACE))  # noqa: SLF001
 

@@ -1,5 +1,10 @@
 """OIP v2 over gRPC: ``inference.GRPCInferenceService`` of KServe and Triton.
 
+Behind HAProxy (a Ray that ``deploy`` started, HAProxy ingress), HAProxy holds the port
+and sends each call over HTTP/1.1 to a listener of the replica of the model it names, or
+of the server app (``start_behind_haproxy``, ``grpc_h1``, ``haproxy_template``): the
+servicers below run there, with nothing to relay. Otherwise:
+
 Every model replica runs one gRPC server beside its HTTP one, all on one port
 (SO_REUSEPORT): a call for the replica's own model runs on its data plane in the
 process that received it, with no hop. KServe's and Triton's clients name the model
@@ -40,6 +45,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2 as pb, service_pb2_g
 from .. import __version__, metrics
 from ..errors import ModelNotFound, ModelNotReady, NeuronServeError
 from . import auth, triton_ext
+from .grpc_h1 import GrpcOverH1
 from .protocols import oip_grpc
 
 SERVED_VERSION = "1"  # the one version of each model (dataplane's metadata lists it)
@@ -406,16 +412,42 @@ def _serialize_answer(answer: pb.ModelInferResponse | bytes) -> bytes:
     return answer if type(answer) is bytes else answer.SerializeToString()
 
 
-def _add_inference_service(server: grpc.aio.Server, servicer: InferenceServicer) -> None:
-    """The generated service, but ModelInfer takes the request's bytes (a relay passes
-    them on unparsed and unwritten) and answers a message or a relayed answer's bytes."""
+def _inference_handlers(servicer: InferenceServicer) -> dict[str, Any]:
+    """The generated service's handlers, but ModelInfer takes the request's bytes (a relay
+    passes them on unparsed and unwritten) and answers a message or a relayed answer's bytes."""
     taken = _Handlers()
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, taken)
     handlers = taken.handlers
     handlers["ModelInfer"] = grpc.unary_unary_rpc_method_handler(servicer.ModelInfer,
                                                                  response_serializer=_serialize_answer)
+    return handlers
+
+
+def _add_inference_service(server: grpc.aio.Server, servicer: InferenceServicer) -> None:
+    handlers = _inference_handlers(servicer)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     server.add_registered_method_handlers(SERVICE, handlers)
+
+
+def method_handlers(servicer: InferenceServicer, health: HealthServicer) -> dict[str, Any]:
+    """Every method's handler by its path (``/inference.GRPCInferenceService/ModelInfer``): both services."""
+    taken = _Handlers()
+    health_pb2_grpc.add_HealthServicer_to_server(health, taken)
+    return {**{f"/{SERVICE}/{name}": h for name, h in _inference_handlers(servicer).items()},
+            **{f"/grpc.health.v1.Health/{name}": h for name, h in taken.handlers.items()}}
+
+
+async def start_behind_haproxy(max_message_bytes: int, model_states: ModelStates, call_model: CallModel,
+                               local: str | None = None) -> tuple[GrpcOverH1, int]:
+    """The service over HTTP/1.1 for HAProxy's gRPC front (see grpc_h1), on a free port of
+    every interface (HAProxy on any node may reach it); returns the server and its port.
+
+    HAProxy sends a replica only its own model's calls, so nothing is relayed."""
+    servicer = InferenceServicer(model_states, call_model, local)
+    server = GrpcOverH1(method_handlers(servicer, HealthServicer(model_states)), max_message_bytes)
+    port = await server.start("0.0.0.0", 0)
+    logger.info("gRPC inference service behind HAProxy: listening for it on port %d", port)
+    return server, port
 
 
 async def start(host: str, port: int, max_message_bytes: int, model_states: ModelStates,

@@ -1,7 +1,6 @@
 """gRPC calls for both models of the two-model server (mlp and encoder) over many fresh
-connections. The kernel spreads the connections over both models' replicas (one shared
-port), so one of each connection's two calls lands on the other model's replica: it
-relays it to a replica of the named model (its private port), not through Ray Serve's
+connections. HAProxy holds the gRPC port and sends each call to a replica of the model its
+message names: none is relayed by another model's replica or goes through Ray Serve's
 handle, and every answer equals eager PyTorch."""
 
 import re
@@ -68,7 +67,7 @@ def on_a_new_connection(server, calls: dict[str, pb.ModelInferRequest]) -> dict[
         channel.close()
 
 
-def test_calls_for_both_models_over_new_connections_are_relayed_not_served_by_handle(server, models):
+def test_calls_for_both_models_over_new_connections_reach_their_models_replicas(server, models):
     x, ids = torch.rand(2, 784), torch.randint(0, 1000, (2, 40))
     mask = torch.ones(2, 40, dtype=torch.int64)
     calls = requests(x, ids, mask)
@@ -91,6 +90,52 @@ def test_calls_for_both_models_over_new_connections_are_relayed_not_served_by_ha
     def more(key):
         return after.get(key, 0.0) - before.get(key, 0.0)
 
-    # Each connection reached one model's replica: its call for the other model was relayed.
-    assert more(("mlp", "relay")) + more(("encoder", "relay")) == CONNECTIONS, after
-    assert more(("mlp", "serve")) == more(("encoder", "serve")) == 0, after  # none through the Serve handle
+    # Every call went straight to its model's replica: none relayed, none through the Serve handle.
+    assert all(more((model, via)) == 0 for model in ("mlp", "encoder") for via in ("relay", "serve")), after
+
+
+MODELS = ROOT / "tests" / "integration" / "models"
+
+
+@pytest.fixture(scope="module")
+def shared_port(server_factory, tmp_path_factory):
+    """Two small models behind Serve's own proxy (no HAProxy): their replicas share the gRPC port."""
+    tmp = tmp_path_factory.mktemp("shared-port")
+    for name, factory in (("tiny", "tiny_mlp:build"), ("small", "tiny_mlp:build")):
+        (tmp / f"{name}.yaml").write_text(f"name: {name}\nmodel:\n  factory: {factory}\ninputs:\n"
+                                          "  - name: x\n    shape: [4, 16]\n")
+    srv = server_factory([str(tmp / "tiny.yaml"), str(tmp / "small.yaml")], tmp,
+                         env={"PYTHONPATH": str(MODELS)}, args=("--ingress", "proxy"))
+    yield srv
+    srv.stop()
+
+
+def test_without_haproxy_the_other_models_calls_are_relayed_not_served_by_handle(shared_port):
+    """The kernel spreads connections over both models' replicas (SO_REUSEPORT), so one of
+    each connection's two calls lands on the other model's replica, which relays it to the
+    named model's private port."""
+    x = torch.rand(4, 16).numpy()
+    calls = {}
+    for model in ("tiny", "small"):
+        calls[model] = pb.ModelInferRequest(model_name=model, id=f"{model}-call")
+        calls[model].inputs.add(name="x", datatype="FP32", shape=[4, 16]).contents.fp32_contents.extend(
+            x.reshape(-1).tolist())
+    before = forwarded(shared_port)
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: on_a_new_connection(shared_port, calls), range(CONNECTIONS)))
+    after = forwarded(shared_port)
+    sys.path.insert(0, str(MODELS))
+    import tiny_mlp  # noqa: PLC0415
+
+    with torch.no_grad():
+        want = tiny_mlp.build()(torch.from_numpy(x))
+    for answer in answers:
+        assert [(a.model_name, a.id) for a in answer.values()] == [("tiny", "tiny-call"), ("small", "small-call")]
+        for model in ("tiny", "small"):
+            torch.testing.assert_close(outputs(answer[model])["output_0"], want, atol=TOLERANCE, rtol=TOLERANCE)
+
+    def more(key):
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert more(("tiny", "relay")) + more(("small", "relay")) == CONNECTIONS, after
+    assert more(("tiny", "serve")) == more(("small", "serve")) == 0, after  # none through the Serve handle

@@ -148,10 +148,11 @@ def test_free_ports_avoid_the_ranges_a_starting_ray_draws_from():
     assert len(chosen) > 10  # drawn at random, so two deploys started together differ
 
 
-def test_the_template_hook_turns_serves_always_into_safe_and_routes_openai():
-    """Ray Serve's template still says `http-reuse always` and has the per-backend ACLs (else
-    the hook has nothing to change and this fails, pointing here); the hook renders `safe`
-    instead, and the OpenAI route before the ACLs."""
+def test_the_template_hook_turns_serves_always_into_safe_and_routes_openai_and_grpc():
+    """Ray Serve's template still says `http-reuse always` and has the per-backend ACLs and
+    the stats section (else the hook has nothing to change and this fails, pointing here);
+    the hook renders `safe` instead, the OpenAI route before the ACLs, the gRPC front
+    before the stats section, and gives the template's config the front's settings."""
     code = (
         "from ray.serve._private import haproxy_templates as t\n"
         "assert 'http-reuse always' in t.HAPROXY_CONFIG_TEMPLATE\n"
@@ -162,6 +163,8 @@ def test_the_template_hook_turns_serves_always_into_safe_and_routes_openai():
         "for text in (t.HAPROXY_CONFIG_TEMPLATE, haproxy.HAPROXY_CONFIG_TEMPLATE):\n"
         "    assert 'http-reuse always' not in text and text.count('http-reuse safe') >= 1\n"
         "    assert text.count(h.OPENAI_ROUTES) == 1 and text.index(h.OPENAI_ROUTES) < text.index(h.ROUTES_ANCHOR)\n"
+        "    assert text.count(h.GRPC_FRONT) == 1 and text.index(h.GRPC_FRONT) < text.index(h.STATS_ANCHOR)\n"
+        "assert haproxy.HAProxyConfig().neuron_serve_grpc is None  # deploy did not ask for it\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
