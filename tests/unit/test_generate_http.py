@@ -121,9 +121,15 @@ def test_a_request_past_its_timeout_is_answered_504_and_its_slot_freed(plane):
                                     "(request_timeout_s); ask for fewer tokens or retry later")
         streamed = json.loads(completion(100)) | {"stream": True}
         status, _, body = asyncio.run(call(app, "POST", "/v1/completions", json.dumps(streamed).encode()))
-        events = [line[len("data: "):] for line in body.decode().splitlines() if line.startswith("data: ")]
-        assert status == 200 and events[-1] == "[DONE]"
-        assert json.loads(events[-2])["error"]["message"].startswith("the request timed out")
+        # A stream that times out before its first token is answered 504 like any request; one that
+        # times out after it has started ends with an error event (which of the two depends on how
+        # fast this machine prefills).
+        if status == 504:
+            assert json.loads(body)["error"]["message"].startswith("the request timed out")
+        else:
+            events = [line[len("data: "):] for line in body.decode().splitlines() if line.startswith("data: ")]
+            assert status == 200 and events[-1] == "[DONE]"
+            assert json.loads(events[-2])["error"]["message"].startswith("the request timed out")
     assert plane.engines.running == 0
     # The one slot is free again: the next request is served whole.
     status, _, body = asyncio.run(call(app, "POST", "/v1/completions", completion(3)))
