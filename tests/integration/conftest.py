@@ -150,10 +150,56 @@ def server_factory():
     return Server
 
 
+# The session's shared servers, each a whole Ray cluster. Idle, one still takes about a quarter
+# of a core (Serve's controller, Ray's dashboard and monitors, the replicas' loops), which every
+# other test on a 2-core machine pays for; so the tests using one run together and the server
+# stops after the last of them, not at the end of the session.
+SHARED_SERVERS = ("guarded", "server", "llm")
+_started: dict[str, Server] = {}
+_last_user: dict[str, list[str]] = {}  # test id -> the shared servers it is the last user of
+
+
+def _shared_servers_of(item) -> list[str]:
+    """The shared server fixtures ``item`` uses (not a module's own fixtures of the same names)."""
+    names = []
+    for name in SHARED_SERVERS:
+        definitions = item._fixtureinfo.name2fixturedefs.get(name, ())
+        if definitions and definitions[-1].func.__module__ == __name__:
+            names.append(name)
+    return names
+
+
+@pytest.hookimpl(tryfirst=True)  # before the root conftest's, which puts the doc examples last
+def pytest_collection_modifyitems(config, items):
+    """The test files of each shared server moved up to the first of them, order otherwise kept."""
+    files: dict[Path, set[str]] = {}  # in collection order: the shared servers a file's tests use
+    for item in items:
+        files.setdefault(item.path, set()).update(_shared_servers_of(item))
+    first: dict[str, int] = {}
+    position = {}
+    for index, (path, names) in enumerate(files.items()):
+        for name in names:
+            first.setdefault(name, index)
+        position[path] = min((first[name] for name in names), default=index)
+    items.sort(key=lambda item: position[item.path])  # stable: a file's tests keep their order
+    last = {name: item.nodeid for item in items for name in _shared_servers_of(item)}
+    _last_user.clear()
+    for name, nodeid in last.items():
+        _last_user.setdefault(nodeid, []).append(name)
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """Stop the shared servers whose last test this was (its fixture's own stop then does nothing)."""
+    for name in _last_user.get(item.nodeid, ()):
+        if name in _started:
+            _started.pop(name).stop()
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     """mlp (sort on CPU, 2 cores) and encoder (sequence buckets) served side by side."""
-    srv = Server(["deployments/mlp.yaml", "deployments/encoder.yaml"], tmp_path_factory.mktemp("serve"))
+    srv = _started["server"] = Server(["deployments/mlp.yaml", "deployments/encoder.yaml"],
+                                      tmp_path_factory.mktemp("serve"))
     yield srv
     srv.stop()
 
@@ -167,5 +213,37 @@ def guarded(tmp_path_factory):
     srv = Server(["tests/integration/models/guarded.yaml"], tmp_path_factory.mktemp("guarded"),
                  env={"GUARDED_TOKEN": GUARDED_TOKEN})
     srv.token = GUARDED_TOKEN
+    _started["guarded"] = srv
+    yield srv
+    srv.stop()
+
+
+LLM_MAX_MODEL_LEN = 256
+LLM_CONFIG = f"""
+name: llm
+task: generate
+replicas: 2
+model:
+  pretrained: llm
+generation:
+  max_num_seqs: 8
+  max_model_len: {LLM_MAX_MODEL_LEN}
+"""
+
+
+@pytest.fixture(scope="session")
+def llm(tmp_path_factory):
+    """The LLM example (deployments/example_models/make_llm.py) served as model "llm" with
+    task: generate, two replicas; with its directory, and transformers' model and tokenizer
+    read from it (the reference every generated text is compared with)."""
+    import transformers  # noqa: PLC0415
+
+    tmp = tmp_path_factory.mktemp("generate")
+    make_llm(tmp / "llm")
+    (tmp / "llm.yaml").write_text(LLM_CONFIG)
+    srv = _started["llm"] = Server([str(tmp / "llm.yaml")], tmp)
+    srv.model_dir = tmp / "llm"
+    srv.tokenizer = transformers.AutoTokenizer.from_pretrained(srv.model_dir)
+    srv.eager = transformers.AutoModelForCausalLM.from_pretrained(srv.model_dir, attn_implementation="eager").eval()
     yield srv
     srv.stop()

@@ -19,40 +19,14 @@ import urllib.request
 import openai
 import pytest
 import torch
-import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import make_llm
+from conftest import LLM_MAX_MODEL_LEN as MAX_MODEL_LEN
 from http_client import Client
 
 MODEL = "llm"
-MAX_MODEL_LEN = 256
-CONFIG = f"""
-name: {MODEL}
-task: generate
-replicas: 2
-model:
-  pretrained: llm
-generation:
-  max_num_seqs: 8
-  max_model_len: {MAX_MODEL_LEN}
-"""
 PROMPTS = ["Hello world", "neuron-serve compiles", "The cores are emulated", "café ünïcode 中文 tokens"]
-
-
-@pytest.fixture(scope="module")
-def llm(server_factory, tmp_path_factory):
-    """The server, the model directory and transformers' model and tokenizer read from it."""
-    tmp = tmp_path_factory.mktemp("generate")
-    make_llm(tmp / "llm")
-    (tmp / "llm.yaml").write_text(CONFIG)
-    srv = server_factory([str(tmp / "llm.yaml")], tmp)
-    srv.model_dir = tmp / "llm"
-    srv.tokenizer = transformers.AutoTokenizer.from_pretrained(srv.model_dir)
-    srv.eager = transformers.AutoModelForCausalLM.from_pretrained(srv.model_dir, attn_implementation="eager").eval()
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture(scope="module")
