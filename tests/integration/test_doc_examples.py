@@ -5,8 +5,8 @@ directives run on the way. Running one block runs the blocks of its page before 
 so ``-k`` works. Examples run in a scratch directory that holds ``deployments/`` (a link to
 the repository's), so paths such as ``deployments/llm.yaml`` and ``build/tiny`` work as in a
 checkout without writing into it. Examples that name the server's addresses get a real
-``neuron-serve deploy`` (tests/integration/conftest.py), its ports put in place of 8000 and
-8001; KServe's client runs under .venv-kserve's python, as tests/integration/test_kserve_client.py does.
+``neuron-serve deploy`` of the mlp and encoder examples (or of the LLM example), its ports
+put in place of 8000 and 8001; KServe's client runs under .venv-kserve's python, as tests/integration/test_kserve_client.py does.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class Pages:
         needed = doc_examples.server_needed(source)
         if needed is None:
             return source
-        server = self.request.getfixturevalue("llm_server" if needed == "llm" else "server")
+        server = self.request.getfixturevalue("llm_server" if needed == "llm" else "examples_server")
         return doc_examples.with_addresses(source, f"127.0.0.1:{server.port}", server.grpc_url)
 
     def python(self, example) -> None:
@@ -135,6 +135,15 @@ def llm_example() -> Path:
         subprocess.run([sys.executable, str(ROOT / "deployments" / "example_models" / "make_llm.py"), str(made)],
                        check=True, cwd=ROOT, timeout=600)
     return made
+
+
+@pytest.fixture(scope="session")
+def examples_server(tmp_path_factory, server_factory):
+    """`neuron-serve deploy deployments/mlp.yaml deployments/encoder.yaml`. Not the shared
+    server of conftest.py: that one stops after its own tests, long before these run."""
+    srv = server_factory(["deployments/mlp.yaml", "deployments/encoder.yaml"], tmp_path_factory.mktemp("examples"))
+    yield srv
+    srv.stop()
 
 
 @pytest.fixture(scope="session")
