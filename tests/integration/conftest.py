@@ -153,7 +153,9 @@ def server_factory():
 # The session's shared servers, each a whole Ray cluster. Idle, one still takes about a quarter
 # of a core (Serve's controller, Ray's dashboard and monitors, the replicas' loops), which every
 # other test on a 2-core machine pays for; so the tests using one run together and the server
-# stops after the last of them, not at the end of the session.
+# stops after the last of them, not at the end of the session. Only the fixtures a test names
+# are seen here: a test that asks for one with request.getfixturevalue would get it stopped, so
+# it starts its own (as the doc examples do).
 SHARED_SERVERS = ("guarded", "server", "llm")
 _started: dict[str, Server] = {}
 _last_user: dict[str, list[str]] = {}  # test id -> the shared servers it is the last user of
