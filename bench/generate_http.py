@@ -278,7 +278,7 @@ def specs(model_dir: Path, llm_yaml: Path, python: str = sys.executable) -> dict
         (servers.ServerSpec("neuron-serve", "neuron-serve (OpenAI API)",
                             [str(bindir / "neuron-serve"), "deploy", str(llm_yaml),
                              "--host", "127.0.0.1", "--port", "18810", "--no-grpc"], 18810, startup_s=2400,
-                            replica_marker="ray::ServeReplica:"), "llm", ignore_eos),
+                            replica_marker="ray::ServeReplica:", ready_line=servers.READY_LINE), "llm", ignore_eos),
         (servers.ServerSpec("transformers-cb", "transformers serve --continuous-batching",
                             serve + ["--port", "18811", "--continuous-batching", "--cb-num-blocks", "64"], 18811,
                             startup_s=300), model, no_eos),

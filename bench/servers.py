@@ -33,12 +33,17 @@ class ServerSpec:
     ready_line: str | None = None      # also wait for this line in its log (all of it started, not one model)
 
 
+# neuron-serve deploy's last start-up line: every app started, the server app's routes too.
+# A model answers before it (its app is ready first), so a probe alone is not enough.
+READY_LINE = "/v2 (metrics: /metrics"
+
+
 def specs(python: str = sys.executable) -> dict[str, ServerSpec]:
     cli = str(Path(python).with_name("neuron-serve"))
     deploy = [cli, "deploy", "deployments/mlp.yaml", "deployments/encoder.yaml", "--host", "127.0.0.1"]
     return {s.key: s for s in [
         ServerSpec("neuron-serve", "neuron-serve", deploy + ["--port", "18400", "--grpc-port", "18401"], 18400,
-                   replica_marker="ray::ServeReplica:", grpc_port=18401, ready_line="/v2 (metrics: /metrics"),
+                   replica_marker="ray::ServeReplica:", grpc_port=18401, ready_line=READY_LINE),
         ServerSpec("ray-proxy", "Ray Serve, default HTTP proxy",
                    [python, "-m", "bench.peers.ray_app", "--port", "18200"], 18200,
                    replica_marker="ray::ServeReplica:"),
