@@ -50,5 +50,9 @@ def test_neuron_serve_is_awaited_to_its_last_start_up_line_in_every_benchmark(tm
     cli = (ROOT / "neuron_serve" / "cli.py").read_text()
     assert servers.READY_LINE in cli  # the line `neuron-serve deploy` prints once every app is up
     assert servers.specs()["neuron-serve"].ready_line == servers.READY_LINE
-    spec, _, _ = generate_http.specs(generate_http.MODEL_DIR, tmp_path / "llm.yaml")["neuron-serve"]
+    model_dir = tmp_path / "model"  # what specs() reads of a model directory (make llm-example writes one)
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"vocab_size": 1024}')
+    (model_dir / "generation_config.json").write_text('{"eos_token_id": 1}')
+    spec, _, _ = generate_http.specs(model_dir, tmp_path / "llm.yaml")["neuron-serve"]
     assert spec.ready_line == servers.READY_LINE
