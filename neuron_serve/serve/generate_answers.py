@@ -113,7 +113,7 @@ class _OpenAIEncoder:
             return openai.chat_logprobs(piece.logprobs)
         tokens = [token for token, _, _ in piece.logprobs]
         encoded = openai.completion_logprobs(tokens, [lp for _, lp, _ in piece.logprobs],
-                                             [dict(top) for _, _, top in piece.logprobs], self.offsets[index])
+                                             [top for _, _, top in piece.logprobs], self.offsets[index])
         self.offsets[index] += sum(len(t) for t in tokens)
         return encoded
 

@@ -89,8 +89,11 @@ def test_prompts_text_ids_and_lists():
 def test_sse_and_logprob_objects():
     assert openai.sse({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode()
     assert openai.DONE == b"data: [DONE]\n\n"
-    legacy = openai.completion_logprobs(["He", "llo"], [-0.1, -0.2], [{"He": -0.1}, {"llo": -0.2}], offset=3)
-    assert legacy["text_offset"] == [3, 5]
+    legacy = openai.completion_logprobs(["He", "llo"], [-0.1, -0.2], [[("He", -0.1)], [("llo", -0.2)]], offset=3)
+    assert legacy["text_offset"] == [3, 5] and legacy["top_logprobs"] == [{"He": -0.1}, {"llo": -0.2}]
+    # Two top tokens that decode to the same text (halves of one character): one key, the higher logprob.
+    merged = openai.completion_logprobs(["\ufffd"], [-0.3], [[("\ufffd", -0.3), ("a", -0.9), ("\ufffd", -1.2)]], 0)
+    assert merged["top_logprobs"] == [{"\ufffd": -0.3, "a": -0.9}]
     chat = openai.chat_logprobs([("é", -0.5, [("é", -0.5), ("e", -1.0)])])
     assert chat["content"][0]["bytes"] == [195, 169] and len(chat["content"][0]["top_logprobs"]) == 2
 

@@ -229,14 +229,27 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_logprobs(tokens: list[str], logprobs: list[float | None], tops: list[dict[str, float]],
+def completion_logprobs(tokens: list[str], logprobs: list[float | None], tops: list[list[tuple[str, float]]],
                         offset: int) -> dict:
-    """The legacy completions ``logprobs`` object of one chunk or choice."""
+    """The legacy completions ``logprobs`` object of one chunk or choice.
+
+    Its ``top_logprobs`` are objects keyed by token text, and two of a position's top
+    tokens can decode to the same text (a byte-level BPE's pieces of one character both
+    decode to U+FFFD): that text keeps the higher of their logprobs, so an entry can hold
+    fewer than the ``logprobs`` asked for (the chat API's lists keep every token).
+    """
     offsets, at = [], offset
     for token in tokens:
         offsets.append(at)
         at += len(token)
-    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+    keyed = []
+    for top in tops:
+        best: dict[str, float] = {}
+        for text, logprob in top:
+            if text not in best or logprob > best[text]:
+                best[text] = logprob
+        keyed.append(best)
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": keyed, "text_offset": offsets}
 
 
 def chat_logprobs(entries: list[tuple[str, float | None, list[tuple[str, float]]]]) -> dict:
