@@ -2,7 +2,6 @@
 
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,8 +34,7 @@ def test_a_server_whose_model_answers_early_is_started_only_at_its_ready_line(tm
     port, delay = free_port(), 2.0
     spec = servers.ServerSpec("late", "late", [sys.executable, "-c", LATE_LINE, str(port), str(delay),
                                                "serving x on http://127.0.0.1/v2 (metrics: /metrics)"], port,
-                              startup_s=30,
-                              ready_line=servers.READY_LINE)
+                              startup_s=30, ready_line=servers.READY_LINE)
     server = servers.Server(spec, tmp_path)
     try:
         seconds = server.wait_ready({"x": (b"{}", {"Content-Type": "application/json"})})
