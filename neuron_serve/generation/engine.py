@@ -307,7 +307,7 @@ class Engine(Streams):
         """One iteration: aborts, prefills under the token budget, one decode call for every running sequence.
 
         The events of the step before are delivered while this step's first model call
-        computes, or at its end if it makes none."""
+        computes, or at its end if it makes none; a prefill's first token right after it."""
         if self._pending or self.metrics.queued:
             while_computing(self._deliver)
         for rid in aborted:
@@ -322,6 +322,10 @@ class Engine(Streams):
             self.metrics.observe(self.metrics.step(shape), time.perf_counter() - started)
             self.metrics.count(self.metrics.prompt_tokens, len(seq.prompt))
             self._choose([seq], out)
+            # The first token goes out now. Left for the next call to carry, it would wait
+            # for the decode step to be prepared and launched, or for the whole decode step
+            # when the prefill's own step runs one: 2 to 4 ms more to the first token.
+            self._deliver()
         for seq, slot in self.scheduler.compaction(self.model.rows_bucket):
             self.model.move(seq.slot, slot)
             self.scheduler.move(seq, slot)

@@ -379,27 +379,37 @@ def test_a_failing_event_sink_aborts_its_request_and_the_engine_keeps_serving(ll
     assert engine.running == 0
 
 
-def test_a_steps_tokens_reach_their_sinks_while_the_next_model_call_computes(llama):
+def test_a_steps_tokens_reach_their_sinks_while_the_next_model_call_computes(llama, monkeypatch):
     # The event loop that streams them then holds the GIL while the core computes, not
     # while the engine prepares its next call. Only the events of the last step, with
-    # no call after them, are handed over once the engine is idle.
+    # no call after them, are handed over once the engine is idle. A prefill's first
+    # token is handed over at once, before the decode call of its own step is prepared.
     from neuron_serve.compile.subgraph import CompiledSubgraph
 
     lm, engine = llama
     forward = CompiledSubgraph.forward.__code__
-    seen: list[tuple[int | None, bool, bool]] = []  # (token, finished, inside a model call)
+    decodes = [0]
+    decode = engine.model.decode
+
+    def counted(*args, **kwargs):
+        decodes[0] += 1
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "decode", counted)
+    seen: list[tuple[int | None, bool, bool, int]] = []  # (token, finished, inside a model call, decodes begun)
     done = threading.Event()
 
     def sink(event):
         inside = any(frame.frame.f_code is forward for frame in inspect.stack(0))
-        seen.append((event.token, event.finished, inside))
+        seen.append((event.token, event.finished, inside, decodes[0]))
         if event.finished:
             done.set()
 
     engine.submit(prompts()[0], greedy(6), sink)
     assert done.wait(60)
-    assert [token for token, _, _ in seen] == gm.eager_greedy(lm, prompts()[0], 6)
-    assert [inside for _, finished, inside in seen] == [True] * 5 + [False]
+    assert [token for token, _, _, _ in seen] == gm.eager_greedy(lm, prompts()[0], 6)
+    assert [inside for _, _, inside, _ in seen] == [False] + [True] * 4 + [False]
+    assert seen[0][3] == 0  # the first token went out before any decode call began
 
 
 def test_an_engine_per_core_each_with_its_own_cache():
