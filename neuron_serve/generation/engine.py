@@ -324,7 +324,8 @@ class Engine(Streams):
             self._choose([seq], out)
             # The first token goes out now. Left for the next call to carry, it would wait
             # for the decode step to be prepared and launched, or for the whole decode step
-            # when the prefill's own step runs one: 2 to 4 ms more to the first token.
+            # when the prefill's own step runs one (the LLM example's first token: 8.8 against
+            # 5.2 ms in process, 18.4 against 12.3 ms served).
             self._deliver()
         for seq, slot in self.scheduler.compaction(self.model.rows_bucket):
             self.model.move(seq.slot, slot)
