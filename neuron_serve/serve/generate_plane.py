@@ -150,7 +150,10 @@ class GenerationPlane:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def token_text(self, token: int) -> str:
-        return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
+        """A token's text in logprobs: its share of the output text, which leaves special tokens
+        out (a random model can emit its chat template's markers), so that a choice's tokens join
+        to its text and ``text_offset`` indexes it."""
+        return self.tokenizer.decode([token], skip_special_tokens=True) if self.tokenizer is not None else str(token)
 
     # -- runs -------------------------------------------------------------------------------
 

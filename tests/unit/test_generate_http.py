@@ -134,3 +134,16 @@ def test_a_request_past_its_timeout_is_answered_504_and_its_slot_freed(plane):
     # The one slot is free again: the next request is served whole.
     status, _, body = asyncio.run(call(app, "POST", "/v1/completions", completion(3)))
     assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 3
+
+
+def test_a_special_tokens_logprob_text_is_empty_as_in_the_output_text():
+    # The output text leaves special tokens out; their logprob entries must too, or a
+    # choice's logprob tokens no longer join to its text.
+    tokenizer = gm.byte_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|assistant|>"]})
+    [marker] = tokenizer.encode("<|assistant|>", add_special_tokens=False)
+    config = parse_config({"name": "tiny", "task": "generate", "model": {"factory": "m:f"},
+                           "generation": {"max_num_seqs": 1, "max_model_len": 128}})
+    served = GenerationPlane(config, None, tokenizer, 128)
+    [n] = tokenizer.encode("n", add_special_tokens=False)
+    assert (served.token_text(marker), served.token_text(n)) == ("", "n")
