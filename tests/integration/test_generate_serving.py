@@ -231,15 +231,23 @@ def leave_and_see_the_abort(server, path: str, model: str, max_tokens: int, stre
     aborted = metric(server, "neuron_serve_request_success_total", finished_reason="abort")
     body = {"model": model, "prompt": "Hi", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": stream}
-    conn = _open_stream(server, path, body)
-    if stream:
-        assert conn.recv(100).startswith(b"HTTP/1.1 200")
-    else:  # nothing comes back before the end: leave once the sequence runs (a request never begun has none to abort)
-        deadline = time.monotonic() + 10
-        while (running := metric(server, "neuron_serve_num_requests_running")) == 0 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert running == 1
-    conn.close()
+    for _ in range(3):  # a non-streamed request can end before a loaded machine's scrape sees it run
+        with _open_stream(server, path, body) as conn:
+            if stream:
+                assert conn.recv(100).startswith(b"HTTP/1.1 200")
+                break
+            # Nothing comes back before the end: leave once the sequence runs (a request never
+            # begun has none to abort), unless it already ran to its length.
+            done = metric(server, "neuron_serve_request_success_total", finished_reason="length")
+            deadline = time.monotonic() + 10
+            while (running := metric(server, "neuron_serve_num_requests_running")) == 0 \
+                    and metric(server, "neuron_serve_request_success_total", finished_reason="length") == done \
+                    and time.monotonic() < deadline:
+                time.sleep(0.005)
+            if running == 1:
+                break
+    else:
+        pytest.fail("the request never showed as running before it ended, in three tries")
     deadline = time.monotonic() + 10
     while metric(server, "neuron_serve_request_success_total", finished_reason="abort") == aborted \
             and time.monotonic() < deadline:
