@@ -50,7 +50,8 @@ def eos_token_ids(lm: torch.nn.Module) -> list[int]:
 
 def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int = 512,
                prefill_buckets: Sequence[int] | None = None, decode_batch_buckets: Sequence[int] | None = None,
-               decode_context_buckets: Sequence[int] | None = None, max_num_batched_tokens: int | None = None,
+               decode_context_buckets: Sequence[int] | None = None, decode_steps: int = 1,
+               max_num_batched_tokens: int | None = None,
                max_waiting: int = 256, request_timeout_s: float | None = None, tokenizer: Any = None,
                target: str = "neuron", name: str = "model") -> Engine:
     """Compile ``lm`` for generation and start an engine over it (see :class:`Engine`).
@@ -63,7 +64,7 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
 
     buckets = GenerationBuckets.build(max_num_seqs, max_model_len, prefill=prefill_buckets,
                                       decode_rows=decode_batch_buckets, decode_context=decode_context_buckets,
-                                      field_prefix="")
+                                      decode_steps=decode_steps, field_prefix="")
     check_cache_fits(lm, buckets, field_prefix="")
     model = compile_generation(lm, buckets, target=target)
     return Engine(model, eos_token_ids=eos_token_ids(lm), tokenizer=tokenizer,

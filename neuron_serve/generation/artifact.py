@@ -46,6 +46,7 @@ def load_generation(path: str | Path) -> tuple[GenerationModel, list[int], str |
                             f"generate model.yaml again.")
     compiled = artifact.load(root)
     buckets = GenerationBuckets(described["max_num_seqs"], described["max_model_len"], described["prefill_buckets"],
-                                described["decode_batch_buckets"], described["decode_context_buckets"])
+                                described["decode_batch_buckets"], described["decode_context_buckets"],
+                                described.get("decode_steps", 1))
     tokenizer = str(root / TOKENIZER_DIR) if described["tokenizer"] else None
     return GenerationModel(compiled, buckets, described["vocab_size"]), described["eos_token_ids"], tokenizer

@@ -6,6 +6,11 @@ context encoding and token generation. Defaults follow from ``max_num_seqs`` and
 ``max_model_len``: prompt lengths and contexts double from 32 and 128 up to
 ``max_model_len``; running-sequence counts are the powers of 4 below ``max_num_seqs``
 and ``max_num_seqs`` itself (as compiled batch sizes are).
+
+With ``decode_steps`` K above 1, every decode bucket is also compiled as K greedy steps
+in one call (each step's argmax fed back on the core, as vLLM's multi-step scheduling
+and on-device sampling do): a batch of greedy sequences then crosses to the host once
+per K tokens.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from ..errors import ConfigError
 
 FIRST_PREFILL_BUCKET = 32
 FIRST_CONTEXT_BUCKET = 128
+MAX_DECODE_STEPS = 16
 
 
 def doubling(first: int, last: int) -> list[int]:
@@ -45,17 +51,21 @@ class GenerationBuckets:
     prefill: list[int] = field(default_factory=list)
     decode_rows: list[int] = field(default_factory=list)
     decode_context: list[int] = field(default_factory=list)
+    decode_steps: int = 1
 
     @classmethod
     def build(cls, max_num_seqs: int, max_model_len: int, *, prefill: Sequence[int] | None = None,
               decode_rows: Sequence[int] | None = None, decode_context: Sequence[int] | None = None,
-              field_prefix: str = "generation.") -> "GenerationBuckets":
+              decode_steps: int = 1, field_prefix: str = "generation.") -> "GenerationBuckets":
         """Defaults for what is not given; each list checked and sorted. Errors name the model.yaml field."""
         if max_num_seqs < 1:
             raise ConfigError(f"{field_prefix}max_num_seqs: must be at least 1, got {max_num_seqs}.")
         if max_model_len < 2:
             raise ConfigError(f"{field_prefix}max_model_len: must be at least 2 (a prompt token and a generated "
                               f"one), got {max_model_len}.")
+        if not 1 <= decode_steps <= MAX_DECODE_STEPS:
+            raise ConfigError(f"{field_prefix}decode_steps: must be 1 (one token per call) to {MAX_DECODE_STEPS}, "
+                              f"got {decode_steps}.")
         lists = {
             "prefill_buckets": (prefill, doubling(FIRST_PREFILL_BUCKET, max_model_len), max_model_len),
             "decode_batch_buckets": (decode_rows, powers_of_four(max_num_seqs), max_num_seqs),
@@ -73,17 +83,19 @@ class GenerationBuckets:
                                   f"{what} unreachable.")
             chosen[name] = sizes
         return cls(max_num_seqs, max_model_len, chosen["prefill_buckets"], chosen["decode_batch_buckets"],
-                   chosen["decode_context_buckets"])
+                   chosen["decode_context_buckets"], decode_steps)
 
     @property
     def count(self) -> int:
         """How many models are compiled."""
-        return len(self.prefill) + len(self.decode_rows) * len(self.decode_context)
+        decode = len(self.decode_rows) * len(self.decode_context)
+        return len(self.prefill) + decode * (2 if self.decode_steps > 1 else 1)
 
     def describe(self) -> dict:
         return {"max_num_seqs": self.max_num_seqs, "max_model_len": self.max_model_len,
                 "prefill_buckets": self.prefill, "decode_batch_buckets": self.decode_rows,
-                "decode_context_buckets": self.decode_context}
+                "decode_context_buckets": self.decode_context,
+                "decode_steps": self.decode_steps}
 
 
 def kv_cache_bytes(config, slots: int, positions: int, dtype_bytes: int) -> int:

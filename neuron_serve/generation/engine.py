@@ -11,10 +11,12 @@ serving edge.
 One thread drives the core (torch-xla replays an executable on the calling thread's
 device): each step aborts what was aborted, prefills admitted prompts one by one,
 then decodes every running sequence in one call, samples, and hands each request
-its new token. A step's events reach their requests while the next step's first
-model call computes (:func:`~neuron_serve.compile.subgraph.while_computing`): the
-event loop that streams them then holds the GIL while the core works, not while the
-engine prepares the call. Between steps it sleeps while nothing is waiting or running.
+its new token (with ``decode_steps``, the call runs that many greedy steps while every
+running sequence is greedy, and each gets its tokens up to its end). A step's events
+reach their requests while the next step's first model call computes
+(:func:`~neuron_serve.compile.subgraph.while_computing`): the event loop that streams
+them then holds the GIL while the core works, not while the engine prepares the call.
+Between steps it sleeps while nothing is waiting or running.
 """
 
 from __future__ import annotations
@@ -101,6 +103,11 @@ def check_prompt(prompt: Seq[int], params: SamplingParams, *, vocab_size: int, m
     if params.stop and not has_tokenizer:
         raise InvalidInput("stop strings need a tokenizer; this engine has none (give stop_token_ids instead).")
     return ids
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    """Whether the core's argmax is the sequence's whole choice (no sampling, penalties or logprobs)."""
+    return seq.params.greedy and seq.params.logprobs is None and not seq.params.penalized
 
 
 class Streams(abc.ABC):
@@ -292,10 +299,7 @@ class Engine(Streams):
                     return
                 arrived, self._inbox = self._inbox, []
                 aborted, self._aborts = self._aborts, set()
-            for seq in arrived:
-                self.scheduler.add(seq)
-            if self.request_timeout_s is not None:
-                self._deadlines.extend(arrived)
+            self._queue(arrived)
             try:
                 self.step(aborted)
             except Exception as exc:  # a failed call fails its sequences, never the engine
@@ -316,6 +320,37 @@ class Engine(Streams):
                 self._finish(seq, "abort")
         if self._deadlines:
             self._expire()
+        self._prefill()
+        for seq, slot in self.scheduler.compaction(self.model.rows_bucket):
+            self.model.move(seq.slot, slot)
+            self.scheduler.move(seq, slot)
+        running = self.scheduler.decoding()
+        if running:
+            steps = self._steps(running)
+            started = time.perf_counter()
+            out, shape = self.model.decode([s.output[-1] for s in running], [s.position for s in running],
+                                           [s.slot for s in running], steps)
+            self.metrics.observe(self.metrics.step(shape), time.perf_counter() - started)
+            if steps == 1:
+                self._choose(running, out)
+            else:
+                for seq, tokens in zip(running, out.greedy):
+                    for token in tokens:  # the tokens after its end were computed for nothing
+                        self._append(seq, Sampled(token))
+                        if seq.finish_reason is not None:
+                            break
+        self._gauges()
+        if take_meanwhile() is not None:  # no model call this step carried them
+            self._deliver()
+
+    def _queue(self, arrived: list[Sequence]) -> None:
+        for seq in arrived:
+            self.scheduler.add(seq)
+        if self.request_timeout_s is not None:
+            self._deadlines.extend(arrived)
+
+    def _prefill(self) -> None:
+        """Prefill the prompts the scheduler admits, each into its slot; each first token goes out at once."""
         for seq in self.scheduler.admit():
             started = time.perf_counter()
             out, shape = self.model.prefill(seq.prompt, seq.slot)
@@ -326,19 +361,6 @@ class Engine(Streams):
             # for the decode step to be prepared and launched, or for the whole decode step
             # when the prefill's own step runs one (the LLM example's first token: 8.8 against
             # 5.2 ms in process, 18.4 against 12.3 ms served).
-            self._deliver()
-        for seq, slot in self.scheduler.compaction(self.model.rows_bucket):
-            self.model.move(seq.slot, slot)
-            self.scheduler.move(seq, slot)
-        running = self.scheduler.decoding()
-        if running:
-            started = time.perf_counter()
-            out, shape = self.model.decode([s.output[-1] for s in running], [s.position for s in running],
-                                           [s.slot for s in running])
-            self.metrics.observe(self.metrics.step(shape), time.perf_counter() - started)
-            self._choose(running, out)
-        self._gauges()
-        if take_meanwhile() is not None:  # no model call this step carried them
             self._deliver()
 
     def _expire(self) -> None:
@@ -352,9 +374,21 @@ class Engine(Streams):
                                                  f"{self.request_timeout_s:g}s after it arrived (request_timeout_s); "
                                                  f"ask for fewer tokens or retry later", timed_out=True)
 
+    def _steps(self, running: list[Sequence]) -> int:
+        """Greedy steps of this decode call: ``decode_steps`` when every running sequence is plain
+        greedy, has room for them, and no prompt could be prefilled meanwhile; else 1."""
+        steps = self.model.decode_steps
+        if steps == 1 or (self.scheduler.free and (self.scheduler.waiting or self._inbox)):
+            return 1  # a prompt that could start now would wait for the whole call
+        if max(s.position for s in running) + steps > self.model.max_model_len:
+            return 1
+        if not all(_plain_greedy(s) for s in running):
+            return 1  # sampling, penalties and logprobs are applied on the host, token by token
+        return steps
+
     def _choose(self, seqs: list[Sequence], out: StepOutput) -> None:
         """Each sequence's next token: the core's greedy choice, or sampled here from the logits."""
-        if all(s.params.greedy and s.params.logprobs is None and not s.params.penalized for s in seqs):
+        if all(_plain_greedy(s) for s in seqs):
             for seq, token in zip(seqs, out.greedy):
                 self._append(seq, Sampled(token))
             return

@@ -46,19 +46,23 @@ class Shape:
     rows: int
     tokens: int
     context: int
+    steps: int = 1  # greedy decode steps in one call
 
     @property
     def label(self) -> str:
-        """The bucket label of metrics and logs: prefill_64, decode_8x256."""
+        """The bucket label of metrics and logs: prefill_64, decode_8x256, decode_8x256_steps4."""
         if self.kind == "prefill":
             return f"prefill_{self.tokens}"
-        return f"decode_{self.rows}x{self.context}"
+        return f"decode_{self.rows}x{self.context}" + (f"_steps{self.steps}" if self.steps > 1 else "")
 
 
 def shapes_of(buckets: GenerationBuckets) -> list[Shape]:
     """Every compiled model, in bucket order: prefill buckets, then decode (rows-major)."""
     shapes = [Shape("prefill", 1, length, length) for length in buckets.prefill]
-    shapes += [Shape("decode", rows, 1, context) for rows in buckets.decode_rows for context in buckets.decode_context]
+    decode = [(rows, context) for rows in buckets.decode_rows for context in buckets.decode_context]
+    shapes += [Shape("decode", rows, 1, context) for rows, context in decode]
+    if buckets.decode_steps > 1:
+        shapes += [Shape("decode", rows, 1, context, buckets.decode_steps) for rows, context in decode]
     return shapes
 
 
@@ -83,8 +87,8 @@ class StepOutput:
         return StepOutput(self._logits, self._greedy, index)
 
     @property
-    def greedy(self) -> list[int]:
-        """Each row's argmax, chosen on the core."""
+    def greedy(self) -> list:
+        """Each row's argmax, chosen on the core (a list of each step's per row, for a call of several steps)."""
         return self._greedy[self._index].tolist()
 
     @property
@@ -157,12 +161,17 @@ class GenerationModel:
             raise InvalidInput(f"a prompt of {length} tokens is longer than the largest prefill bucket ({lengths[-1]}).")
         return Shape("prefill", 1, lengths[i], lengths[i])
 
-    def decode_shape(self, rows: int, context: int) -> Shape:
+    @property
+    def decode_steps(self) -> int:
+        """Greedy steps a multi-step decode call runs (1: none compiled)."""
+        return self.buckets.decode_steps
+
+    def decode_shape(self, rows: int, context: int, steps: int = 1) -> Shape:
         b = bisect.bisect_left(self.buckets.decode_rows, rows)
         c = bisect.bisect_left(self.buckets.decode_context, context)
         if b == len(self.buckets.decode_rows) or c == len(self.buckets.decode_context):
             raise InvalidInput(f"no decode bucket holds {rows} sequences at {context} positions.")
-        return Shape("decode", self.buckets.decode_rows[b], 1, self.buckets.decode_context[c])
+        return Shape("decode", self.buckets.decode_rows[b], 1, self.buckets.decode_context[c], steps)
 
     def prefill(self, prompt: Sequence[int], slot: int) -> tuple["StepOutput", Shape]:
         """Write ``prompt`` (token ids) into ``slot``; the output at its last token (one row) and the bucket run."""
@@ -173,14 +182,19 @@ class GenerationModel:
         last = torch.tensor([[len(prompt) - 1]])
         return self._run(shape, tokens, positions, torch.tensor([slot]), last).rows(torch.tensor([0])), shape
 
-    def decode(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> tuple["StepOutput", Shape]:
+    def decode(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+               steps: int = 1) -> tuple["StepOutput", Shape]:
         """One token for each running sequence (its last token, at its position, in its slot).
 
         Row r of the call is slot r, so the call covers slots 0 to the highest running one;
-        a free slot among them gets token 0 at position 0 (it writes only there). Returns the
-        output of each sequence, in the order given, and the bucket run.
+        a free slot among them gets token 0 at position 0 (it writes only there, or at
+        positions 0 to steps - 1). Returns the output of each sequence, in the order given,
+        and the bucket run. ``steps`` > 1 (``decode_steps``) runs that many greedy steps:
+        each row's greedy output is its next ``steps`` tokens, written at the positions after.
         """
-        shape = self.decode_shape(max(slots) + 1, max(positions) + 1)
+        if steps not in (1, self.decode_steps):
+            raise InvalidInput(f"decode runs 1 or decode_steps ({self.decode_steps}) steps a call, not {steps}.")
+        shape = self.decode_shape(max(slots) + 1, max(positions) + steps, steps)
         tokens_t = torch.zeros(shape.rows, 1, dtype=torch.long)
         positions_t = torch.zeros(shape.rows, 1, dtype=torch.long)
         index = torch.as_tensor(slots, dtype=torch.long)
@@ -217,22 +231,23 @@ def compile_generation(lm: torch.nn.Module, buckets: GenerationBuckets, *, targe
     shared = [torch.zeros_like(t) for t in cache.caches()]
     del cache
 
-    def func(context: int | None) -> tuple[SlotLM, dict]:
-        model = SlotLM(lm, buckets.max_num_seqs, buckets.max_model_len, context).eval()
+    def func(context: int | None, steps: int) -> tuple[SlotLM, dict]:
+        model = SlotLM(lm, buckets.max_num_seqs, buckets.max_model_len, context, steps).eval()
         return model, model.aliases()
 
     def kernel(inputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
         tokens, positions = inputs[0], inputs[1]
         kind = "prefill" if tokens.shape[1] > 1 else "decode"
         context = int(positions.max()) + 1
-        for i, shape in enumerate(shapes):
+        for i, shape in enumerate(shapes):  # one token per call: the engine runs multi-step shapes itself
             if shape.kind == kind and shape.rows == tokens.shape[0] and shape.tokens == tokens.shape[1] \
-                    and context <= shape.context:
+                    and context <= shape.context and shape.steps == 1:
                 return inputs, torch.tensor(i)
         raise InvalidInput(f"no generation bucket takes {tuple(tokens.shape)} tokens at {context} positions.")
 
     config = BucketModelConfig(lambda: kernel, shared_state_buffer=shared,
-                               func_kwargs=[{"context": s.context if s.kind == "decode" else None} for s in shapes])
+                               func_kwargs=[{"context": s.context if s.kind == "decode" else None, "steps": s.steps}
+                                            for s in shapes])
     name = type(lm).__name__
     try:
         with grouped_for_compile(lm), \

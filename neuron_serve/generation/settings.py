@@ -64,6 +64,12 @@ class GenerationSettings(BaseModel):
         default=None, min_length=1,
         description="context lengths to compile decode at (each compiled for every decode batch bucket); the "
                     "largest is max_model_len")
+    decode_steps: int = Field(
+        1, ge=1, description="greedy decode steps run in one compiled call while every running sequence is greedy "
+                             "(no sampling, penalties or logprobs): the host and the core meet once per that many "
+                             "tokens; tokens past a sequence's stop, EOS or max_tokens are computed and dropped, and "
+                             "waiting prompts wait for the call; compiles each decode bucket a second time. 1: one "
+                             "token per call")
     max_num_batched_tokens: int | None = Field(
         default=None, ge=1,
         description="prompt tokens prefilled per engine step (a longer prompt still runs, alone), which bounds "
@@ -113,7 +119,7 @@ class GenerationSettings(BaseModel):
                                        prefill=self.prefill_buckets if lengths else None,
                                        decode_rows=self.decode_batch_buckets,
                                        decode_context=self.decode_context_buckets if lengths else None,
-                                       field_prefix=field_prefix)
+                                       decode_steps=self.decode_steps, field_prefix=field_prefix)
 
 
 def check_task(config: Any) -> None:

@@ -94,13 +94,17 @@ class SlotLM(torch.nn.Module):
     up to its own (a 4D additive mask), so what a slot held before, or a padded prompt
     wrote past its end, is never read before it is overwritten. The new keys and values
     are written into the whole cache, in place on the core (the executable aliases it).
-    Decode (``context`` given) ignores ``slots``: row r is slot r.
+    Decode (``context`` given) ignores ``slots``: row r is slot r. With ``steps`` K above 1
+    (decode only) the call runs K greedy steps, each feeding its argmax back at the next
+    position, and ``greedy`` is (rows, K); the logits are the last step's.
     """
 
-    def __init__(self, lm: torch.nn.Module, slots: int, positions: int, context: int | None = None) -> None:
+    def __init__(self, lm: torch.nn.Module, slots: int, positions: int, context: int | None = None,
+                 steps: int = 1) -> None:
         super().__init__()
         self.lm = lm
         self.context = context
+        self.steps = steps
         self.kwarg = _cache_kwarg(lm)
         shape = cache_shape(lm.config, slots, positions)
         dtype = next(lm.parameters()).dtype
@@ -120,6 +124,20 @@ class SlotLM(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, last: torch.Tensor):
         caches = self.caches()
+        if self.context is None or self.steps == 1:
+            logits, caches = self._step(tokens, positions, slots, last, caches)
+            # Greedy choice on the core: a batch of greedy rows takes home one id a row, not the logits.
+            return (logits, logits.argmax(-1), *caches)
+        chosen = []
+        for _ in range(self.steps):  # unrolled: each step's token and cache feed the next, on the core
+            logits, caches = self._step(tokens, positions, slots, last, caches)
+            tokens = logits.argmax(-1, keepdim=True)
+            chosen.append(tokens)
+            positions = positions + 1
+        return (logits, torch.cat(chosen, dim=1), *caches)
+
+    def _step(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, last: torch.Tensor,
+              caches: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         dtype = caches[0].dtype
         if self.context is None:  # prefill: the prompt's own positions
             seen = positions[:, None, :]
@@ -131,7 +149,4 @@ class SlotLM(torch.nn.Module):
         cache = SlotCache(caches[0::2], caches[1::2], slots, positions, self.context)
         out = self.lm(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
                       logits_to_keep=last, **{self.kwarg: cache})
-        new = [t for pair in zip(cache.keys, cache.values) for t in pair]
-        logits = out.logits[:, 0]
-        # Greedy choice on the core: a batch of greedy rows takes home one id a row, not the logits.
-        return (logits, logits.argmax(-1), *new)
+        return out.logits[:, 0], [t for pair in zip(cache.keys, cache.values) for t in pair]

@@ -230,6 +230,7 @@ model:
 generation:
   max_num_seqs: 8
   max_model_len: {LLM_MAX_MODEL_LEN}
+  decode_steps: 4
 """
 
 

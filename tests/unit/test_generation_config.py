@@ -117,7 +117,7 @@ def test_a_generate_model_yaml_parses_with_defaults():
     assert given.generation == GenerationSettings()
     assert given.generation.model_dump() == {
         "max_num_seqs": 8, "max_model_len": None, "prefill_buckets": None, "decode_batch_buckets": None,
-        "decode_context_buckets": None, "max_num_batched_tokens": None, "max_waiting": 256,
+        "decode_context_buckets": None, "decode_steps": 1, "max_num_batched_tokens": None, "max_waiting": 256,
         "request_timeout_s": None}
     assert parse_config(with_(GENERATE, model={"factory": "pkg.lm:build", "kwargs": {"size": 2}})).model.kwargs
     assert parse_config(INFER).task == "infer"
@@ -133,7 +133,7 @@ def test_settings_to_buckets_defaults():
     buckets = GenerationSettings().to_buckets(Positions(4096))
     assert buckets.describe() == {
         "max_num_seqs": 8, "max_model_len": 2048, "prefill_buckets": [32, 64, 128, 256, 512, 1024, 2048],
-        "decode_batch_buckets": [1, 4, 8], "decode_context_buckets": [128, 256, 512, 1024, 2048]}
+        "decode_batch_buckets": [1, 4, 8], "decode_context_buckets": [128, 256, 512, 1024, 2048], "decode_steps": 1}
     short = GenerationSettings(max_num_seqs=2).to_buckets(Positions(64))
     assert (short.max_model_len, short.prefill, short.decode_rows, short.decode_context) == (64, [32, 64], [1, 2], [64])
     given = GenerationSettings(**SMALL).to_buckets(Positions(64))

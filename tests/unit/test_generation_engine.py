@@ -78,8 +78,8 @@ def test_sequences_left_above_a_smaller_decode_bucket_move_down_and_still_equal_
         moves.append((src, dst))
         move(src, dst)
 
-    def recording_decode(tokens, positions, slots):
-        out, shape = decode(tokens, positions, slots)
+    def recording_decode(tokens, positions, slots, steps=1):
+        out, shape = decode(tokens, positions, slots, steps)
         rows.append(shape.rows)
         return out, shape
 

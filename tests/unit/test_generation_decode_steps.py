@@ -1,0 +1,161 @@
+"""``decode_steps``: several greedy decode steps in one compiled call, on real transformers LMs.
+
+The tokens must be transformers' own greedy tokens, whatever step of a call a sequence
+ends in (length, a stop token, EOS); a call runs several steps only while every running
+sequence is greedy, has room for them, and no prompt could start meanwhile.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import generation_models as gm
+from neuron_serve.config import parse_config
+from neuron_serve.errors import ConfigError
+from neuron_serve.generation import GenerationBuckets, SamplingParams, engine_for
+
+STEPS = 4
+# Four slots for five prompts (the fifth waits for a slot); no new-token count a multiple of STEPS.
+PROMPT_LENGTHS = (3, 11, 20, 7, 30)
+NEW_TOKENS = (12, 5, 20, 9, 15)
+SHAPES = {"max_num_seqs": 4, "max_model_len": 48, "prefill_buckets": [16, 48], "decode_batch_buckets": [1, 4],
+          "decode_context_buckets": [24, 48]}
+
+
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, gm.VOCAB, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+
+
+def greedy(n: int | None, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, **kw)
+
+
+class Calls:
+    """The steps of every decode call the engine makes (recorded around the model's decode)."""
+
+    def __init__(self, engine) -> None:
+        self.model, self.steps = engine.model, []
+        decode = self.model.decode
+
+        def recording(tokens, positions, slots, steps=1):
+            out, shape = decode(tokens, positions, slots, steps)
+            self.steps.append(shape.steps)
+            return out, shape
+
+        self.model.decode = recording
+
+    def __enter__(self) -> "Calls":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.model.decode
+
+
+@pytest.fixture(scope="module")
+def llama():
+    lm = gm.build("llama")
+    engine = engine_for(lm, **SHAPES, decode_steps=STEPS)
+    yield lm, engine
+    engine.close()
+
+
+def test_greedy_equals_transformers_when_sequences_end_inside_a_call(llama):
+    lm, engine = llama
+    want = [gm.eager_greedy(lm, p, n) for p, n in zip(prompts(), NEW_TOKENS)]  # 12, 5, 20, 9, 15 tokens
+    with Calls(engine) as calls:
+        done = engine.generate_batch(prompts(), [greedy(n) for n in NEW_TOKENS])
+    assert [d.tokens for d in done] == want
+    assert [d.finish_reason for d in done] == ["length"] * len(want)
+    assert STEPS in calls.steps and 1 in calls.steps  # single steps while the fifth prompt waited for a slot
+    # Far fewer calls than tokens: 61 tokens, the first of each from its prefill.
+    assert len(calls.steps) < sum(NEW_TOKENS) - len(NEW_TOKENS)
+    assert engine.running == 0
+
+
+def test_a_stop_token_inside_a_call_ends_the_sequence_there(llama):
+    lm, engine = llama
+    prompt = prompts()[1]
+    want = gm.eager_greedy(lm, prompt, 20)
+    stop_id = want[6]
+    first = want.index(stop_id)
+    with Calls(engine) as calls:
+        [done] = engine.generate_batch([prompt], greedy(20, stop_token_ids=(stop_id,)))
+    assert (done.tokens, done.finish_reason, done.stop_reason) == (want[:first + 1], "stop", stop_id)
+    assert set(calls.steps) == {STEPS}
+
+
+def test_eos_inside_a_call_ends_the_sequence_unless_ignored():
+    lm = gm.build("qwen2")
+    prompt = prompts()[2]
+    want = gm.eager_greedy(lm, prompt, 12)
+    eos = want[5]
+    lm.generation_config.eos_token_id = eos
+    engine = engine_for(lm, **SHAPES, decode_steps=STEPS)
+    try:
+        [ended] = engine.generate_batch([prompt], greedy(12))
+        assert (ended.tokens, ended.finish_reason, ended.stop_reason) == (want[:want.index(eos) + 1], "stop", eos)
+        [ignored] = engine.generate_batch([prompt], greedy(12, ignore_eos=True))
+        assert (ignored.tokens, ignored.finish_reason) == (want, "length")
+    finally:
+        engine.close()
+
+
+def test_the_last_positions_of_the_context_run_one_step_a_call(llama):
+    lm, engine = llama
+    prompt = prompts()[4]  # 30 tokens: calls at positions 30, 34, 38, 42; at 46 only two positions are left
+    with Calls(engine) as calls:
+        [full] = engine.generate_batch([prompt], greedy(None))  # until the context is full
+    assert (len(prompt) + len(full.tokens), full.finish_reason) == (SHAPES["max_model_len"], "length")
+    assert full.tokens == gm.eager_greedy(lm, prompt, 18)
+    assert calls.steps == [STEPS] * 4 + [1]
+
+
+def test_a_sampling_or_logprobs_request_makes_every_call_one_step(llama):
+    lm, engine = llama
+    seeded = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=7)
+    alone = engine.generate_batch([prompts()[0]], seeded)[0].tokens
+    with Calls(engine) as calls:
+        done = engine.generate_batch([prompts()[0], prompts()[1]], [seeded, greedy(6)])
+    assert done[0].tokens == alone
+    assert done[1].tokens == gm.eager_greedy(lm, prompts()[1], 6)
+    assert set(calls.steps) == {1}
+    with Calls(engine) as calls:
+        [scored] = engine.generate_batch([prompts()[1]], greedy(6, logprobs=0))
+    assert set(calls.steps) == {1} and len(scored.logprobs) == 6 and None not in scored.logprobs
+
+
+def test_each_decode_bucket_is_compiled_once_per_call_form(llama):
+    _, engine = llama
+    labels = [s.label for s in engine.model.shapes]
+    assert "decode_4x48" in labels and f"decode_4x48_steps{STEPS}" in labels
+    assert engine.model.buckets.count == len(labels) == 2 + 2 * 2 * 2
+
+
+@pytest.mark.parametrize("steps", [0, 17])
+def test_decode_steps_out_of_range_is_refused_naming_the_field(steps):
+    with pytest.raises(ConfigError, match=r"generation\.decode_steps"):
+        parse_config({"name": "llm", "task": "generate", "model": {"pretrained": "llm"},
+                          "generation": {"decode_steps": steps}})
+    if steps:
+        with pytest.raises(ConfigError, match=f"decode_steps: must be 1 \\(one token per call\\) to 16, got {steps}"):
+            GenerationBuckets.build(4, 48, decode_steps=steps, field_prefix="")
+
+
+def test_an_artifact_keeps_decode_steps_and_generates_the_same_tokens(llama, tmp_path):
+    from neuron_serve.generation.artifact import load_generation, save_generation  # noqa: PLC0415
+    from neuron_serve.generation.engine import Engine  # noqa: PLC0415
+
+    lm, engine = llama
+    save_generation(engine.model, tmp_path / "built", eos_token_ids=[])  # the engine is idle between tests
+    model, _, _ = load_generation(tmp_path / "built")
+    assert model.decode_steps == STEPS and [s.label for s in model.shapes] == [s.label for s in engine.model.shapes]
+    loaded = Engine(model)
+    try:
+        with Calls(loaded) as calls:
+            [done] = loaded.generate_batch([prompts()[2]], greedy(9))
+        assert done.tokens == gm.eager_greedy(lm, prompts()[2], 9)
+        assert calls.steps == [STEPS, STEPS]  # the first token from the prefill, then 4 + 4
+    finally:
+        loaded.close()
