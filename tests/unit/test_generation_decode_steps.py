@@ -1,7 +1,7 @@
 """``decode_steps``: several greedy decode steps in one compiled call, on real transformers LMs.
 
 The tokens must be transformers' own greedy tokens, whatever step of a call a sequence
-ends in (length, a stop token, EOS); a call runs several steps only while every running
+ends in (length, a stop token; EOS in test_generation_engine); a call runs several steps only while every running
 sequence is greedy, has room for them, and no prompt could start meanwhile.
 """
 
@@ -84,22 +84,6 @@ def test_a_stop_token_inside_a_call_ends_the_sequence_there(llama):
         [done] = engine.generate_batch([prompt], greedy(20, stop_token_ids=(stop_id,)))
     assert (done.tokens, done.finish_reason, done.stop_reason) == (want[:first + 1], "stop", stop_id)
     assert set(calls.steps) == {STEPS}
-
-
-def test_eos_inside_a_call_ends_the_sequence_unless_ignored():
-    lm = gm.build("qwen2")
-    prompt = prompts()[2]
-    want = gm.eager_greedy(lm, prompt, 12)
-    eos = want[5]
-    lm.generation_config.eos_token_id = eos
-    engine = engine_for(lm, **SHAPES, decode_steps=STEPS)
-    try:
-        [ended] = engine.generate_batch([prompt], greedy(12))
-        assert (ended.tokens, ended.finish_reason, ended.stop_reason) == (want[:want.index(eos) + 1], "stop", eos)
-        [ignored] = engine.generate_batch([prompt], greedy(12, ignore_eos=True))
-        assert (ignored.tokens, ignored.finish_reason) == (want, "length")
-    finally:
-        engine.close()
 
 
 def test_the_last_positions_of_the_context_run_one_step_a_call(llama):

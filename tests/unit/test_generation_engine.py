@@ -173,13 +173,14 @@ def test_each_ending_has_its_finish_reason(llama):
     assert full.tokens[:20] == want
 
 
-def test_eos_ends_a_sequence_unless_ignored():
+@pytest.mark.parametrize("decode_steps", [1, 4])  # with 4, the EOS is the third token of the first decode call
+def test_eos_ends_a_sequence_unless_ignored(decode_steps):
     lm = gm.build("qwen2")
     prompt = prompts()[2]
     want = gm.eager_greedy(lm, prompt, 12)
     eos = want[3]
     lm.generation_config.eos_token_id = eos
-    engine = engine_for(lm, **SHAPES)
+    engine = engine_for(lm, **SHAPES, decode_steps=decode_steps)
     try:
         [ended] = engine.generate_batch([prompt], greedy(12))
         assert (ended.tokens, ended.finish_reason, ended.stop_reason) == (want[:want.index(eos) + 1], "stop", eos)
