@@ -299,7 +299,10 @@ class Engine(Streams):
                     return
                 arrived, self._inbox = self._inbox, []
                 aborted, self._aborts = self._aborts, set()
-            self._queue(arrived)
+            for seq in arrived:
+                self.scheduler.add(seq)
+            if self.request_timeout_s is not None:
+                self._deadlines.extend(arrived)
             try:
                 self.step(aborted)
             except Exception as exc:  # a failed call fails its sequences, never the engine
@@ -342,12 +345,6 @@ class Engine(Streams):
         self._gauges()
         if take_meanwhile() is not None:  # no model call this step carried them
             self._deliver()
-
-    def _queue(self, arrived: list[Sequence]) -> None:
-        for seq in arrived:
-            self.scheduler.add(seq)
-        if self.request_timeout_s is not None:
-            self._deadlines.extend(arrived)
 
     def _prefill(self) -> None:
         """Prefill the prompts the scheduler admits, each into its slot; each first token goes out at once."""
