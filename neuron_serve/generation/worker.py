@@ -91,11 +91,21 @@ def serve(conn: Connection) -> int:
 
     from ..config import parse_config  # noqa: PLC0415 - after sys.path is set
     from ..errors import NeuronServeError  # noqa: PLC0415
+    from ..targets.pjrt import start_emulated_cores_on_threads  # noqa: PLC0415
     from .build import build_engine  # noqa: PLC0415
     from .engine import TokenEvent  # noqa: PLC0415
 
     try:
-        group = build_engine(parse_config(config), base_dir, replica=replica)
+        config = parse_config(config)
+        # An emulated core's steps compute on one host thread each, so the replica's HTTP
+        # work keeps a CPU to itself, as beside a real NeuronCore. XLA:CPU's split of a
+        # step over 2 vCPUs gained little and lost most of it to that work: a 32-row call
+        # of 4 steps took 26.7 ms over two threads and 33.6 beside a busy CPU, against
+        # 30 ms on one thread either way (docs/guides/benchmarks.md).
+        if start_emulated_cores_on_threads(config.cores_per_replica):
+            logger.info("emulated NeuronCores: XLA:CPU computes on %d thread(s), one per core",
+                        config.cores_per_replica)
+        group = build_engine(config, base_dir, replica=replica)
     except BaseException as exc:  # noqa: BLE001 - the replica raises it in its constructor
         conn.send(("failed", _portable(exc)))
         return 1

@@ -44,6 +44,32 @@ def xla():
     return torch_xla
 
 
+def start_emulated_cores_on_threads(threads: int) -> bool:
+    """Start XLA:CPU's runtime with ``threads`` compute threads instead of one per host CPU.
+
+    An emulated NeuronCore computes on the host's CPUs, where a real one leaves them to the
+    host's serving work. XLA:CPU splits each operation over a pool of one thread per CPU
+    the process may run on when its client starts; torch-xla has no option for the
+    pool's size. So the client starts under an affinity of ``threads`` CPUs, and every
+    thread gets the process's CPUs back once it has. True if the pool was made smaller;
+    False on Neuron, when the client already runs, or when ``threads`` covers every CPU.
+    """
+    torch_xla = xla()  # first: it decides between Neuron and emulation
+    allowed = sorted(os.sched_getaffinity(0))
+    if not emulated() or threads >= len(allowed) or torch_xla._XLAC._xla_runtime_is_initialized():
+        return False
+    os.sched_setaffinity(0, allowed[:threads])
+    try:
+        torch_xla.device(0)  # creates the PJRT client, and with it XLA:CPU's pools
+    finally:
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(tid), allowed)
+            except OSError:  # a thread that ended meanwhile
+                pass
+    return True
+
+
 def use_device(device: Any) -> None:
     """Make ``device`` this thread's default XLA device.
 
