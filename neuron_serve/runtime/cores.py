@@ -84,7 +84,14 @@ class Core:
 
 
 class CorePool:
-    """The cores of this process, handed out round-robin."""
+    """The cores of this process, handed out to chunks: the core that ran last while it is idle, else round-robin.
+
+    A lone request on an idle replica keeps going to the same core. Each emulated core
+    holds its own copy of the weights, and alternating made every call read the other
+    copy out of cache: the example MLP's batch-1 request took 4.7 ms in process against
+    2.7 on one core (bench.latency). Under load a core is busy when the next chunk
+    comes, and chunks spread round-robin over the idle ones as before.
+    """
 
     def __init__(self, count: int) -> None:
         torch_xla = xla()
@@ -103,6 +110,8 @@ class CorePool:
             self.cores.append(Core(index, device, executor))
         self._order = itertools.cycle(self.cores)
         self._lock = threading.Lock()
+        self._last: Core | None = None
+        self._running = {core.index: 0 for core in self.cores}  # chunks handed out and not yet released
 
     def __len__(self) -> int:
         return len(self.cores)
@@ -110,10 +119,25 @@ class CorePool:
     def lead_every(self, span: int, copies: int) -> None:
         """Hand out only the first core of each of ``copies`` groups of ``span`` cores (pipelined models)."""
         self._order = itertools.cycle(self.cores[: copies * span : span])
+        self._last = None
 
     def next(self) -> Core:
+        """A core for one chunk; give it back with :meth:`release` when the chunk is done."""
         with self._lock:
-            return next(self._order)
+            core = self._last
+            if core is None or self._running[core.index]:
+                core = next(self._order)
+                for _ in range(len(self.cores)):  # an idle core before a busy one
+                    if not self._running[core.index]:
+                        break
+                    core = next(self._order)
+            self._running[core.index] += 1
+            self._last = core
+            return core
+
+    def release(self, core: Core) -> None:
+        with self._lock:
+            self._running[core.index] -= 1
 
     def shutdown(self) -> None:
         for core in self.cores:

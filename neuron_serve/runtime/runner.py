@@ -4,8 +4,8 @@ The runner takes a :class:`~neuron_serve.model.CompiledModel` built elsewhere (b
 serving edge) and learns everything from it: which bucket a request goes to (the
 model's kernel), how many rows one compiled call takes (the bucket's batch size), and
 how outputs are cut back. Requests of one bucket are concatenated along dim 0, split
-into chunks of that batch size (the last padded) and spread round-robin over the
-cores, each chunk a pipeline of core and CPU stages.
+into chunks of that batch size (the last padded) and spread over the idle cores
+(:class:`~.cores.CorePool`), each chunk a pipeline of core and CPU stages.
 """
 
 from __future__ import annotations
@@ -204,10 +204,13 @@ class ModelRunner:
 
     async def _run_chunk(self, bucket: int, size: int, flat: list[torch.Tensor], padded: int) -> list[torch.Tensor]:
         core = self.cores.next()
-        self.chunks[bucket, size] += 1
-        if self.on_chunk:
-            self.on_chunk(core.index, size, padded)
-        return await self.pipelines[bucket][size].run(flat, core)
+        try:
+            self.chunks[bucket, size] += 1
+            if self.on_chunk:
+                self.on_chunk(core.index, size, padded)
+            return await self.pipelines[bucket][size].run(flat, core)
+        finally:
+            self.cores.release(core)
 
     @property
     def groups(self) -> list[list[int]]:

@@ -1,4 +1,4 @@
-"""CorePool: one device and one driving thread per core, handed out round-robin."""
+"""CorePool: one device and one driving thread per core (which core a chunk takes: test_core_choice.py)."""
 
 import threading
 
@@ -9,11 +9,14 @@ from neuron_serve.runtime.cores import CorePool
 from neuron_serve.targets.pjrt import xla
 
 
-def test_cores_are_handed_out_round_robin_each_driving_its_own_thread():
+def test_one_core_is_handed_out_every_time_and_drives_its_own_thread():
     pool = CorePool(1)  # a unit-test process sees one emulated core
     try:
         assert len(pool) == 1
-        assert [pool.next().index for _ in range(3)] == [0, 0, 0]
+        handed = [pool.next() for _ in range(3)]  # none given back: the only core, busy or not
+        assert [core.index for core in handed] == [0, 0, 0]
+        for core in handed:
+            pool.release(core)
         core = pool.cores[0]
         assert str(core.device) == str(xla().device(0))
         thread = core.submit(lambda: threading.current_thread().name).result()
