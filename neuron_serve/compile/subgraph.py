@@ -24,6 +24,7 @@ from ..compiler_args import NONE, CompilerArgs
 from ..targets.pjrt import emulated, use_device, xla
 from .lift_weights import lift_weights
 from .passes.fold_weight_layout import fold_input_layout, fold_weight_layout
+from .passes.matvec_addend import subtract_matvec_addends
 from .passes.place_on_device import place_on_device
 
 logger = logging.getLogger("neuron_serve")
@@ -74,6 +75,8 @@ def _copy_to(source: torch.fx.GraphModule, device: Any,
     """
     gm = fold_weight_layout(copy.deepcopy(source))
     transposed = fold_input_layout(gm, list(weights)) if weights else set()
+    if emulated():
+        subtract_matvec_addends(gm)
     return place_on_device(gm, device).to(device), transposed
 
 
