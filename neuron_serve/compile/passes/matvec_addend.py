@@ -23,6 +23,11 @@ import torch.fx
 
 aten = torch.ops.aten
 _PRODUCTS = {aten.matmul.default, aten.mm.default}
+# Ops that add a bias themselves: where the bias is, and the product without it.
+_BIASED = {
+    aten.linear.default: (2, lambda x, weight, bias: (aten.linear.default, (x, weight))),
+    aten.addmm.default: (0, lambda bias, x, weight: (aten.mm.default, (x, weight))),
+}
 
 
 def _is_matvec(node: torch.fx.Node) -> bool:
@@ -57,18 +62,14 @@ def subtract_matvec_addends(gm: torch.fx.GraphModule) -> int:
                     _subtract_negated(gm, node, product, addend)
                     rewritten += 1
                     break
-        elif node.target is aten.linear.default and len(node.args) == 3 and isinstance(node.args[2], torch.fx.Node):
-            x, weight, bias = node.args
-            with gm.graph.inserting_before(node):
-                product = gm.graph.call_function(aten.linear.default, (x, weight))
-            _subtract_negated(gm, node, product, bias)
-            rewritten += 1
-        elif node.target is aten.addmm.default and len(node.args) == 3 and isinstance(node.args[0], torch.fx.Node):
-            bias, x, weight = node.args
-            with gm.graph.inserting_before(node):
-                product = gm.graph.call_function(aten.mm.default, (x, weight))
-            _subtract_negated(gm, node, product, bias)
-            rewritten += 1
+        elif node.target in _BIASED and len(node.args) == 3:
+            at, product_of = _BIASED[node.target]
+            if isinstance(node.args[at], torch.fx.Node):
+                op, args = product_of(*node.args)
+                with gm.graph.inserting_before(node):
+                    product = gm.graph.call_function(op, args)
+                _subtract_negated(gm, node, product, node.args[at])
+                rewritten += 1
     if rewritten:
         gm.recompile()
     return rewritten
