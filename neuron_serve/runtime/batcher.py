@@ -11,7 +11,8 @@ One background task forms batches on a single asyncio event loop:
    is running; otherwise when ``max_queue_delay_s`` has passed since the first request of
    the batch arrived. Waiting only pays while batches run: then more requests arrive
    while it waits and a core would be busy anyway. On an idle replica it is pure latency,
-   so a lone request (concurrency 1) never waits for company that is not coming.
+   so a lone request (concurrency 1) never waits for company that is not coming. Such a
+   request runs in its caller's task, not handed to the background task and back.
 
 Requests that time out while queued leave the queue and never run; a request that times
 out after its batch started has its result discarded.
@@ -187,6 +188,8 @@ class DynamicBatcher:
             raise Overloaded(f"queue full ({len(self._queue)} requests waiting); retry later")
         loop = asyncio.get_running_loop()
         pending = _Pending(item, rows, loop.time(), loop.create_future())
+        if not self._queue and not self._running and not self._slots.locked():
+            return await self._run_alone(pending)
         self._queue.append(pending)
         self._wakeup.set()
         try:
@@ -201,6 +204,45 @@ class DynamicBatcher:
                 f"request timed out after waiting {self.request_timeout_s:g}s "
                 f"({'running' if pending.started else 'still queued'}); raise request_timeout_s or retry later"
             )
+        return pending.future.result()
+
+    async def _run_alone(self, pending: _Pending) -> Any:
+        """Run a request that finds the batcher idle as a batch of its own, in the caller's task.
+
+        It is what the batching task would do at once (nothing runs, so nothing is worth
+        waiting for), without the three turns of the event loop that handing it to that
+        task and back costs. It counts as a running batch, so requests arriving meanwhile
+        queue and batch behind it as behind any other.
+        """
+        await self._slots.acquire()  # free (checked by the caller): returns without waiting
+        pending.started = True
+        loop = asyncio.get_running_loop()
+        running = loop.create_future()  # what stop() awaits
+        self._running.add(running)
+        # The deadline cancels this task, as asyncio.timeout (Python 3.11+) would.
+        task, expired = asyncio.current_task(), []
+        timer = None if self.request_timeout_s is None else loop.call_later(
+            self.request_timeout_s, lambda: expired.append(task.cancel()))
+        try:
+            await self._run([pending])
+        except asyncio.CancelledError:
+            if not expired:
+                raise
+            if hasattr(task, "uncancel"):
+                task.uncancel()
+            self._counts["timed_out"] += 1
+            raise RequestTimeout(
+                f"request timed out after waiting {self.request_timeout_s:g}s (running); "
+                f"raise request_timeout_s or retry later"
+            ) from None
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if pending.future.done() and not pending.future.cancelled():
+                pending.future.exception()  # retrieved here when the caller will not (timed out, cancelled)
+            self._running.discard(running)
+            running.set_result(None)
+            self._slots.release()
         return pending.future.result()
 
     def _abandon(self, pending: _Pending) -> None:

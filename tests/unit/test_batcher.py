@@ -87,6 +87,52 @@ def test_lone_item_on_an_idle_batcher_runs_without_waiting_the_delay():
     assert waits[0] < 5  # nothing was running, so waiting 30 s for company would only add latency
 
 
+def test_a_lone_item_on_an_idle_batcher_runs_in_the_callers_task_and_others_batch_behind_it():
+    async def main():
+        gate = asyncio.Event()
+        tasks = []
+
+        async def run_batch(items):
+            tasks.append(asyncio.current_task())
+            await gate.wait()
+            return list(items)
+
+        async with batcher(run_batch, max_queue_delay_s=0.01, max_concurrent_batches=4) as b:
+            first = asyncio.create_task(b.submit("first"))
+            while not tasks:
+                await asyncio.sleep(0)
+            during = b.stats
+            later = [asyncio.create_task(b.submit(name)) for name in ("second", "third")]
+            await asyncio.sleep(0.05)  # past the delay: the two went as one batch, in the batcher's task
+            gate.set()
+            return await asyncio.gather(first, *later), tasks, first, during
+
+    results, tasks, first, during = asyncio.run(main())
+    assert results == ["first", "second", "third"]
+    assert tasks[0] is first  # no hand-over to the batching task and back
+    assert len(tasks) == 2 and tasks[1] is not first
+    assert during["running_batches"] == 1 and during["queued"] == 0
+
+
+def test_a_caller_that_goes_away_while_its_lone_item_runs_leaves_the_batcher_serving():
+    async def main():
+        gate = asyncio.Event()
+        run = Recorder(gate)
+        async with batcher(run, max_concurrent_batches=2) as b:
+            gone = asyncio.create_task(b.submit("gone"))
+            await run.started.wait()
+            gone.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await gone
+            after = b.stats
+            gate.set()
+            return await b.submit("next"), after, b.stats
+
+    result, after, stats = asyncio.run(main())
+    assert result == "next"
+    assert (after["running_batches"], stats["running_batches"], stats["completed"]) == (0, 0, 1), (after, stats)
+
+
 def test_while_a_batch_runs_a_new_batch_waits_the_delay_for_company():
     waits = []
 
