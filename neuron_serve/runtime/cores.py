@@ -136,6 +136,11 @@ class CorePool:
             self._last = core
             return core
 
+    def busy(self) -> int:
+        """Chunks handed out and not yet released, on all cores."""
+        with self._lock:
+            return sum(self._running.values())
+
     def release(self, core: Core) -> None:
         with self._lock:
             self._running[core.index] -= 1

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from ..model import Bucket, graph
+from ..targets.pjrt import use_device
 from .cores import Core, CorePool
 
 StageTimer = Callable[[str, str, int, float], None]  # (partition, device, core, seconds)
@@ -63,8 +64,13 @@ class Pipeline:
         core = self.cores.cores[lead.index + self.offset[name]]
         return core, self.modules[core.index].get(name)
 
-    async def run(self, flat: list[torch.Tensor], core: Core) -> list[torch.Tensor]:
-        """Run one chunk (flat inputs of the bucket's batch size) on the cores led by ``core``."""
+    async def run(self, flat: list[torch.Tensor], core: Core, inline: bool = False) -> list[torch.Tensor]:
+        """Run one chunk (flat inputs of the bucket's batch size) on the cores led by ``core``.
+
+        ``inline`` runs every stage on the calling thread (the event loop's), blocking it:
+        for a lone chunk on an idle replica, where handing each stage to its thread and
+        back would cost more than the loop has to do meanwhile (see ``ModelRunner.infer``).
+        """
         loop = asyncio.get_running_loop()
         walk = graph.stages(self.bucket.graph_module, flat)
         try:
@@ -81,7 +87,12 @@ class Pipeline:
                 executor, job = on.executor, functools.partial(on.execute, _call, module, args)
             else:
                 executor, job = self.cpu_pool, functools.partial(_call, self.cpu_modules[name], args)
-            step = await loop.run_in_executor(executor, self._then, walk, job, name, on.index, started)
+            if inline:
+                if module is not None:
+                    use_device(on.device)  # an executable runs on its calling thread's default device
+                step = self._then(walk, job, name, on.index, started)
+            else:
+                step = await loop.run_in_executor(executor, self._then, walk, job, name, on.index, started)
         return step.outputs
 
     def _then(self, walk: graph.Stages, job: Callable[[], Any], name: str, core: int, started: float) -> tuple | _Done:

@@ -36,6 +36,11 @@ TIMING_ROUNDS = 5  # calls timed per compiled size at load, in turns with the ot
 # A CPU stage faster than this runs on the thread that ran the stage before it: handing it
 # to the CPU pool and back costs about 0.1 ms of thread wake-ups (measured on 2 vCPUs).
 IN_PLACE_CPU_S = 100e-6
+# The longest compiled call (as timed at load) that an idle replica runs on its event loop's
+# own thread (``infer(inline=True)``): the hand-out to a core's thread and back costs about
+# 0.2 ms on 2 vCPUs, most of a small model's serving overhead, while the loop it blocks
+# has nothing else to do. Longer calls would hold up arrivals for longer than that saves.
+INLINE_MAX_S = 5e-3
 
 
 def _copies(model: CompiledModel, cores: int) -> tuple[int, int]:
@@ -138,11 +143,15 @@ class ModelRunner:
     def partitions(self) -> list[dict]:
         return [p.describe() for p in self.model.first.partitions]
 
-    async def infer(self, requests: list[list[torch.Tensor]]) -> list[list[torch.Tensor] | Exception]:
+    async def infer(self, requests: list[list[torch.Tensor]], inline: bool = False
+                    ) -> list[list[torch.Tensor] | Exception]:
         """Run a batch of requests (each a list of input tensors); one result per request.
 
         A request that cannot run (too large for every bucket) gets its exception as
-        its result; the others still run.
+        its result; the others still run. ``inline`` lets the batch run on the calling
+        thread, blocking it, when it is one chunk whose compiled call costs at most
+        ``INLINE_MAX_S``, of a model on one core, and no other chunk is on a core: the
+        caller says that nothing else is waiting for its thread.
         """
         results: list[list[torch.Tensor] | Exception] = [None] * len(requests)  # type: ignore[list-item]
         groups: dict[int, list[int]] = defaultdict(list)
@@ -156,7 +165,8 @@ class ModelRunner:
             groups[bucket].append(i)
         if self.on_padding:
             self.on_padding(sum(self._padding(b, [placed[i] for i in members]) for b, members in groups.items()))
-        runs = [self._run_group(b, members, requests, placed, results) for b, members in groups.items()]
+        inline = inline and len(groups) == 1
+        runs = [self._run_group(b, members, requests, placed, results, inline) for b, members in groups.items()]
         # One group (the usual case) is awaited directly: gather would wrap it in a task, one
         # more turn of the event loop on every batch.
         if len(runs) == 1:
@@ -169,17 +179,17 @@ class ModelRunner:
         rows = sum(x[0].shape[0] for x in inputs)
         return sum(self.plan(bucket, rows)) - rows
 
-    async def _run_group(self, bucket, members, requests, placed, results) -> None:
+    async def _run_group(self, bucket, members, requests, placed, results, inline: bool = False) -> None:
         if len(members) == 1:  # a lone request: its rows are the batch, its outputs the answer
             [i] = members
             try:
-                results[i] = self.model.unpad(await self._run_rows(bucket, placed[i]), requests[i])
+                results[i] = self.model.unpad(await self._run_rows(bucket, placed[i], inline), requests[i])
             except Exception as exc:
                 results[i] = exc
             return
         batch, sizes = collate.collate([placed[i] for i in members])
         try:
-            outputs = await self._run_rows(bucket, batch)
+            outputs = await self._run_rows(bucket, batch, inline)
         except Exception as exc:
             # One request's rows can make a subgraph raise (a CPU op refusing a value);
             # re-running each request alone confines the failure to the request that
@@ -191,24 +201,26 @@ class ModelRunner:
         for i, out in zip(members, collate.split(outputs, sizes)):
             results[i] = self.model.unpad(out, requests[i])
 
-    async def _run_rows(self, bucket: int, batch: list[torch.Tensor]) -> list[torch.Tensor]:
+    async def _run_rows(self, bucket: int, batch: list[torch.Tensor], inline: bool = False) -> list[torch.Tensor]:
         rows = batch[0].shape[0]
         chunks = sizes.split(batch, rows, self.plan(bucket, rows))
         if len(chunks) == 1 and not chunks[0][2]:  # one unpadded chunk: its outputs are the rows'
-            return await self._run_chunk(bucket, *chunks[0])
+            return await self._run_chunk(bucket, *chunks[0], inline=inline)
         if len(chunks) == 1:
-            outputs = [await self._run_chunk(bucket, *chunks[0])]
+            outputs = [await self._run_chunk(bucket, *chunks[0], inline=inline)]
         else:
             outputs = await asyncio.gather(*(self._run_chunk(bucket, *chunk) for chunk in chunks))
         return batching.join_chunks(list(outputs), rows)
 
-    async def _run_chunk(self, bucket: int, size: int, flat: list[torch.Tensor], padded: int) -> list[torch.Tensor]:
+    async def _run_chunk(self, bucket: int, size: int, flat: list[torch.Tensor], padded: int,
+                         inline: bool = False) -> list[torch.Tensor]:
         core = self.cores.next()
         try:
             self.chunks[bucket, size] += 1
             if self.on_chunk:
                 self.on_chunk(core.index, size, padded)
-            return await self.pipelines[bucket][size].run(flat, core)
+            inline = inline and self.span == 1 and self.costs[bucket][size] <= INLINE_MAX_S and self.cores.busy() == 1
+            return await self.pipelines[bucket][size].run(flat, core, inline)
         finally:
             self.cores.release(core)
 

@@ -34,6 +34,12 @@ from .neuron_monitor import CoreMonitor
 logger = logging.getLogger("neuron_serve")
 
 Encoded = TypeVar("Encoded")
+# A replica that has had no two requests in flight at once for this long serves one at a
+# time (concurrency 1): its lone requests run on the event loop's thread (ModelRunner.infer).
+ALONE_QUIET_S = 0.05
+# Turns of the event loop a lone request gives before it takes the loop's thread, so that
+# requests which reached the replica meanwhile come in and are counted (each turn ~5 µs).
+ALONE_YIELDS = 3
 
 
 class DeferredMetrics:
@@ -114,6 +120,8 @@ class ModelDataPlane:
         # before anything is allocated.
         self.max_elements = batching.max_batch_size * model.max_row_elements()
         self._ready = False
+        self._in_flight = 0  # requests between decode and answer
+        self._overlapped = -ALONE_QUIET_S  # when two requests were last in flight at once
 
     # -- hooks for metrics ----------------------------------------------------------
 
@@ -199,9 +207,28 @@ class ModelDataPlane:
             },
         }
 
+    def _alone(self) -> bool:
+        return self._in_flight == 1 and time.perf_counter() - self._overlapped > ALONE_QUIET_S
+
+    async def _serving_alone(self) -> bool:
+        """Whether the one request in flight may take the event loop's thread to run.
+
+        Only at concurrency 1: nothing else in flight, and nothing overlapped for
+        ``ALONE_QUIET_S``. Requests that arrived while the loop was busy (running the
+        previous lone request, say) get their turns first; if one comes in, this request
+        is handed to a core as usual, and later ones are for ``ALONE_QUIET_S``, so a
+        burst is batched rather than run one by one on the loop.
+        """
+        if not self._alone():
+            return False
+        for _ in range(ALONE_YIELDS):
+            await asyncio.sleep(0)
+        return self._alone()
+
     async def _run_batch(self, items: list[tuple[list[torch.Tensor], triton_ext.RequestTimes]]) -> list:
+        inline = len(items) == 1 and await self._serving_alone()
         started = time.perf_counter()
-        results = await self.runner.infer([tensors for tensors, _ in items])
+        results = await self.runner.infer([tensors for tensors, _ in items], inline=inline)
         ran = time.perf_counter()
         for _, times in items:
             times.started, times.ran = started, ran
@@ -232,6 +259,9 @@ class ModelDataPlane:
         started = time.perf_counter()
         times = triton_ext.RequestTimes(received=started)
         code, rows = "500", 0
+        self._in_flight += 1
+        if self._in_flight > 1:
+            self._overlapped = started
         try:
             request = decode()
             times.decoded = time.perf_counter()
@@ -244,6 +274,7 @@ class ModelDataPlane:
             code = str(exc.http_status)
             raise
         finally:
+            self._in_flight -= 1
             ended = time.perf_counter()
             times.answered = times.answered or ended
             self.deferred.add(self._record_request, times, code, rows, ended - started)
