@@ -26,6 +26,7 @@ from .lift_weights import lift_weights
 from .passes.fold_weight_layout import fold_input_layout, fold_weight_layout
 from .passes.matvec_addend import subtract_matvec_addends
 from .passes.place_on_device import place_on_device
+from .passes.row_linear import weight_times_column
 
 logger = logging.getLogger("neuron_serve")
 
@@ -73,7 +74,10 @@ def _copy_to(source: torch.fx.GraphModule, device: Any,
     ``weights`` are the lifted weight inputs (trailing); also returns the indices of
     those the copy takes transposed (see :func:`_on_device`).
     """
-    gm = fold_weight_layout(copy.deepcopy(source))
+    gm = copy.deepcopy(source)
+    if emulated():
+        weight_times_column(gm)
+    gm = fold_weight_layout(gm)
     transposed = fold_input_layout(gm, list(weights)) if weights else set()
     if emulated():
         subtract_matvec_addends(gm)

@@ -3,6 +3,7 @@
 import copy
 import re
 
+import pytest
 import torch
 
 import neuron_serve
@@ -41,33 +42,43 @@ def test_every_constant_weight_is_stored_transposed_and_outputs_are_unchanged():
         torch.testing.assert_close(got, want, atol=TOLERANCE, rtol=TOLERANCE)
 
 
+def _matrices(hlo: str) -> set[str]:
+    """The parameters of ``hlo`` with two dimensions above 1: those a transpose would copy."""
+    return {name for name, dims in re.findall(r"(%p\d+\.\d+) = \w+\[([\d,]*)\]\S* parameter", hlo)
+            if sum(int(d) > 1 for d in dims.split(",") if d) >= 2}
+
+
 def test_the_compiled_program_reads_weights_without_transposing_them():
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).eval()
     x = torch.rand(1, 64)
     traced = neuron_serve.trace(model, x)
     hlo = traced.first.graph_module.accel_0.hlo_text()
-    # A transpose whose operand is a parameter would run on every call.
-    params = set(re.findall(r"(%p\d+\.\d+) = \S+ parameter", hlo))
+    # A transpose whose operand is a weight would run on every call (the one-row input's is free).
+    params = _matrices(hlo)
     transposed = re.findall(r"transpose\([^)]*?(%p\d+\.\d+)\)", hlo)
     assert params and not set(transposed) & params
     torch.testing.assert_close(traced(x), model(x), atol=TOLERANCE, rtol=TOLERANCE)
 
 
-def test_lifted_weights_are_transposed_once_when_loaded_not_per_call():
-    # inline_weights_to_neff=False: the weights are inputs of the executable, stored transposed on the device
-    # when loaded or replaced.
+# At one row the product is the weight times a column (passes/row_linear.py), which reads the
+# weight as nn.Linear stores it.
+@pytest.mark.parametrize("rows, stored", [(4, [(64, 32), (32,), (32, 4), (4,)]),
+                                          (1, [(32, 64), (32,), (4, 32), (4,)])])
+def test_lifted_weights_are_transposed_once_when_loaded_not_per_call(rows, stored):
+    # inline_weights_to_neff=False: the weights are inputs of the executable, stored as the products read
+    # them on the device when loaded or replaced.
     def build(seed):
         torch.manual_seed(seed)
         return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).eval()
 
-    x = torch.rand(1, 64)
+    x = torch.rand(rows, 64)
     traced = neuron_serve.trace(build(0), x, inline_weights_to_neff=False)
     sub = traced.first.graph_module.accel_0
     hlo = sub.hlo_text()
     params = set(re.findall(r"(%p\d+\.\d+) = \S+ parameter", hlo))
     transposed = re.findall(r"transpose\([^)]*?(%p\d+\.\d+)\)", hlo)
-    assert len(params) == 5 and not set(transposed) & params  # x and four weights, none transposed per call
-    assert [tuple(w.shape) for w in sub._weights_on_device] == [(64, 32), (32,), (32, 4), (4,)]
+    assert len(params) == 5 and not set(transposed) & _matrices(hlo)  # x and four weights, none transposed per call
+    assert [tuple(w.shape) for w in sub._weights_on_device] == stored
     torch.testing.assert_close(traced(x), build(0)(x), atol=TOLERANCE, rtol=TOLERANCE)
     neuron_serve.replace_weights(traced, build(1).state_dict())
     torch.testing.assert_close(traced(x), build(1)(x), atol=TOLERANCE, rtol=TOLERANCE)

@@ -39,6 +39,13 @@ def _is_matvec(node: torch.fx.Node) -> bool:
     return len(shape) <= 1 or (len(shape) == 2 and 1 in shape)
 
 
+def _is_product(node: object) -> bool:
+    """A matrix product, or the transpose of one (as :mod:`.row_linear` writes a one-row ``linear``)."""
+    if isinstance(node, torch.fx.Node) and node.target is aten.t.default and len(node.users) == 1:
+        node = node.args[0]
+    return isinstance(node, torch.fx.Node) and node.target in _PRODUCTS and len(node.users) == 1
+
+
 def _subtract_negated(gm: torch.fx.GraphModule, node: torch.fx.Node, product: torch.fx.Node,
                       addend: torch.fx.Node) -> None:
     with gm.graph.inserting_before(node):
@@ -57,8 +64,7 @@ def subtract_matvec_addends(gm: torch.fx.GraphModule) -> int:
             continue
         if node.target is aten.add.Tensor and len(node.args) == 2:
             for product, addend in (node.args, reversed(node.args)):
-                if (isinstance(product, torch.fx.Node) and isinstance(addend, torch.fx.Node)
-                        and product.target in _PRODUCTS and len(product.users) == 1 and product is not addend):
+                if isinstance(addend, torch.fx.Node) and _is_product(product) and product is not addend:
                     _subtract_negated(gm, node, product, addend)
                     rewritten += 1
                     break
