@@ -7,9 +7,11 @@ Three parts, each re-runnable alone on a quiet machine:
 1. **In process, layer by layer** (no Ray, no HTTP). The same request is timed through
    ever more of the serving path, each layer adding one stage, so the difference between
    two rows is what that stage costs a lone request: the accelerator stage's transfer in,
-   execution and transfer out (on the core's thread), the CPU stage, the hand-out to the
-   core's thread and back, the runner's placement, collation and split, the batcher's
-   queue, and the codec (parse, checks, encode, metrics).
+   execution and transfer out (on the core's thread), the CPU stage, the pipeline's walk
+   on the event loop's thread (where a lone request runs; the hand-out to the core's thread
+   and back that a request under load pays is shown beside it), the runner's placement,
+   collation and split, the batcher and the data plane's look for other requests, and the
+   codec (parse, checks, encode, metrics).
 2. **Served**: neuron-serve (`deployments/mlp.yaml`) and plain Ray Serve + HAProxy running
    the eager MLP, one at a time, under wrk at concurrency 1. For neuron-serve the replica's
    own timestamps (Triton's statistics: decode, queue, execute, encode) say how much of the
@@ -61,9 +63,12 @@ def _timed(fn, calls: int) -> float:
     return _median_ms(samples)
 
 
-async def _atimed(factory, calls: int) -> float:
+async def _atimed(factory, calls: int, before=None) -> float:
+    """Median ms of ``await factory()``; ``before()``, if given, runs untimed ahead of each call."""
     samples = []
     for _ in range(calls):
+        if before is not None:
+            before()
         started = time.perf_counter()
         await factory()
         samples.append(time.perf_counter() - started)
@@ -77,7 +82,7 @@ def in_process(calls: int) -> list[dict]:
     from neuron_serve.build import build  # noqa: PLC0415
     from neuron_serve.compile.subgraph import CompiledSubgraph  # noqa: PLC0415
     from neuron_serve.config import load_config  # noqa: PLC0415
-    from neuron_serve.serve import triton_ext  # noqa: PLC0415
+    from neuron_serve.serve.protocols import oip_rest  # noqa: PLC0415
     from neuron_serve.serve.dataplane import ModelDataPlane  # noqa: PLC0415
 
     config = load_config(CONFIG)
@@ -120,15 +125,24 @@ def in_process(calls: int) -> list[dict]:
             with torch.no_grad():
                 rows.append({"layer": "both stages, called on the core's thread", "kind": "layer",
                              "ms": core.submit(_timed, lambda: cpu(accel(x)), calls).result()})
-            rows.append({"layer": "+ hand-out to the core's thread and back (Pipeline.run)", "kind": "layer",
+            rows.append({"layer": "+ the pipeline's walk, on the event loop's thread (Pipeline.run inline: "
+                                  "a lone request at concurrency 1)", "kind": "layer",
+                         "ms": await _atimed(lambda: pipeline.run([x], core, inline=True), calls)})
+            rows.append({"layer": "for comparison: the walk with each stage handed to its thread and back "
+                                  "(Pipeline.run, as under load)", "kind": "part",
                          "ms": await _atimed(lambda: pipeline.run([x], core), calls)})
-            rows.append({"layer": "+ placement, collation, split, round-robin (ModelRunner.infer)", "kind": "layer",
-                         "ms": await _atimed(lambda: runner.infer([[x]]), calls)})
-            rows.append({"layer": "+ the batcher's queue (DynamicBatcher.submit)", "kind": "layer",
-                         "ms": await _atimed(lambda: plane.batcher.submit(
-                             ([x], triton_ext.RequestTimes(received=time.perf_counter())), rows=1), calls)})
-            rows.append({"layer": "+ JSON parse, checks, encode, metrics (ModelDataPlane.infer)", "kind": "layer",
-                         "ms": await _atimed(lambda: plane.infer(body, {}), calls)})
+            rows.append({"layer": "+ placement, collation, split, choice of core (ModelRunner.infer inline)",
+                         "kind": "layer", "ms": await _atimed(lambda: runner.infer([[x]], inline=True), calls)})
+            decoded = oip_rest.parse_infer_request(body, {}, model="mlp")
+            # A request's metric updates are applied once its answer is out (DeferredMetrics); served at
+            # concurrency 1 that happens while the replica waits for the next request, so here too it is
+            # done between calls, untimed.
+            rows.append({"layer": "+ the batcher (idle, so in the caller's task), the data plane's look for other "
+                                  "requests, output selection (ModelDataPlane.handle of a decoded request)",
+                         "kind": "layer", "ms": await _atimed(lambda: plane.handle(lambda: decoded, lambda r: r),
+                                                              calls, plane.deferred.flush)})
+            rows.append({"layer": "+ JSON parse, checks, encode (ModelDataPlane.infer)", "kind": "layer",
+                         "ms": await _atimed(lambda: plane.infer(body, {}), calls, plane.deferred.flush)})
         finally:
             await plane.stop()
 
