@@ -49,12 +49,12 @@ def main() -> None:
     routed = []
     for _ in range(3):
         rid = group.submit(prompts[1], long, sink)
-        routed.append(group.engines.index(group._owner[rid]))
+        routed.append(group.engines.index(group.admission.get(rid)))
     for _ in range(6):
         finished.acquire(timeout=300)
     group.close()
     print(json.dumps({"equal": equal, "served": at_once, "routed": routed,
-                      "devices": [str(e.device) for e in group.engines]}))
+                      "devices": [str(e.executor.device) for e in group.engines]}))
 
 
 if __name__ == "__main__":

@@ -22,8 +22,9 @@ import torch.fx
 
 from ..compiler_args import NONE, CompilerArgs
 from ..targets.pjrt import emulated, use_device, xla
+from . import sharding as spmd
 from .lift_weights import lift_weights
-from .passes.fold_weight_layout import fold_input_layout, fold_weight_layout
+from .passes.fold_weight_layout import DERIVED, fold_input_layout, fold_weight_layout
 from .passes.matvec_addend import subtract_matvec_addends
 from .passes.place_on_device import place_on_device
 from .passes.row_linear import weight_times_column
@@ -140,6 +141,7 @@ class CompiledSubgraph(torch.nn.Module):
         weights: dict[str, torch.Tensor] | None = None,
         compiler_args: CompilerArgs = NONE,
         donate: Sequence[int] = (),
+        sharding: spmd.Sharding | None = None,
     ) -> None:
         global _compiles
         super().__init__()
@@ -166,6 +168,15 @@ class CompiledSubgraph(torch.nn.Module):
         # State inputs (input_output_aliases) whose buffer the executable may reuse for
         # their new value: torch-xla compiles donated inputs as aliased to an output.
         self.donate = list(donate)
+        # One program over a core group: weights and state split as the plan says (SPMD).
+        self.sharding = sharding if sharding is not None else spmd.current()
+        self.split_weights: dict[str, tuple] = {}
+        if self.sharding is not None:
+            if not inline_weights:
+                raise ValueError("a sharded subgraph holds its weights inside the executable (inline_weights)")
+            self.split_weights = spmd.apply_to_module(resident, self.sharding, resident.meta.get(DERIVED, {}))
+            for index in self.donate:
+                spmd.mark(xla_args[index], self.sharding.state, self.sharding.devices)
         # Outputs left on the device: new values of state tensors, never copied to the host.
         self.keep_on_device: set[int] = set()
         self._donate(xla_args)

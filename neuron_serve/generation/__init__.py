@@ -20,7 +20,8 @@ from .buckets import GenerationBuckets
 if TYPE_CHECKING:
     import torch
 
-    from .engine import Completion, Engine, TokenEvent
+    from .engine import Engine
+    from .protocol import Completion, TokenEvent
     from .model import GenerationModel, compile_generation
     from .sampling import SamplingParams
 
@@ -29,7 +30,7 @@ __all__ = ["Completion", "Engine", "GenerationBuckets", "GenerationModel", "Samp
 
 # Imported on first use: neuron_serve.config imports .settings, and the server imports the
 # config without loading the compiler (.model imports it).
-_LAZY = {"Completion": "engine", "Engine": "engine", "TokenEvent": "engine", "GenerationModel": "model",
+_LAZY = {"Completion": "protocol", "Engine": "engine", "TokenEvent": "protocol", "GenerationModel": "model",
          "compile_generation": "model", "SamplingParams": "sampling"}
 
 
@@ -53,11 +54,16 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
                decode_context_buckets: Sequence[int] | None = None, decode_steps: int = 1,
                max_num_batched_tokens: int | None = None,
                max_waiting: int = 256, request_timeout_s: float | None = None, tokenizer: Any = None,
-               target: str = "neuron", name: str = "model") -> Engine:
+               target: str = "neuron", name: str = "model", tensor_parallel_size: int = 1) -> Engine:
     """Compile ``lm`` for generation and start an engine over it (see :class:`Engine`).
 
     The arguments are model.yaml's ``generation`` fields; a KV cache that does not fit
-    next to the weights on one core is refused with the bytes, as there."""
+    next to the weights on one core is refused with the bytes, as there.
+    ``tensor_parallel_size`` N above 1 splits the model over N cores, which must be all
+    the cores of this process: call it before any other XLA work here (emulated, the
+    process then gets N XLA:CPU devices), or serve the model, where each group of cores
+    runs in a process of its own."""
+    from . import tensor_parallel  # noqa: PLC0415
     from .build import check_cache_fits  # noqa: PLC0415
     from .engine import Engine  # noqa: PLC0415
     from .model import compile_generation  # noqa: PLC0415
@@ -65,8 +71,9 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
     buckets = GenerationBuckets.build(max_num_seqs, max_model_len, prefill=prefill_buckets,
                                       decode_rows=decode_batch_buckets, decode_context=decode_context_buckets,
                                       decode_steps=decode_steps, field_prefix="")
-    check_cache_fits(lm, buckets, field_prefix="")
-    model = compile_generation(lm, buckets, target=target)
+    tensor_parallel.check(lm.config, tensor_parallel_size, field="tensor_parallel_size")
+    check_cache_fits(lm, buckets, field_prefix="", tensor_parallel_size=tensor_parallel_size)
+    model = compile_generation(lm, buckets, target=target, tensor_parallel_size=tensor_parallel_size)
     return Engine(model, eos_token_ids=eos_token_ids(lm), tokenizer=tokenizer,
                   max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,
                   request_timeout_s=request_timeout_s, name=name)

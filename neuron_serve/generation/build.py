@@ -19,6 +19,7 @@ from ..errors import ArtifactError, ConfigError
 from ..partition.pipeline import core_memory_bytes
 from . import eos_token_ids
 from .buckets import GenerationBuckets, check_fits
+from . import tensor_parallel
 from .group import EngineGroup
 from .model import GenerationModel, compile_generation
 from .settings import GenerationSettings
@@ -99,10 +100,34 @@ def weight_bytes(lm: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*lm.parameters(), *lm.buffers()])
 
 
-def check_cache_fits(lm: torch.nn.Module, buckets: GenerationBuckets, field_prefix: str = "generation.") -> int:
-    """Refuse ``buckets``' KV cache when it does not fit next to ``lm``'s weights on one core (see check_fits)."""
+def check_cache_fits(lm: torch.nn.Module, buckets: GenerationBuckets, field_prefix: str = "generation.",
+                     tensor_parallel_size: int = 1) -> int:
+    """Refuse ``buckets``' KV cache when it does not fit next to ``lm``'s weights on one core (see check_fits).
+
+    At ``tensor_parallel_size`` N each core holds its share of the weights and of the cache.
+    A refusal names the smallest N (dividing the heads, up to 64) at which the model fits."""
     dtype_bytes = next(lm.parameters()).element_size()  # the cache's dtype (see SlotLM)
-    return check_fits(lm.config, buckets, weight_bytes(lm), dtype_bytes, core_memory_bytes(), field_prefix)
+    core = core_memory_bytes()
+
+    def share(size: int) -> tuple[int, int]:
+        per_core = tensor_parallel.bytes_per_core(lm, tensor_parallel.plan(lm, size) if size > 1 else None)
+        return per_core, 1 if tensor_parallel.kv_replicated(lm.config, size) else size
+
+    def needs() -> int | None:
+        for size in (2, 4, 8, 16, 32, 64):
+            if size <= tensor_parallel_size:
+                continue
+            try:
+                tensor_parallel.check(lm.config, size)
+                weights, cache_share = share(size)
+                check_fits(lm.config, buckets, weights, dtype_bytes, core, field_prefix, cache_share)
+            except ConfigError:
+                continue
+            return size
+        return None
+
+    weights, cache_share = share(tensor_parallel_size)
+    return check_fits(lm.config, buckets, weights, dtype_bytes, core, field_prefix, cache_share, needs)
 
 
 def compile_from_config(config: ModelConfig, base_dir: str | Path | None = None) -> tuple[GenerationModel, list[int], Any]:
@@ -111,8 +136,11 @@ def compile_from_config(config: ModelConfig, base_dir: str | Path | None = None)
     lm = load_lm(config, base_dir)
     tokenizer = load_tokenizer(config, base_dir)
     buckets = settings.to_buckets(lm.config)
-    check_cache_fits(lm, buckets)
-    model = compile_generation(lm, buckets, target=config.target, compiler_args=config.compiler_args)
+    tp = settings.tensor_parallel_size
+    tensor_parallel.check(lm.config, tp)  # before anything compiles
+    check_cache_fits(lm, buckets, tensor_parallel_size=tp)
+    model = compile_generation(lm, buckets, target=config.target, compiler_args=config.compiler_args,
+                               tensor_parallel_size=tp)
     return model, eos_token_ids(lm), tokenizer
 
 
@@ -136,8 +164,10 @@ def _from_artifact(config: ModelConfig, base_dir: str | Path | None) -> tuple[Ge
     return model, eos, tokenizer
 
 
-def build_engine(config: ModelConfig, base_dir: str | Path | None = None, *, replica: str = "0") -> EngineGroup:
-    """Load (or compile), check and start the engines of a ``task: generate`` model.yaml: one per core of the replica.
+def build_engine(config: ModelConfig, base_dir: str | Path | None = None, *, replica: str = "0",
+                 cores: int | None = None) -> EngineGroup:
+    """Load (or compile), check and start the engines of a ``task: generate`` model.yaml over ``cores`` cores
+    (default: the replica's): one per core, or one per group of ``generation.tensor_parallel_size`` cores.
 
     ``base_dir`` is the model.yaml's folder (relative paths and factory imports resolve
     against it). An artifact written by ``neuron-serve build`` is loaded without the
@@ -147,10 +177,14 @@ def build_engine(config: ModelConfig, base_dir: str | Path | None = None, *, rep
         raise ConfigError(f"task: {config.name} is a task: {config.task} model; build_engine serves task: generate.")
     settings = config.generation or GenerationSettings()
     if config.model.artifact is not None:
+        if settings.tensor_parallel_size > 1:
+            raise ConfigError("generation.tensor_parallel_size: an artifact is loaded onto one core per engine; serve "
+                              "a tensor-parallel model from model.factory or model.pretrained (compiled at start, "
+                              "through the compile cache), or set tensor_parallel_size: 1.")
         model, eos, tokenizer = _from_artifact(config, base_dir)
     else:
         model, eos, tokenizer = compile_from_config(config, base_dir)
-    return EngineGroup.on_cores(model, config.cores_per_replica, eos_token_ids=eos,
+    return EngineGroup.on_cores(model, cores or config.cores_per_replica, eos_token_ids=eos,
                                 tokenizer=tokenizer, max_num_batched_tokens=settings.max_num_batched_tokens,
                                 max_waiting=settings.max_waiting, request_timeout_s=settings.request_timeout_s,
                                 name=config.name, replica=replica)

@@ -21,169 +21,33 @@ Between steps it sleeps while nothing is waiting or running.
 
 from __future__ import annotations
 
-import abc
-import asyncio
-import itertools
 import logging
 import threading
 import time
-import weakref
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Sequence as Seq
+from typing import Any, Callable, Sequence as Seq
 
 from ..compile.subgraph import take_meanwhile, while_computing
-from ..errors import InvalidInput, Overloaded
-from ..targets.pjrt import use_device
-from .mailbox import Mailbox
+from ..errors import InvalidInput
+from .executor import CoreGroupExecutor, Executor
 from .metrics import EngineMetrics
 from .model import GenerationModel, StepOutput
+from .protocol import Admission, Completion, Streams, TokenEvent, check_prompt
 from .sampling import SamplingParams, Sampled, generator_for, sample_row
 from .scheduler import Scheduler, Sequence, default_budget
 from .text import IncrementalText
+
+__all__ = ["Completion", "Engine", "Streams", "TokenEvent", "check_prompt"]
 
 logger = logging.getLogger("neuron_serve")
 
 DEFAULT_MAX_WAITING = 256
 
 
-@dataclass
-class TokenEvent:
-    """One new token of a request (or its end): what the serving edge streams."""
-
-    request_id: str
-    token: int | None
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop", "length", "abort" or "error" on the last event
-    stop_reason: int | str | None = None  # the stop token id or string that ended it
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error: str | None = None
-    text: str | None = None  # with stop strings: the output text, cut before the stop string (last event)
-    timed_out: bool = False  # an abort because the request ran past the engine's request_timeout_s (last event)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class Completion:
-    """A whole request's result, as :meth:`Engine.generate_batch` returns it."""
-
-    request_id: str
-    prompt: list[int]
-    tokens: list[int]
-    finish_reason: str
-    stop_reason: int | str | None = None
-    logprobs: list[float | None] = field(default_factory=list)
-    text: str | None = None
-
-
-def check_prompt(prompt: Seq[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
-                 has_tokenizer: bool) -> list[int]:
-    """The prompt's token ids, or InvalidInput saying what is wrong with the request."""
-    if not isinstance(params, SamplingParams):
-        raise InvalidInput("params must be a neuron_serve.generation.SamplingParams.")
-    ids = [int(t) for t in prompt]
-    if not ids:
-        raise InvalidInput("the prompt is empty; give at least one token.")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidInput(f"prompt token id {bad[0]} is outside the vocabulary (0 to {vocab_size - 1}).")
-    limit = max_model_len
-    if len(ids) >= limit:
-        raise InvalidInput(f"the prompt has {len(ids)} tokens, max_model_len is {limit}: no room for a generated "
-                           f"token. Shorten the prompt.")
-    if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
-        raise InvalidInput(f"the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: "
-                           f"{len(ids) + params.max_tokens} tokens, more than max_model_len ({limit}). Shorten "
-                           f"the prompt or lower max_tokens.")
-    if params.stop and not has_tokenizer:
-        raise InvalidInput("stop strings need a tokenizer; this engine has none (give stop_token_ids instead).")
-    return ids
-
-
 def _plain_greedy(seq: Sequence) -> bool:
     """Whether the core's argmax is the sequence's whole choice (no sampling, penalties or logprobs)."""
     return seq.params.greedy and seq.params.logprobs is None and not seq.params.penalized
 
-
-class Streams(abc.ABC):
-    """The async and batch APIs over ``submit`` and ``abort`` (an engine's, or a group's)."""
-
-    @abc.abstractmethod
-    def submit(self, prompt: Seq[int], params: SamplingParams, sink: Callable[[TokenEvent], None],
-               request_id: str | None = None) -> str:
-        """Queue a request; ``sink`` gets its events on an engine thread. Returns the request id."""
-
-    @abc.abstractmethod
-    def abort(self, request_id: str) -> None:
-        """End a request: it gets a last event with finish_reason "abort"; its slot is free at the next step."""
-
-    def _mailbox(self) -> Mailbox:
-        """The running loop's mailbox, shared by every stream this object serves on it."""
-        loop = asyncio.get_running_loop()
-        boxes = getattr(self, "_mailboxes", None)
-        if boxes is None:
-            boxes = self._mailboxes = weakref.WeakKeyDictionary()
-        found = boxes.get(loop)
-        if found is None:
-            found = boxes[loop] = Mailbox(loop)
-        return found
-
-    async def generate(self, prompt: Seq[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[TokenEvent]:
-        """An async stream of the request's events; leaving the stream early aborts the request."""
-        mailbox = self._mailbox()
-        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-
-        def sink(event: TokenEvent) -> None:
-            mailbox.post(queue.put_nowait, event)  # one wake-up of the loop for a step's events
-
-        rid = self.submit(prompt, params, sink, request_id)
-        finished = False
-        try:
-            while not finished:
-                event = await queue.get()
-                finished = event.finished
-                yield event
-        finally:
-            if not finished:
-                self.abort(rid)
-
-    def generate_batch(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams],
-                       timeout: float | None = None) -> list[Completion]:
-        """Generate for every prompt at once (continuous batching) and wait; results in prompt order."""
-        every = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        done = threading.Semaphore(0)
-        results: list[Completion | None] = [None] * len(prompts)
-
-        def collect(index: int, prompt: list[int]) -> Callable[[TokenEvent], None]:
-            tokens: list[int] = []
-            logprobs: list[float | None] = []
-
-            def sink(event: TokenEvent) -> None:
-                if event.token is not None:
-                    tokens.append(event.token)
-                    logprobs.append(event.logprob)
-                if event.finished:
-                    results[index] = Completion(event.request_id, prompt, tokens, event.finish_reason,
-                                                event.stop_reason, logprobs, event.text)
-                    done.release()
-            return sink
-
-        ids = [self.submit(prompt, p, collect(i, list(prompt))) for i, (prompt, p) in enumerate(zip(prompts, every))]
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for _ in prompts:
-            if not done.acquire(timeout=None if deadline is None else max(0.0, deadline - time.monotonic())):
-                for rid, result in zip(ids, results):
-                    if result is None:  # nobody waits for it any more: its slot goes back
-                        self.abort(rid)
-                raise TimeoutError(f"generate_batch: not finished within {timeout}s; the unfinished requests "
-                                   f"were aborted")
-        return [r for r in results if r is not None]
 
 
 class Engine(Streams):
@@ -196,33 +60,33 @@ class Engine(Streams):
     (its last event says ``timed_out``) and its slot is free at the next step.
     """
 
-    def __init__(self, model: GenerationModel, *, eos_token_ids: Seq[int] = (), tokenizer: Any = None,
+    def __init__(self, model: GenerationModel | Executor, *, eos_token_ids: Seq[int] = (), tokenizer: Any = None,
                  max_num_batched_tokens: int | None = None, max_waiting: int = DEFAULT_MAX_WAITING,
                  request_timeout_s: float | None = None, name: str = "model", replica: str = "0",
                  device: Any = None) -> None:
         if request_timeout_s is not None and not request_timeout_s > 0:
             raise InvalidInput(f"request_timeout_s must be a number of seconds > 0 (or None: no limit); got "
                                f"{request_timeout_s!r}.")
-        self.model = model
+        # A compiled model given as is runs on one core group (``device``; None: the thread's default).
+        self.executor = model if isinstance(model, Executor) else CoreGroupExecutor(model, device)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.tokenizer = tokenizer
         self.name = name
-        budget = max_num_batched_tokens or default_budget(model.max_model_len)
-        self.scheduler = Scheduler(model.slots, budget)
-        self.max_waiting = max_waiting
+        executor = self.executor
+        budget = max_num_batched_tokens or default_budget(executor.max_model_len)
+        self.scheduler = Scheduler(executor.slots, budget)
         self.request_timeout_s = request_timeout_s
         # Sequences in submission order: with one timeout for all, the first is the first to expire.
         self._deadlines: deque[Sequence] = deque()
         self.metrics = EngineMetrics(name, replica)
-        self.device = device
+        for kind, value in executor.memory().items():
+            self.metrics.core_memory[kind].set(value)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
+        self.admission = Admission(executor.slots, max_waiting, self._lock)
         self._inbox: list[Sequence] = []
         self._aborts: set[str] = set()
-        self._by_id: dict[str, Sequence] = {}
         self._pending: list[tuple[Sequence, TokenEvent]] = []  # events not yet handed to their sinks
-        self._ids = itertools.count()
-        self._stopping = False
         self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
         self._thread.start()
 
@@ -232,26 +96,20 @@ class Engine(Streams):
                request_id: str | None = None) -> str:
         """Queue a request; ``sink`` gets its events on the engine's thread. Returns the request id."""
         prompt = self._check_prompt(prompt, params)
-        with self._lock:
-            if self._stopping:
-                raise Overloaded("the generation engine is stopping; retry on another replica.")
-            waiting = len(self.scheduler.waiting) + len(self._inbox)
-            if waiting >= self.max_waiting:
-                raise Overloaded(f"the generation queue is full ({waiting} requests waiting); retry later.")
-            rid = request_id if request_id is not None else f"gen-{next(self._ids)}"
-            if rid in self._by_id:
-                raise InvalidInput(f"request id {rid!r} is already running; give each request its own id.")
-            seq = Sequence(rid, prompt, params, sink, generator=generator_for(params),
-                           text=IncrementalText(self.tokenizer, params.stop) if params.stop else None)
-            self._by_id[rid] = seq
+        seq = Sequence("", prompt, params, sink, generator=generator_for(params),
+                       text=IncrementalText(self.tokenizer, params.stop) if params.stop else None)
+
+        def queue(rid: str) -> None:  # under the lock, once admitted
+            seq.request_id = rid
             self._inbox.append(seq)
             self._wake.notify()
-        return rid
+
+        return self.admission.admit(request_id, seq, queue)
 
     def abort(self, request_id: str) -> None:
         """End a request: it gets a last event with finish_reason "abort"; its slot is free at the next step."""
         with self._lock:
-            if request_id in self._by_id:
+            if request_id in self.admission.open:
                 self._aborts.add(request_id)
                 self._wake.notify()
 
@@ -266,36 +124,43 @@ class Engine(Streams):
         with self._lock:
             return len(self.scheduler.free) - len(self.scheduler.waiting) - len(self._inbox)
 
+    @property
+    def model(self) -> GenerationModel:
+        """The compiled model the executor calls (its buckets, shapes and cache)."""
+        return self.executor.model
+
+    @property
+    def max_waiting(self) -> int | None:
+        """Requests that may wait for a slot before more are refused."""
+        capacity = self.admission.capacity
+        return None if capacity is None else capacity - self.admission.slots
+
     def close(self) -> None:
         """Stop the engine thread; requests still queued or running end with finish_reason "abort"."""
         with self._lock:
-            self._stopping = True
-            self._aborts.update(self._by_id)
+            self.admission.closing = True
+            self._aborts.update(self.admission.open)
             self._wake.notify()
         self._thread.join(timeout=30)
 
     # -- checks ---------------------------------------------------------------------------
 
     def _check_prompt(self, prompt: Seq[int], params: SamplingParams) -> list[int]:
-        return check_prompt(prompt, params, vocab_size=self.model.vocab_size, max_model_len=self.model.max_model_len,
-                            has_tokenizer=self.tokenizer is not None)
+        return check_prompt(prompt, params, vocab_size=self.executor.vocab_size,
+                            max_model_len=self.executor.max_model_len, has_tokenizer=self.tokenizer is not None)
 
     # -- the loop -------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        if self.device is not None:
-            use_device(self.device)
-        # Compile the slot move now, not in the middle of the first step that needs one
-        # (slot 0 over itself: the cache is empty and stays so).
-        self.model.move(0, 0)
+        self.executor.start()
         while True:
             if self.scheduler.idle:  # no model call is coming to carry them
                 take_meanwhile()  # left set when a failed step never launched its call
                 self._deliver()
             with self._lock:
-                while not self._inbox and not self._aborts and self.scheduler.idle and not self._stopping:
+                while not self._inbox and not self._aborts and self.scheduler.idle and not self.admission.closing:
                     self._wake.wait()
-                if self._stopping and self.scheduler.idle and not self._inbox and not self._aborts:
+                if self.admission.closing and self.scheduler.idle and not self._inbox and not self._aborts:
                     return
                 arrived, self._inbox = self._inbox, []
                 aborted, self._aborts = self._aborts, set()
@@ -318,20 +183,20 @@ class Engine(Streams):
         if self._pending or self.metrics.queued:
             while_computing(self._deliver)
         for rid in aborted:
-            seq = self._by_id.get(rid)
+            seq = self.admission.open.get(rid)
             if seq is not None:
                 self._finish(seq, "abort")
         if self._deadlines:
             self._expire()
         self._prefill()
-        for seq, slot in self.scheduler.compaction(self.model.rows_bucket):
-            self.model.move(seq.slot, slot)
+        for seq, slot in self.scheduler.compaction(self.executor.rows_bucket):
+            self.executor.move(seq.slot, slot)
             self.scheduler.move(seq, slot)
         running = self.scheduler.decoding()
         if running:
             steps = self._steps(running)
             started = time.perf_counter()
-            out, shape = self.model.decode([s.output[-1] for s in running], [s.position for s in running],
+            out, shape = self.executor.decode([s.output[-1] for s in running], [s.position for s in running],
                                            [s.slot for s in running], steps)
             self.metrics.observe(self.metrics.step(shape), time.perf_counter() - started)
             if steps == 1:
@@ -350,7 +215,7 @@ class Engine(Streams):
         """Prefill the prompts the scheduler admits, each into its slot; each first token goes out at once."""
         for seq in self.scheduler.admit():
             started = time.perf_counter()
-            out, shape = self.model.prefill(seq.prompt, seq.slot)
+            out, shape = self.executor.prefill(seq.prompt, seq.slot)
             self.metrics.observe(self.metrics.step(shape), time.perf_counter() - started)
             self.metrics.count(self.metrics.prompt_tokens, len(seq.prompt))
             self._choose([seq], out)
@@ -374,10 +239,10 @@ class Engine(Streams):
     def _steps(self, running: list[Sequence]) -> int:
         """Greedy steps of this decode call: ``decode_steps`` when every running sequence is plain
         greedy, has room for them, and no prompt could be prefilled meanwhile; else 1."""
-        steps = self.model.decode_steps
+        steps = self.executor.decode_steps
         if steps == 1 or (self.scheduler.free and (self.scheduler.waiting or self._inbox)):
             return 1  # a prompt that could start now would wait for the whole call
-        if max(s.position for s in running) + steps > self.model.max_model_len:
+        if max(s.position for s in running) + steps > self.executor.max_model_len:
             return 1
         if not all(_plain_greedy(s) for s in running):
             return 1  # sampling, penalties and logprobs are applied on the host, token by token
@@ -422,15 +287,14 @@ class Engine(Streams):
             if seq.text.stopped is not None:
                 return "stop", seq.text.stopped
         if (params.max_tokens is not None and len(seq.output) >= params.max_tokens) \
-                or seq.length >= self.model.max_model_len:
+                or seq.length >= self.executor.max_model_len:
             return "length", None
         return None, None
 
     def _finish(self, seq: Sequence, reason: str, stop: int | str | None = None, event: TokenEvent | None = None,
                 error: str | None = None, timed_out: bool = False) -> None:
         self.scheduler.release(seq)
-        with self._lock:
-            self._by_id.pop(seq.request_id, None)
+        self.admission.pop(seq.request_id)
         seq.finish_reason, seq.stop_reason = reason, stop
         event = event or TokenEvent(seq.request_id, None, prompt_tokens=len(seq.prompt),
                                     completion_tokens=len(seq.output))

@@ -7,15 +7,13 @@ free slots, so load spreads across the cores as slots fill.
 
 from __future__ import annotations
 
-import itertools
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence as Seq
 
-from ..errors import InvalidInput
 from ..targets.pjrt import use_device, xla
-from .engine import Engine, Streams, TokenEvent
+from .engine import Engine
 from .model import GenerationModel
+from .protocol import Admission, Streams, TokenEvent
 from .sampling import SamplingParams
 
 
@@ -37,40 +35,35 @@ class EngineGroup(Streams):
         if not engines:
             raise ValueError("an engine group needs at least one engine")
         self.engines = list(engines)
-        self._owner: dict[str, Engine] = {}
-        self._lock = threading.Lock()
-        self._ids = itertools.count()
+        # Ids here; each engine bounds its own queue.
+        self.admission = Admission(0, None)
 
     @classmethod
     def on_cores(cls, model: GenerationModel, cores: int, **engine_options: Any) -> "EngineGroup":
-        """An engine per core, ``model`` on the first and a copy on each of the others."""
+        """An engine per core, ``model`` on the first and a copy on each of the others; one engine over
+        all ``cores`` when ``model`` is tensor-parallel over them."""
+        if model.tensor_parallel_size > 1:
+            return cls([Engine(model, **engine_options)])
         return cls([Engine(m, device=device, **engine_options) for m, device in copies_on_cores(model, cores)])
 
     def submit(self, prompt: Seq[int], params: SamplingParams, sink: Callable[[TokenEvent], None],
                request_id: str | None = None) -> str:
         engine = max(self.engines, key=lambda e: e.free_slots)
-        with self._lock:
-            rid = request_id if request_id is not None else f"gen-{next(self._ids)}"
-            if rid in self._owner:
-                raise InvalidInput(f"request id {rid!r} is already running; give each request its own id.")
-            self._owner[rid] = engine
+        rid = self.admission.admit(request_id, engine)
 
         def forget(event: TokenEvent) -> None:
             if event.finished:
-                with self._lock:
-                    self._owner.pop(rid, None)
+                self.admission.pop(rid)
             sink(event)
 
         try:
             return engine.submit(prompt, params, forget, rid)
         except Exception:
-            with self._lock:
-                self._owner.pop(rid, None)
+            self.admission.pop(rid)
             raise
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            engine = self._owner.get(request_id)
+        engine = self.admission.get(request_id)
         if engine is not None:
             engine.abort(request_id)
 

@@ -31,6 +31,7 @@ class EngineMetrics:
         # Exported at 0 for vLLM's dashboards: a sequence keeps its slot to its end, never preempted.
         metrics.PREEMPTIONS.labels(**labels)
         self.labels = labels
+        self.core_memory = {kind: metrics.CORE_MEMORY.labels(**labels, kind=kind) for kind in ("weights", "kv_cache")}
         self._steps: dict[str, Any] = {}
         # Every reason exported at 0 from the start (as vLLM does), so the first of each is a visible increase.
         self._finished: dict[str, Any] = {reason: metrics.REQUEST_SUCCESS.labels(**labels, finished_reason=reason)

@@ -26,9 +26,11 @@ import torch.fx
 from .. import progress
 from ..api import bucket_model_trace
 from ..bucketing import BucketModelConfig
+from ..compile import sharding as spmd
 from ..errors import ConfigError, InvalidInput, UnsupportedModelError
 from ..model import Bucket, CompiledModel
 from ..model.state import DeviceState
+from . import tensor_parallel
 from .attention import grouped_for_compile
 from .buckets import GenerationBuckets
 from .slots import SlotLM
@@ -106,16 +108,42 @@ def _keep_logits_on_core(bucket: Bucket) -> None:
 
 
 class GenerationModel:
-    """The compiled prefill and decode models of one causal LM and the cache they share on the core."""
+    """The compiled prefill and decode models of one causal LM and the cache they share on the core.
 
-    def __init__(self, compiled: CompiledModel, buckets: GenerationBuckets, vocab_size: int) -> None:
+    With ``sharding`` (tensor parallelism) every model is one program over the group's cores
+    and the cache is split as the plan says; ``weight_bytes`` is what one core holds of the weights.
+    """
+
+    def __init__(self, compiled: CompiledModel, buckets: GenerationBuckets, vocab_size: int,
+                 sharding: spmd.Sharding | None = None, weight_bytes: int | None = None) -> None:
         self.compiled = compiled
         self.buckets = buckets
         self.shapes = shapes_of(buckets)
         self.vocab_size = vocab_size
+        self.sharding = sharding
+        self.weight_bytes = weight_bytes
         self._index = {s: i for i, s in enumerate(self.shapes)}
         for bucket in compiled.buckets:
             _keep_logits_on_core(bucket)
+        self._split_cache()
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Cores one call spans (1: one core)."""
+        return self.sharding.devices if self.sharding is not None else 1
+
+    def _split_cache(self) -> None:
+        """Lay the cache out over the group as the plan says (after it was written from the host)."""
+        if self.sharding is not None:
+            for tensor in self.compiled.states:
+                spmd.mark(tensor, self.sharding.state, self.sharding.devices)
+
+    def memory_per_core(self) -> dict[str, int]:
+        """Bytes each core holds: its share of the weights and of the KV cache."""
+        split = self.sharding is not None and self.sharding.state is not None
+        cache = sum(t.numel() * t.element_size() for t in self.compiled.states)
+        return {"weights": self.weight_bytes or 0,
+                "kv_cache": cache // self.tensor_parallel_size if split else cache}
 
     @property
     def slots(self) -> int:
@@ -131,15 +159,20 @@ class GenerationModel:
         Call it from the thread that will drive the copy (torch-xla replays an executable on
         the calling thread's device).
         """
+        if self.sharding is not None:
+            raise RuntimeError("a tensor-parallel model is one program over its group of cores; another group runs "
+                               "in a process of its own, with its own compile")
         states = self.compiled.states
         cache = DeviceState([f"shared_state_buffer[{i}]" for i in range(len(states))],
                             [torch.zeros_like(t, device="cpu") for t in states], device)
         buckets = [_bucket_on(b, device, cache) for b in self.compiled.buckets]
-        return GenerationModel(CompiledModel(buckets, kernel=self.compiled.kernel), self.buckets, self.vocab_size)
+        return GenerationModel(CompiledModel(buckets, kernel=self.compiled.kernel), self.buckets, self.vocab_size,
+                               weight_bytes=self.weight_bytes)
 
     def reset(self) -> None:
         """Empty the cache (every slot), on the core."""
         self.compiled.load_states([torch.zeros_like(t, device="cpu") for t in self.compiled.states])
+        self._split_cache()
 
     def _run(self, shape: Shape, tokens, positions, slots, last) -> "StepOutput":
         outputs = self.compiled.buckets[self._index[shape]].run_flat([tokens, positions, slots, last])
@@ -220,12 +253,20 @@ def _bucket_on(bucket: Bucket, device, cache: DeviceState) -> Bucket:
 
 def compile_generation(lm: torch.nn.Module, buckets: GenerationBuckets, *, target: str = "neuron",
                        compiler_args: str | list[str] | None = None,
-                       compiler_workdir: str | None = None) -> GenerationModel:
-    """Compile ``lm`` (a transformers causal LM) for generation under ``buckets``; see the module docstring."""
+                       compiler_workdir: str | None = None, tensor_parallel_size: int = 1) -> GenerationModel:
+    """Compile ``lm`` (a transformers causal LM) for generation under ``buckets``; see the module docstring.
+
+    ``tensor_parallel_size`` N above 1 compiles each model once for a group of N cores (SPMD,
+    split by the model's tensor-parallel plan): this process's cores must be that group."""
     if not hasattr(lm, "config") or not hasattr(lm.config, "num_hidden_layers"):
         raise ConfigError(f"generation needs a transformers causal LM (a PreTrainedModel with a config); got "
                           f"{type(lm).__name__}.")
     lm = lm.eval()
+    plan = None
+    if tensor_parallel_size > 1:
+        tensor_parallel.check(lm.config, tensor_parallel_size)
+        spmd.start_spmd(tensor_parallel_size)
+        plan = tensor_parallel.plan(lm, tensor_parallel_size)
     shapes = shapes_of(buckets)
     cache = SlotLM(lm, buckets.max_num_seqs, buckets.max_model_len)
     shared = [torch.zeros_like(t) for t in cache.caches()]
@@ -250,7 +291,7 @@ def compile_generation(lm: torch.nn.Module, buckets: GenerationBuckets, *, targe
                                             for s in shapes])
     name = type(lm).__name__
     try:
-        with grouped_for_compile(lm), \
+        with grouped_for_compile(lm), spmd.sharded(plan), \
                 progress.reporting(progress.BuildProgress(name, len(shapes), labels=[s.label for s in shapes])):
             compiled = bucket_model_trace(func, [_example(s) for s in shapes], config, compiler_workdir,
                                           compiler_args, target=target)
@@ -259,4 +300,4 @@ def compile_generation(lm: torch.nn.Module, buckets: GenerationBuckets, *, targe
         listed = str(exc).rsplit("\nPass partitioner_config", 1)[0]
         raise UnsupportedModelError(f"{listed}\n{NO_CPU_PARTITIONS}") from None
     vocab = int(lm.get_output_embeddings().weight.shape[0])
-    return GenerationModel(compiled, buckets, vocab)
+    return GenerationModel(compiled, buckets, vocab, plan, tensor_parallel.bytes_per_core(lm, plan))

@@ -17,7 +17,6 @@ with 503 until Serve replaces the replica (``alive`` is its health).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import pickle
@@ -25,11 +24,13 @@ import socket
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Sequence as Seq
 
-from ..errors import InvalidInput, ModelNotReady, Overloaded
-from .engine import Streams, TokenEvent, check_prompt
+from ..errors import ModelNotReady
+from ..targets.pjrt import neuron_devices_present
+from .protocol import Admission, Streams, TokenEvent, check_prompt
 from .sampling import SamplingParams
 
 logger = logging.getLogger("neuron_serve")
@@ -44,13 +45,13 @@ class EngineProcess(Streams):
     Raises what building raised (a ConfigError naming the field, a compile error, ...).
     """
 
-    def __init__(self, config: dict, base_dir: str | None, replica: str) -> None:
+    def __init__(self, config: dict, base_dir: str | None, replica: str, group: tuple[int, int] | None = None) -> None:
         ours, theirs = socket.socketpair()
         self.process = subprocess.Popen([sys.executable, "-m", WORKER, str(theirs.fileno())],
-                                        pass_fds=[theirs.fileno()])
+                                        pass_fds=[theirs.fileno()], env=group_env(group))
         theirs.close()
         self._conn = Connection(ours.detach())
-        self._conn.send((config, base_dir, replica, list(sys.path)))
+        self._conn.send((config, base_dir, replica, list(sys.path), group))
         try:
             kind, payload = self._conn.recv()
         except (EOFError, OSError):
@@ -67,14 +68,10 @@ class EngineProcess(Streams):
         self.vocab_size: int = payload["vocab_size"]
         self.max_model_len: int = payload["max_model_len"]
         self.tokenizer: Any = payload["tokenizer"]
+        self.info: dict = payload
         # Past this many open requests an engine in process would refuse: each engine's
         # slots and its queue, the group choosing the engine with the most free slots.
-        self._capacity = self.engines * (self.slots + payload["max_waiting"])
-        self._sinks: dict[str, Callable[[TokenEvent], None]] = {}
-        self._lock = threading.Lock()  # _sinks, the state below and every send
-        self._ids = itertools.count()
-        self._closing = False
-        self._ended: str | None = None  # why the worker is gone, once it is
+        self.admission = Admission(self.engines * self.slots, self.engines * payload["max_waiting"])
         self._reader = threading.Thread(target=self._read, name="engine-process-reader", daemon=True)
         self._reader.start()
 
@@ -84,48 +81,42 @@ class EngineProcess(Streams):
                request_id: str | None = None) -> str:
         ids = check_prompt(prompt, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
                            has_tokenizer=self.tokenizer is not None)
-        with self._lock:
-            if self._ended is not None:
-                raise ModelNotReady(f"the generation engine process has ended ({self._ended}); the replica is being "
-                                    f"replaced, retry shortly.")
-            if self._closing:
-                raise Overloaded("the generation engine is stopping; retry on another replica.")
-            if len(self._sinks) >= self._capacity:
-                waiting = len(self._sinks) - self.engines * self.slots
-                raise Overloaded(f"the generation queue is full ({waiting} requests waiting); retry later.")
-            rid = request_id if request_id is not None else f"gen-{next(self._ids)}"
-            if rid in self._sinks:
-                raise InvalidInput(f"request id {rid!r} is already running; give each request its own id.")
-            self._sinks[rid] = sink
+
+        def send(rid: str) -> None:  # under the admission's lock, which orders every send
             try:
                 self._conn.send(("submit", rid, ids, params))
             except OSError as exc:
-                del self._sinks[rid]
                 raise ModelNotReady(f"the generation engine process is not reachable ({exc}); retry shortly.") from None
-        return rid
+
+        return self.admission.admit(request_id, sink, send)
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            if request_id in self._sinks and self._ended is None:
+        with self.admission.lock:
+            if request_id in self.admission.open and self.admission.ended is None:
                 try:
                     self._conn.send(("abort", request_id))
                 except OSError:  # gone: the reader ends the request
                     pass
 
     @property
+    def free(self) -> int:
+        """Requests this process takes before it refuses (its slots and queue, less what is open)."""
+        return self.admission.capacity - len(self.admission)
+
+    @property
     def running(self) -> int:
         """Requests open (running or waiting for a slot)."""
-        return len(self._sinks)
+        return len(self.admission)
 
     @property
     def alive(self) -> bool:
-        return self._ended is None and self.process.poll() is None
+        return self.admission.ended is None and self.process.poll() is None
 
     def close(self) -> None:
         """Stop the worker; open requests end with finish_reason "abort" (their last events still arrive)."""
-        with self._lock:
-            self._closing = True
-            if self._ended is None:
+        self.admission.close()
+        with self.admission.lock:
+            if self.admission.ended is None:
                 try:
                     self._conn.send(("close",))
                 except OSError:
@@ -152,22 +143,21 @@ class EngineProcess(Streams):
         except (EOFError, OSError):
             pass
         code = self.process.wait()
-        with self._lock:
-            self._ended = "stopped" if self._closing and code == 0 else f"exit code {code}"
-            left, self._sinks = self._sinks, {}
-        if left and not self._closing:
+        closing = self.admission.closing
+        ended = "stopped" if closing and code == 0 else f"exit code {code}"
+        left = self.admission.end(ended)
+        if left and not closing:
             logger.error("the generation engine process exited with code %s; %d open requests end with an error",
                          code, len(left))
         for rid, sink in left.items():
             self._safely(sink, TokenEvent(rid, None, finish_reason="error",
-                                          error=f"the generation engine process ended ({self._ended})"))
+                                          error=f"the generation engine process ended ({ended})"))
 
     def _deliver(self, event: TokenEvent) -> None:
         if event.finished:
-            with self._lock:
-                sink = self._sinks.pop(event.request_id, None)
+            sink = self.admission.pop(event.request_id)
         else:
-            sink = self._sinks.get(event.request_id)
+            sink = self.admission.open.get(event.request_id)
         if sink is not None:
             self._safely(sink, event)
 
@@ -178,6 +168,113 @@ class EngineProcess(Streams):
             logger.exception("generate request %s: its event sink failed; aborting it", event.request_id)
             if not event.finished:
                 self.abort(event.request_id)
+
+
+def group_env(group: tuple[int, int] | None, environ: dict | None = None) -> dict[str, str]:
+    """The environment of the engine process of tensor-parallel group ``(index, size)`` (None: every core).
+
+    A group's process sees exactly the group's cores, as SPMD's mesh must cover every core
+    of the process: emulated, ``size`` XLA:CPU devices; on Neuron, the group's NeuronCores
+    out of the replica's ``NEURON_RT_VISIBLE_CORES``.
+    """
+    env = dict(os.environ if environ is None else environ)
+    if group is None:
+        return env
+    index, size = group
+    device = env.get("PJRT_DEVICE") or ("NEURON" if neuron_devices_present() else "CPU")
+    if device.upper() == "CPU":
+        env["CPU_NUM_DEVICES"] = str(size)
+        return env
+    visible = _core_list(env.get("NEURON_RT_VISIBLE_CORES"))
+    cores = visible[index * size:(index + 1) * size] if visible else list(range(index * size, (index + 1) * size))
+    if len(cores) != size:
+        raise RuntimeError(f"tensor-parallel group {index} needs {size} NeuronCores; NEURON_RT_VISIBLE_CORES gives "
+                           f"{env.get('NEURON_RT_VISIBLE_CORES')}")
+    env["NEURON_RT_VISIBLE_CORES"] = ",".join(str(c) for c in cores)
+    return env
+
+
+def _core_list(visible: str | None) -> list[int]:
+    """``"2-5"`` or ``"0,1"`` as a list of core indices (empty when unset)."""
+    cores: list[int] = []
+    for part in filter(None, (visible or "").split(",")):
+        first, _, last = part.partition("-")
+        cores += list(range(int(first), int(last or first) + 1))
+    return cores
+
+
+class ProcessGroup(Streams):
+    """A replica's tensor-parallel groups, each an :class:`EngineProcess`, behind one ``submit``/``abort`` API.
+
+    A request goes to the group with the most room (slots and queue) left, as an engine
+    group picks the engine with the most free slots.
+    """
+
+    def __init__(self, processes: Seq[EngineProcess]) -> None:
+        self.processes = list(processes)
+        first = self.processes[0]
+        self.engines = sum(p.engines for p in self.processes)
+        self.slots, self.vocab_size, self.max_model_len = first.slots, first.vocab_size, first.max_model_len
+        self.tokenizer, self.info = first.tokenizer, first.info
+        self.admission = Admission(0, None)  # ids only: each process bounds its own queue
+
+    def submit(self, prompt: Seq[int], params: SamplingParams, sink: Callable[[TokenEvent], None],
+               request_id: str | None = None) -> str:
+        process = max(self.processes, key=lambda p: p.free)
+        rid = self.admission.admit(request_id, process)
+
+        def forget(event: TokenEvent) -> None:
+            if event.finished:
+                self.admission.pop(rid)
+            sink(event)
+
+        try:
+            return process.submit(prompt, params, forget, rid)
+        except Exception:
+            self.admission.pop(rid)
+            raise
+
+    def abort(self, request_id: str) -> None:
+        process = self.admission.get(request_id)
+        if process is not None:
+            process.abort(request_id)
+
+    @property
+    def running(self) -> int:
+        return sum(p.running for p in self.processes)
+
+    @property
+    def alive(self) -> bool:
+        return all(p.alive for p in self.processes)
+
+    def close(self) -> None:
+        for process in self.processes:
+            process.close()
+
+
+def start_engines(config: dict, base_dir: str | None, replica: str, cores: int, tensor_parallel_size: int) -> Any:
+    """The replica's engines: one process for all its cores, or one per tensor-parallel group of its ``cores``.
+
+    The groups' processes build at once (each compiles its own program); if one fails, the
+    others are stopped and its error is raised.
+    """
+    if tensor_parallel_size == 1:
+        return EngineProcess(config, base_dir, replica)
+    groups = cores // tensor_parallel_size
+    with ThreadPoolExecutor(groups) as starting:
+        futures = [starting.submit(EngineProcess, config, base_dir, replica, (i, tensor_parallel_size))
+                   for i in range(groups)]
+    started, failed = [], None
+    for future in futures:
+        try:
+            started.append(future.result())
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the others stop
+            failed = failed or exc
+    if failed is not None:
+        for process in started:
+            process.close()
+        raise failed
+    return ProcessGroup(started)
 
 
 def _forget_metrics(pid: int) -> None:

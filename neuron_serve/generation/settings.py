@@ -70,6 +70,12 @@ class GenerationSettings(BaseModel):
                              "tokens; tokens past a sequence's stop, EOS or max_tokens are computed and dropped, and "
                              "waiting prompts wait for the call; compiles each decode bucket a second time. 1: one "
                              "token per call")
+    tensor_parallel_size: int = Field(
+        1, ge=1,
+        description="cores one engine spans: the model's weights and KV cache are split over them (tensor "
+                    "parallelism, by the model's transformers tp plan) and each prefill and decode bucket is "
+                    "compiled once for the group; cores_per_replica must be a multiple of it, and the replica runs "
+                    "cores_per_replica / tensor_parallel_size engines. 1: a whole model on each core")
     max_num_batched_tokens: int | None = Field(
         default=None, ge=1,
         description="prompt tokens prefilled per engine step (a longer prompt still runs, alone), which bounds "
@@ -139,6 +145,12 @@ def check_task(config: Any) -> None:
     for name, reason in INFER_ONLY.items():
         if name in config.model_fields_set:
             raise FieldError(name, f"applies to task: infer; {reason}; remove {name}")
+    tp = config.generation.tensor_parallel_size if config.generation is not None else 1
+    if config.cores_per_replica % tp:
+        raise FieldError("generation.tensor_parallel_size",
+                         f"{tp} cores per engine do not divide the replica's {config.cores_per_replica} "
+                         f"(cores_per_replica); set cores_per_replica to a multiple of {tp} (each group of {tp} "
+                         f"cores runs one engine)")
     if config.placement.mode == "pipeline":
         raise FieldError("placement.mode", "pipeline applies to task: infer; a generate model runs on one core; "
                                            "remove placement or use mode: replicate")

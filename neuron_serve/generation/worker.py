@@ -2,9 +2,10 @@
 
 ``python -m neuron_serve.generation.worker FD`` is started by :class:`~.process.EngineProcess`
 with one end of a socket pair as ``FD``. Over it (``multiprocessing.connection`` framing,
-pickled messages) the replica sends ``(config, base_dir, replica, sys_path)``; this
-process builds the engines (compiling, or loading an artifact, as ``build_engine`` does)
-and answers ``("ready", info)`` or ``("failed", error)``. Then it reads
+pickled messages) the replica sends ``(config, base_dir, replica, sys_path, group)``; this
+process builds the engines, compiling or loading an artifact as ``build_engine`` does: one
+per core of the replica, or with ``group`` = (index, size) the one engine of that
+tensor-parallel group, whose cores are all this process sees. It answers ``("ready", info)`` or ``("failed", error)``. Then it reads
 
 - ``("submit", request_id, prompt_ids, params)``: a request for the engine group;
 - ``("abort", request_id)``;
@@ -84,7 +85,7 @@ def _portable(exc: BaseException) -> bytes:
 
 
 def serve(conn: Connection) -> int:
-    config, base_dir, replica, paths = conn.recv()
+    config, base_dir, replica, paths, group = conn.recv()
     # Factory models import from where the replica could import (Ray's working_dir, py_modules).
     sys.path[:0] = [p for p in paths if p not in sys.path]
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
@@ -93,7 +94,7 @@ def serve(conn: Connection) -> int:
     from ..errors import NeuronServeError  # noqa: PLC0415
     from ..targets.pjrt import start_emulated_cores_on_threads  # noqa: PLC0415
     from .build import build_engine  # noqa: PLC0415
-    from .engine import TokenEvent  # noqa: PLC0415
+    from .protocol import TokenEvent  # noqa: PLC0415
 
     try:
         config = parse_config(config)
@@ -102,23 +103,27 @@ def serve(conn: Connection) -> int:
         # step over 2 vCPUs gained little and lost most of it to that work: a 32-row call
         # of 4 steps took 26.7 ms over two threads and 33.6 beside a busy CPU, against
         # 30 ms on one thread either way (docs/guides/benchmarks.md).
-        if start_emulated_cores_on_threads(config.cores_per_replica):
-            logger.info("emulated NeuronCores: XLA:CPU computes on %d thread(s), one per core",
-                        config.cores_per_replica)
-        group = build_engine(config, base_dir, replica=replica)
+        # A tensor-parallel group's process has the group's cores only (process.group_env).
+        cores = group[1] if group is not None else config.cores_per_replica
+        if start_emulated_cores_on_threads(cores):
+            logger.info("emulated NeuronCores: XLA:CPU computes on %d thread(s), one per core", cores)
+        engines = build_engine(config, base_dir, replica=replica, cores=cores)
     except BaseException as exc:  # noqa: BLE001 - the replica raises it in its constructor
         conn.send(("failed", _portable(exc)))
         return 1
-    first = group.engines[0]
+    first = engines.engines[0]
     max_waiting = first.max_waiting
-    for engine in group.engines:
+    for engine in engines.engines:
         # The replica admits requests (EngineProcess counts the open ones against the slots
         # and this queue bound); here a request it let through is never refused for a queue
         # that only looks full because the engine thread has not taken its inbox yet.
-        engine.max_waiting = sys.maxsize
-    conn.send(("ready", {"engines": len(group.engines), "slots": first.model.slots,
-                         "max_waiting": max_waiting, "vocab_size": first.model.vocab_size,
-                         "max_model_len": first.model.max_model_len, "tokenizer": first.tokenizer}))
+        engine.admission.capacity = None
+    executor = first.executor
+    conn.send(("ready", {"engines": len(engines.engines), "slots": executor.slots,
+                         "max_waiting": max_waiting, "vocab_size": executor.vocab_size,
+                         "max_model_len": executor.max_model_len, "tokenizer": first.tokenizer,
+                         "tensor_parallel_size": executor.tensor_parallel_size,
+                         "memory_per_core": executor.memory()}))
     outbox = Outbox(conn)
     while True:
         try:
@@ -128,14 +133,14 @@ def serve(conn: Connection) -> int:
         if message[0] == "submit":
             _, rid, prompt, params = message
             try:
-                group.submit(prompt, params, outbox.post, rid)
+                engines.submit(prompt, params, outbox.post, rid)
             except NeuronServeError as exc:  # the replica's own checks let it through: say why, as its end
                 outbox.post(TokenEvent(rid, None, finish_reason="error", error=str(exc)))
         elif message[0] == "abort":
-            group.abort(message[1])
+            engines.abort(message[1])
         elif message[0] == "close":
             break
-    group.close()
+    engines.close()
     outbox.close()
     return 0
 

@@ -1,7 +1,8 @@
 """The Ray Serve deployment of a ``task: generate`` model: its engines run beside the replicas.
 
 Each replica starts an engine process (``generation/process.py``) that compiles and runs
-its engines, one per core, so the replica's event loop and the engines' steps never wait
+its engines (one per core, or one per group of ``tensor_parallel_size`` cores, each
+group in a process of its own), so the replica's event loop and the engines' steps never wait
 for each other's GIL.
 
 Each model is its own Serve application at ``/v2/models/{name}`` (HAProxy sends its
@@ -92,16 +93,20 @@ class GenerateServer:
 
 def build_plane(config: ModelConfig, base_dir: str | None, replica: str) -> GenerationPlane:
     """The replica's plane over its engines, which run in a process of their own (generation/process.py)."""
-    from ..generation.process import EngineProcess  # noqa: PLC0415
+    from ..generation.process import start_engines  # noqa: PLC0415
 
-    engines = EngineProcess(config.model_dump(mode="json", exclude_unset=True), base_dir, replica)
-    return GenerationPlane(config, engines, engines.tokenizer, engines.max_model_len, replica, cores=engines.engines)
+    settings = config.generation or GenerationSettings()
+    engines = start_engines(config.model_dump(mode="json", exclude_unset=True), base_dir, replica,
+                            config.cores_per_replica, settings.tensor_parallel_size)
+    return GenerationPlane(config, engines, engines.tokenizer, engines.max_model_len, replica,
+                           cores=config.cores_per_replica, info=engines.info)
 
 
 def max_ongoing_requests(config: ModelConfig) -> int:
     """Every sequence a replica can run or queue, and a margin: past that its engine answers 503 itself."""
     settings = config.generation or GenerationSettings()
-    return config.cores_per_replica * settings.max_num_seqs + settings.max_waiting + ONGOING_MARGIN
+    engines = config.cores_per_replica // settings.tensor_parallel_size
+    return engines * settings.max_num_seqs + settings.max_waiting + ONGOING_MARGIN
 
 
 def application(config: ModelConfig, base_dir: str | None, options: dict):

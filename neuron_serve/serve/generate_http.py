@@ -59,7 +59,8 @@ def generate_app() -> FastAPI:
         return await answer(request, lambda served, body: openai_answer(served, "chat", body), True)
 
     async def models(_: Request) -> Response:
-        return JSONResponse(openai.models_list([plane().name]))
+        served = plane()
+        return JSONResponse(openai.models_list([served.name], {served.name: served.model_card()}))
 
     async def infer(_: Request) -> Response:
         return to_response(infer_refused(plane().name))

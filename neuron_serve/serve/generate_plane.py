@@ -60,7 +60,7 @@ class GenerationPlane:
     """One generate model on one replica: its engines, tokenizer, metadata and request runs."""
 
     def __init__(self, config: ModelConfig, engines: Streams, tokenizer: Any, max_model_len: int,
-                 replica: str | None = None, cores: int = 1) -> None:
+                 replica: str | None = None, cores: int = 1, info: dict | None = None) -> None:
         self.config = config
         self.name = config.name
         self.engines = engines
@@ -68,6 +68,9 @@ class GenerationPlane:
         self.max_model_len = max_model_len
         self.replica = replica or str(os.getpid())
         self.cores = cores
+        info = info or {}
+        self.tensor_parallel_size = int(info.get("tensor_parallel_size", 1))
+        self.memory_per_core: dict = info.get("memory_per_core", {})
         self._latency = metrics.REQUEST_LATENCY.labels(model=self.name, replica=self.replica)
         self._codes: dict[str, Any] = {}
         self._mailboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -116,11 +119,17 @@ class GenerationPlane:
                 "task": "generate",
                 "emulated": emulated(),
                 "cores": self.cores,
+                "tensor_parallel_size": self.tensor_parallel_size,
+                "engines": self.cores // self.tensor_parallel_size,
                 "max_num_seqs": settings.max_num_seqs,
                 "max_model_len": self.max_model_len,
                 "neuron_serve_version": __version__,
             },
         }
+
+    def model_card(self) -> dict:
+        """What ``GET /v1/models`` says of this model beyond its id (vLLM's ``max_model_len``, and its cores)."""
+        return {"max_model_len": self.max_model_len, "tensor_parallel_size": self.tensor_parallel_size}
 
     # -- prompts --------------------------------------------------------------------------
 

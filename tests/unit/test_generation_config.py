@@ -117,8 +117,8 @@ def test_a_generate_model_yaml_parses_with_defaults():
     assert given.generation == GenerationSettings()
     assert given.generation.model_dump() == {
         "max_num_seqs": 8, "max_model_len": None, "prefill_buckets": None, "decode_batch_buckets": None,
-        "decode_context_buckets": None, "decode_steps": 1, "max_num_batched_tokens": None, "max_waiting": 256,
-        "request_timeout_s": None}
+        "decode_context_buckets": None, "decode_steps": 1, "tensor_parallel_size": 1, "max_num_batched_tokens": None,
+        "max_waiting": 256, "request_timeout_s": None}
     assert parse_config(with_(GENERATE, model={"factory": "pkg.lm:build", "kwargs": {"size": 2}})).model.kwargs
     assert parse_config(INFER).task == "infer"
 
@@ -211,7 +211,8 @@ def test_a_cache_too_big_for_the_core_is_refused_with_the_bytes(pretrained, monk
     assert str(err.value) == (
         f"generation.max_num_seqs: 8 slots of 32 positions need {8 * per_slot} bytes of KV cache ({per_slot} per "
         f"slot) next to {weights} bytes of weights, more than the core's {weights + 3 * per_slot} bytes; at most 3 "
-        f"slot(s) fit. Lower max_num_seqs or max_model_len.")
+        f"slot(s) fit. Lower max_num_seqs or max_model_len, or split the model over 2 cores with "
+        f"generation.tensor_parallel_size: 2.")
 
 
 @pytest.mark.parametrize("model,tokenizer,text", [

@@ -288,7 +288,8 @@ def test_a_cache_too_big_for_the_core_is_refused_before_compiling(monkeypatch):
     with pytest.raises(ConfigError, match=r"^max_num_seqs: 4 slots of 48 positions need \d+ bytes of KV cache "
                                           r"\(\d+ per slot\) next to \d+ bytes of weights, more than the core's "
                                           r"\d+ bytes; at most 0 slot\(s\) fit\. Lower max_num_seqs or "
-                                          r"max_model_len\.$"):
+                                          r"max_model_len, or split the model over 2 cores with "
+                                          r"tensor_parallel_size: 2\.$"):
         engine_for(lm, **SHAPES)
 
 

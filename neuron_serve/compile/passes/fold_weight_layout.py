@@ -23,6 +23,7 @@ import torch.fx
 
 aten = torch.ops.aten
 _LAYOUT_OPS = {aten.t.default, aten.transpose.int, aten.permute.default}
+DERIVED = "derived_from"  # gm.meta key: folded constant -> (source attribute, layout op, its arguments)
 
 
 def _attr(gm: torch.fx.GraphModule, target: str) -> torch.Tensor | None:
@@ -71,6 +72,9 @@ def _fold_layouts(gm: torch.fx.GraphModule) -> set[str]:
         folded = node.target(value.detach(), *node.args[1:]).contiguous()
         name = f"{source.target.replace('.', '_')}__{node.name}"
         gm.register_buffer(name, folded)
+        # Where each folded constant came from, so a sharding plan written for the source
+        # weights follows it (compile/sharding.py).
+        gm.meta.setdefault(DERIVED, {})[name] = (source.target, node.target.__name__.split(".")[0], node.args[1:])
         with gm.graph.inserting_before(node):
             constant = gm.graph.get_attr(name)
         constant.meta = dict(node.meta)

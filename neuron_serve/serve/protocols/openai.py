@@ -281,11 +281,11 @@ def sse(data: dict | str) -> bytes:
 DONE = sse("[DONE]")
 
 
-def models_list(names: list[str]) -> dict:
-    """``GET /v1/models``."""
+def models_list(names: list[str], details: dict[str, dict] | None = None) -> dict:
+    """``GET /v1/models``; ``details`` adds fields to a model's entry (vLLM adds ``max_model_len`` and the like)."""
     created = int(time.time())
-    return {"object": "list", "data": [{"id": n, "object": "model", "created": created, "owned_by": OWNER}
-                                       for n in names]}
+    return {"object": "list", "data": [{"id": n, "object": "model", "created": created, "owned_by": OWNER,
+                                        **(details or {}).get(n, {})} for n in names]}
 
 
 def unknown_model(name: Any, served: list[str]) -> OpenAIError:

@@ -1,0 +1,89 @@
+"""The executor: one core group's compiled models and KV cache, behind the calls an engine makes.
+
+As vLLM's v1 splits an engine from its executor and workers, the engine here keeps the
+request lifecycle and the scheduler, and hands each model call to an :class:`Executor`:
+prefill a prompt into a slot, decode one token (or ``decode_steps``) for the running
+slots, copy a slot over another. :class:`CoreGroupExecutor` runs them on one core
+(tensor_parallel_size 1) or, as one SPMD program, on a group of cores whose weights
+and cache are split by the model's tensor-parallel plan (``tensor_parallel.py``). The
+engine never sees which: outputs are the same tokens and logits either way.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Sequence
+
+from ..targets.pjrt import use_device
+from .model import GenerationModel, Shape, StepOutput
+
+
+class Executor(abc.ABC):
+    """The model calls of one core group (see the module docstring)."""
+
+    slots: int
+    max_model_len: int
+    vocab_size: int
+    decode_steps: int
+    tensor_parallel_size: int
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Prepare the calling thread to drive the cores; the engine's thread calls it once, first."""
+
+    @abc.abstractmethod
+    def prefill(self, prompt: Sequence[int], slot: int) -> tuple[StepOutput, Shape]:
+        """Write ``prompt`` into ``slot``; the output at its last token and the bucket run."""
+
+    @abc.abstractmethod
+    def decode(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+               steps: int = 1) -> tuple[StepOutput, Shape]:
+        """One token (or ``steps`` greedy ones) for each running sequence; outputs in the order given."""
+
+    @abc.abstractmethod
+    def move(self, src: int, dst: int) -> None:
+        """Copy cache slot ``src`` over slot ``dst``, on the cores."""
+
+    @abc.abstractmethod
+    def rows_bucket(self, rows: int) -> int:
+        """The decode bucket (sequences) that ``rows`` rows run in."""
+
+    @abc.abstractmethod
+    def memory(self) -> dict[str, int]:
+        """Bytes each core of the group holds: ``weights`` and ``kv_cache``."""
+
+
+class CoreGroupExecutor(Executor):
+    """``model``'s calls on ``device`` (a core, or the SPMD device of a group of ``model.tensor_parallel_size``)."""
+
+    def __init__(self, model: GenerationModel, device: Any = None) -> None:
+        self.model = model
+        self.device = device
+        self.slots = model.slots
+        self.max_model_len = model.max_model_len
+        self.vocab_size = model.vocab_size
+        self.decode_steps = model.decode_steps
+        self.tensor_parallel_size = model.tensor_parallel_size
+
+    def start(self) -> None:
+        if self.device is not None:
+            use_device(self.device)
+        # Compile the slot move now, not in the middle of the first step that needs one
+        # (slot 0 over itself: the cache is empty and stays so).
+        self.model.move(0, 0)
+
+    def prefill(self, prompt: Sequence[int], slot: int) -> tuple[StepOutput, Shape]:
+        return self.model.prefill(prompt, slot)
+
+    def decode(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+               steps: int = 1) -> tuple[StepOutput, Shape]:
+        return self.model.decode(tokens, positions, slots, steps)
+
+    def move(self, src: int, dst: int) -> None:
+        self.model.move(src, dst)
+
+    def rows_bucket(self, rows: int) -> int:
+        return self.model.rows_bucket(rows)
+
+    def memory(self) -> dict[str, int]:
+        return self.model.memory_per_core()
