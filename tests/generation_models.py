@@ -14,15 +14,19 @@ CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(num_key_value_heads=2, **COMMON),
     "qwen2": lambda: transformers.Qwen2Config(num_key_value_heads=2, **COMMON),
     "mistral": lambda: transformers.MistralConfig(num_key_value_heads=2, sliding_window=None, **COMMON),
+    "qwen3": lambda: transformers.Qwen3Config(num_key_value_heads=2, head_dim=16, **COMMON),
     "gpt2": lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=VOCAB),
     "phi": lambda: transformers.PhiConfig(partial_rotary_factor=0.5, **COMMON),
     "gpt_neox": lambda: transformers.GPTNeoXConfig(rotary_pct=0.25, **COMMON),
 }
 
 
-def build(arch: str, seed: int = 0) -> torch.nn.Module:
-    """A causal LM of ``arch`` with random weights (eager attention, EOS off so lengths are what is asked)."""
+def build(arch: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A causal LM of ``arch`` with random weights (eager attention, EOS off so lengths are what is asked);
+    ``overrides`` change config fields (``num_key_value_heads=1``)."""
     config = CONFIGS[arch]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     model.generation_config.eos_token_id = None

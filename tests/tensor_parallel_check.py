@@ -1,0 +1,54 @@
+"""Run in a fresh process by tests/unit/test_tensor_parallel.py: engines at tensor_parallel_size 2.
+
+SPMD is a mode of the whole process, so the check runs apart from the test session: this
+process's XLA runtime is two emulated cores, and each engine spans both. For Llama, Qwen2
+with one key/value head (fewer than the cores: kept whole on each), Mistral and Qwen3 it
+prints whether greedy generation equals transformers' with sequences joining and leaving
+(five prompts, four slots, slot moves), with decode_steps 2 for Llama; then a seeded
+sampled request's tokens, the split of the weights and each core's bytes, as one JSON object.
+"""
+
+import json
+import sys
+
+import torch
+import torch_xla
+
+import generation_models as gm
+from neuron_serve.generation import SamplingParams, engine_for
+
+SHAPES = {"max_num_seqs": 4, "max_model_len": 48, "prefill_buckets": [16, 48], "decode_batch_buckets": [1, 4],
+          "decode_context_buckets": [24, 48]}
+PROMPT_LENGTHS = (3, 11, 20, 7, 30)
+NEW_TOKENS = (12, 5, 14, 9, 15)
+MODELS = {"llama": {}, "qwen2": {"num_key_value_heads": 1}, "mistral": {}, "qwen3": {}}
+
+
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, gm.VOCAB, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+
+
+def main(sampled_params: dict) -> None:
+    result = {"equal": {}, "split": {}, "memory": {}}
+    for arch, overrides in MODELS.items():
+        lm = gm.build(arch, **overrides)
+        engine = engine_for(lm, **SHAPES, tensor_parallel_size=2, decode_steps=2 if arch == "llama" else 1)
+        try:
+            done = engine.generate_batch(prompts(), [SamplingParams(max_tokens=n, temperature=0) for n in NEW_TOKENS],
+                                         timeout=300)
+            want = [gm.eager_greedy(lm, p, n) for p, n in zip(prompts(), NEW_TOKENS)]
+            result["equal"][arch] = [d.tokens == w for d, w in zip(done, want)]
+            result["split"][arch] = engine.model.sharding.describe()
+            result["memory"][arch] = engine.executor.memory()
+            if arch == "llama":
+                [sampled] = engine.generate_batch([prompts()[1]], SamplingParams(**sampled_params), timeout=300)
+                result["sampled"] = sampled.tokens
+                result["cache_split"] = torch_xla._XLAC._get_xla_sharding_spec(engine.model.compiled.states[0])
+        finally:
+            engine.close()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
