@@ -145,8 +145,19 @@ async def generate_states() -> dict[str, str]:
     return {name: state for name, state in states.items() if name in generating}
 
 
+async def model_card(name: str) -> dict:
+    """What ``GET /v1/models`` says of generate model ``name`` beyond its id, from one of its replicas
+    (nothing when none answers: the list still names it)."""
+    try:
+        kind, meta = await call_model(name, "metadata", b"")
+    except Exception:  # noqa: BLE001 - a replica going away between the status and the call
+        return {}
+    parameters = meta.get("parameters", {}) if kind == "ok" else {}
+    return {k: parameters[k] for k in ("max_model_len", "tensor_parallel_size") if k in parameters}
+
+
 @serve.deployment(name="server", num_replicas=1, ray_actor_options={"num_cpus": 0})
-@serve.ingress(server_app(model_states, generate_states, generate_deployment.forward_openai))
+@serve.ingress(server_app(model_states, generate_states, generate_deployment.forward_openai, model_card))
 class Server:
     """Health, server metadata, metrics and fallbacks, and the gRPC service; holds no model."""
 

@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Sequence
 from .. import metrics
 from ..config import ModelConfig
 from ..errors import InvalidInput, ModelNotReady, NeuronServeError, RequestTimeout
-from ..generation.engine import Streams, TokenEvent
+from ..generation.protocol import Streams, TokenEvent
 from ..generation.sampling import SamplingParams
 from ..generation.settings import GenerationSettings
 from ..generation.text import IncrementalText

@@ -120,10 +120,12 @@ def model_app() -> FastAPI:
 ModelStates = Callable[[], Awaitable[dict[str, str]]]  # model name -> "ready" | "loading" | "failed: ..."
 # (model, "completions" | "chat", body) -> a Serve response generator: (status, headers, streamed), then bytes
 ForwardOpenAI = Callable[[str, str, bytes], Awaitable[Any]]
+# model -> what GET /v1/models says of it beyond its id (max_model_len, tensor_parallel_size)
+DescribeModel = Callable[[str], Awaitable[dict]]
 
 
 def server_app(model_states: ModelStates, generate_states: ModelStates | None = None,
-               forward_openai: ForwardOpenAI | None = None) -> FastAPI:
+               forward_openai: ForwardOpenAI | None = None, describe: DescribeModel | None = None) -> FastAPI:
     """Health, server metadata, metrics, the OpenAI routes (forwarded to the generate model a
     request names) and the fallbacks for unknown or loading models."""
     app = FastAPI(
@@ -194,5 +196,5 @@ def server_app(model_states: ModelStates, generate_states: ModelStates | None = 
         return Response(metrics.scrape(), media_type="text/plain; version=0.0.4")
 
     if generate_states is not None and forward_openai is not None:
-        openai_routes.install(app, model_states, generate_states, forward_openai)
+        openai_routes.install(app, model_states, generate_states, forward_openai, describe)
     return app

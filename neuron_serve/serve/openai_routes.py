@@ -9,6 +9,8 @@ cancels the call, which aborts its sequences on the replica.
 
 from __future__ import annotations
 
+import asyncio
+
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
@@ -46,14 +48,18 @@ async def _relay(rest: Any) -> AsyncIterator[bytes]:
 
 
 def install(app: FastAPI, model_states: States, generate_states: States,
-            forward: Callable[[str, str, bytes], Awaitable[Any]]) -> None:
-    """Add ``GET /v1/models`` and the two generation routes to the server app."""
+            forward: Callable[[str, str, bytes], Awaitable[Any]],
+            describe: Callable[[str], Awaitable[dict]] | None = None) -> None:
+    """Add ``GET /v1/models`` and the two generation routes to the server app; ``describe(name)`` gives a
+    model's fields beyond its id."""
     from .http import read_body  # noqa: PLC0415 - http installs these routes
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         states = await generate_states()
-        return JSONResponse(openai.models_list(sorted(n for n, s in states.items() if s == "ready")))
+        names = sorted(n for n, s in states.items() if s == "ready")
+        details = dict(zip(names, await asyncio.gather(*(describe(n) for n in names)))) if describe else None
+        return JSONResponse(openai.models_list(names, details))
 
     async def answer(request: Request, kind: str) -> Response:
         try:

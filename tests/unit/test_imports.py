@@ -23,6 +23,13 @@ RULES = {
     "neuron_serve.partition": ("neuron_serve.analyze", "neuron_serve.api", "neuron_serve.report"),
     "neuron_serve.compile": ("neuron_serve.analyze", "neuron_serve.partition", "neuron_serve.api",
                              "neuron_serve.report"),
+    # What the replica shares with the engines: no compiler, no engine or executor (they may run elsewhere).
+    "neuron_serve.generation.protocol": COMPILER + ("neuron_serve.generation.engine", "neuron_serve.generation.executor",
+                                                    "neuron_serve.generation.model", "neuron_serve.serve"),
+    "neuron_serve.generation.process": COMPILER + ("neuron_serve.generation.engine", "neuron_serve.generation.executor",
+                                                   "neuron_serve.generation.model", "neuron_serve.serve"),
+    "neuron_serve.serve.generate_plane": COMPILER + ("neuron_serve.generation.engine",
+                                                     "neuron_serve.generation.executor", "neuron_serve.generation.model"),
 }
 
 
@@ -81,6 +88,17 @@ def test_serving_a_built_model_loads_no_compiler_module():
             "print(sorted(m for m in sys.modules if m.startswith('neuron_serve')))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert [m for m in eval(loaded) if any(_under(m, c) for c in COMPILER)] == []
+
+
+def test_the_replicas_generate_path_loads_no_compiler_module_nor_torch_xla():
+    """The replica talks to its engine processes through the protocol; the compile stack lives there."""
+    code = ("import sys, neuron_serve.generation.process, neuron_serve.serve.generate_plane, "
+            "neuron_serve.serve.generate_answers; "
+            "print(sorted(m for m in sys.modules if m.startswith(('neuron_serve', 'torch_xla', 'transformers'))))")
+    loaded = eval(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert [m for m in loaded if any(_under(m, c) for c in COMPILER) or m.startswith(("torch_xla", "transformers"))
+            or _under(m, "neuron_serve.generation.engine") or _under(m, "neuron_serve.generation.model")] == []
+    assert "neuron_serve.generation.protocol" in loaded
 
 
 # Imported only behind an ImportError fallback: ingress.py looks for HAProxy on the PATH without it.

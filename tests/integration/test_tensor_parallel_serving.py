@@ -1,0 +1,104 @@
+"""A generate model served over tensor-parallel groups: cores_per_replica 4, tensor_parallel_size 2.
+
+The LLM example, on one replica of four emulated cores: two engines, each over a group
+of two cores in a process of its own, the model's weights and KV cache split in each.
+The core's memory is set below what the whole model needs, so at tensor_parallel_size 1
+the same model.yaml is refused (naming tensor_parallel_size) and at 2 it serves. Every
+greedy answer must equal transformers' greedy generation of the same prompt ids.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import torch
+import yaml
+
+from conftest import Server, make_llm
+from neuron_serve.config import parse_config
+from neuron_serve.errors import ConfigError
+from neuron_serve.generation import tensor_parallel
+from neuron_serve.generation.build import build_engine, check_cache_fits, weight_bytes
+from neuron_serve.partition.pipeline import CORE_MEMORY_ENV
+
+GENERATION = {"max_num_seqs": 4, "max_model_len": 64, "prefill_buckets": [16, 64], "decode_batch_buckets": [4],
+              "decode_context_buckets": [64]}
+CONFIG = {"name": "llm", "task": "generate", "model": {"pretrained": "llm"}, "cores_per_replica": 4,
+          "generation": {**GENERATION, "tensor_parallel_size": 2}}
+PROMPTS = ["Hello world", "neuron-serve compiles", "The cores are emulated", "tensor parallel", "four cores", "two"]
+
+
+@pytest.fixture(scope="module")
+def tp(tmp_path_factory):
+    import transformers  # noqa: PLC0415
+
+    tmp = tmp_path_factory.mktemp("tensor-parallel")
+    make_llm(tmp / "llm")
+    eager = transformers.AutoModelForCausalLM.from_pretrained(tmp / "llm", attn_implementation="eager").eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp / "llm")
+    buckets = parse_config(CONFIG).generation.to_buckets(eager.config)
+    # Room for the model split in two, not for it whole: between what a core needs at TP 2 and at TP 1.
+    need = {size: tensor_parallel.bytes_per_core(eager, tensor_parallel.plan(eager, size) if size > 1 else None)
+            for size in (1, 2)}
+    cache = check_cache_fits(eager, buckets, tensor_parallel_size=2)
+    budget = need[2] + cache + (need[1] - need[2]) // 4
+    (tmp / "llm.yaml").write_text(yaml.safe_dump(CONFIG))
+    srv = Server([str(tmp / "llm.yaml")], tmp, env={CORE_MEMORY_ENV: str(budget)})
+    srv.dir, srv.eager, srv.tokenizer, srv.budget = tmp, eager, tokenizer, budget
+    yield srv
+    srv.stop()
+
+
+def eager_text(tp, prompt: str, max_tokens: int) -> str:
+    ids = tp.tokenizer(prompt)["input_ids"]
+    tensor = torch.tensor([ids])
+    with torch.no_grad():
+        out = tp.eager.generate(tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=max_tokens,
+                                do_sample=False, pad_token_id=tp.tokenizer.eos_token_id)
+    return tp.tokenizer.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+
+
+def get(tp, path: str) -> dict:
+    with urllib.request.urlopen(tp.url + path, timeout=30) as answer:
+        return json.loads(answer.read())
+
+
+def test_greedy_answers_equal_transformers_with_both_groups_serving(tp):
+    client = openai.OpenAI(base_url=f"{tp.url}/v1", api_key="unused", max_retries=0)
+    try:
+        def ask(prompt: str) -> str:
+            done = client.completions.create(model="llm", prompt=prompt, max_tokens=20, temperature=0)
+            return done.choices[0].text
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:  # more than one group's slots: both engines run
+            answers = list(pool.map(ask, PROMPTS))
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model="llm", prompt=PROMPTS[0], max_tokens=20, temperature=0, stream=True))
+    finally:
+        client.close()
+    assert answers == [eager_text(tp, p, 20) for p in PROMPTS]
+    assert streamed == answers[0]
+
+
+def test_metadata_models_and_metrics_say_how_the_model_is_split(tp):
+    parameters = get(tp, "/v2/models/llm")["parameters"]
+    assert (parameters["cores"], parameters["tensor_parallel_size"], parameters["engines"]) == (4, 2, 2)
+    [card] = get(tp, "/v1/models")["data"]
+    assert (card["id"], card["tensor_parallel_size"], card["max_model_len"]) == ("llm", 2, 64)
+    text = urllib.request.urlopen(f"{tp.url}/metrics", timeout=30).read().decode()
+    weights = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("neuron_serve_core_memory_bytes{") and 'kind="weights"' in line]
+    expected = tensor_parallel.bytes_per_core(tp.eager, tensor_parallel.plan(tp.eager, 2))
+    assert weights and set(weights) == {expected} and expected < 0.75 * weight_bytes(tp.eager)
+
+
+def test_the_same_model_at_tp1_is_refused_naming_tensor_parallel_size(tp, monkeypatch):
+    monkeypatch.setenv(CORE_MEMORY_ENV, str(tp.budget))
+    config = parse_config({**CONFIG, "cores_per_replica": 1, "generation": GENERATION})
+    with pytest.raises(ConfigError, match=r"at most \d+ slot\(s\) fit\. Lower max_num_seqs or max_model_len, or "
+                                          r"split the model over 2 cores with generation.tensor_parallel_size: 2\.$"):
+        build_engine(config, tp.dir)
