@@ -14,7 +14,9 @@ bench/charts.py throughput.png, latency.png and generation.png). The generation
 benchmark (bench/generate.py: the engine against transformers, in one process, after the
 servers are stopped) adds generate.md and generate.json there; generation over HTTP
 (bench/generate_http.py: neuron-serve's OpenAI API against transformers serve and Ray Serve,
-one server at a time) adds generate_http.md and generate_http.json.
+one server at a time) adds generate_http.md and generate_http.json; tensor parallelism
+(bench/tensor_parallel.py: a 110M-parameter Llama at TP 1, TP 2 and DP 2) adds
+tensor_parallel.md and tensor_parallel.json.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                             help="run only the generation benchmark (as python -m bench.generate)")
     parser.add_argument("--no-generate-http", action="store_true",
                         help="skip generation over HTTP (bench/generate_http.py)")
+    parser.add_argument("--no-tensor-parallel", action="store_true",
+                        help="skip tensor parallelism (bench/tensor_parallel.py)")
     parser.add_argument("--out", type=Path, help="results directory (default bench/results/<timestamp>)")
     return parser.parse_args(argv)
 
@@ -184,6 +188,19 @@ def run_generate(quick: bool, out: Path, log) -> str | None:
     return (out / "generate.md").read_text()
 
 
+def run_tensor_parallel(quick: bool, out: Path, log) -> str | None:
+    """bench/tensor_parallel.py (it starts one process per layout itself): its Markdown table."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    command = [sys.executable, "-m", "bench.tensor_parallel", "--out", str(out)] + (["--quick"] if quick else [])
+    log("tensor parallelism (TP 1, TP 2 and DP 2 in turn, each compiles a 110M-parameter Llama first)")
+    with open(out / "logs" / "tensor_parallel.log", "w") as handle:
+        proc = subprocess.run(command, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=5400)
+    if proc.returncode != 0:
+        log(f"  tensor parallelism: rc {proc.returncode}; see {out / 'logs' / 'tensor_parallel.log'}")
+        return None
+    return (out / "tensor_parallel.md").read_text()
+
+
 def run_generate_http(quick: bool, out: Path, log) -> str | None:
     """bench/generate_http.py in its own process (it starts and stops each server itself):
     returns its Markdown table whenever it wrote one (a server that failed is a row of it)."""
@@ -232,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     cold_warm = None if args.no_cold_warm else run_cold_warm(args.quick, out, log)
     generation = None if args.no_generate else run_generate(args.quick, out, log)
     generation_http = None if args.no_generate_http else run_generate_http(args.quick, out, log)
+    tensor_parallel = None if args.no_tensor_parallel else run_tensor_parallel(args.quick, out, log)
 
     targets = report.target_rows(rows)
     sections = [
@@ -255,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         sections += ["", "## Generation (in process, bench/generate.py)", "", generation.strip()]
     if generation_http:
         sections += ["", "## Generation over HTTP (bench/generate_http.py)", "", generation_http.strip()]
+    if tensor_parallel:
+        sections += ["", tensor_parallel.strip()]
     markdown = "\n".join(sections) + "\n"
     (out / "results.md").write_text(markdown)
     (out / "raw.json").write_text(json.dumps({"rows": rows, "memory": memory, "internal": internal,

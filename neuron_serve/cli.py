@@ -92,11 +92,14 @@ def _analyze_generation(args: argparse.Namespace, config, base_dir: Path) -> int
     reports, pages = {}, {}
     for form in forms(config, base_dir):
         reports[form.label] = build_report(form.analysis)
+        if form.split is not None:  # each weight's split and the bytes per core
+            reports[form.label]["tensor_parallel"] = form.split
         if args.html or args.report_json:
             from .report import partition_report  # noqa: PLC0415
 
             data = partition_report.build(config, form.model, form.captured, form.analysis)
             data["model"] = f"{config.name} ({form.label})"
+            data["tensor_parallel"] = form.split
             pages[form.label] = data
     if args.html:  # one page per compiled model, named after its bucket
         html = Path(args.html)

@@ -18,7 +18,9 @@ from ..analyze.placement import GraphAnalysis, analyze_graph
 from ..analyze.report import build_report
 from ..config import ModelConfig
 from ..targets import get_target
+from . import tensor_parallel
 from .build import load_lm
+from .buckets import kv_cache_bytes
 from .model import _example, shapes_of
 from .settings import GenerationSettings
 from .slots import SlotLM
@@ -31,12 +33,29 @@ class Form(NamedTuple):
     model: torch.nn.Module
     captured: CapturedGraph
     analysis: GraphAnalysis
+    split: dict | None = None  # with generation.tensor_parallel_size above 1: see :func:`split_of`
+
+
+def split_of(lm: torch.nn.Module, buckets, size: int) -> dict | None:
+    """How ``size`` cores split ``lm`` (each split weight's spec, the cache's) and what one core holds, or None at 1."""
+    if size == 1:
+        return None
+    tensor_parallel.check(lm.config, size)
+    plan = tensor_parallel.plan(lm, size)
+    dtype_bytes = next(lm.parameters()).element_size()
+    cache = kv_cache_bytes(lm.config, buckets.max_num_seqs, buckets.max_model_len, dtype_bytes)
+    return {**plan.describe(),
+            "bytes_per_core": {"weights": tensor_parallel.bytes_per_core(lm, plan),
+                               "kv_cache": cache if plan.state is None else cache // size},
+            "bytes_whole": {"weights": tensor_parallel.bytes_per_core(lm, None), "kv_cache": cache}}
 
 
 def forms(config: ModelConfig, base_dir: str | Path | None = None) -> Iterator[Form]:
     """Every model the model.yaml compiles, in bucket order, each analyzed as it comes (progress on stderr)."""
     lm = load_lm(config, base_dir)
-    buckets = (config.generation or GenerationSettings()).to_buckets(lm.config)
+    settings = config.generation or GenerationSettings()
+    buckets = settings.to_buckets(lm.config)
+    split = split_of(lm, buckets, settings.tensor_parallel_size)
     shapes = shapes_of(buckets)
     target = get_target(config.target)
     for index, shape in enumerate(shapes, 1):
@@ -45,9 +64,15 @@ def forms(config: ModelConfig, base_dir: str | Path | None = None) -> Iterator[F
         captured = capture(model, _example(shape))
         analysis = analyze_graph(captured, target)
         print(f"analyzed {shape.label} ({index}/{len(shapes)})", file=sys.stderr, flush=True)
-        yield Form(shape.label, model, captured, analysis)
+        yield Form(shape.label, model, captured, analysis, split)
 
 
 def analyze_generation(config: ModelConfig, base_dir: str | Path | None = None) -> dict:
-    """{"prefill_32": report, ..., "decode_8x256": report}: torch-neuronx's analyze format for each compiled model."""
-    return {form.label: build_report(form.analysis) for form in forms(config, base_dir)}
+    """{"prefill_32": report, ..., "decode_8x256": report}: torch-neuronx's analyze format for each compiled model,
+    with its ``tensor_parallel`` split when the model.yaml sets one."""
+    reports = {}
+    for form in forms(config, base_dir):
+        reports[form.label] = build_report(form.analysis)
+        if form.split is not None:
+            reports[form.label]["tensor_parallel"] = form.split
+    return reports

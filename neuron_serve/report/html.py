@@ -178,7 +178,21 @@ def _summary(data: dict) -> str:
     if data.get("compiler_args"):
         html += "<p>Compiler arguments: " + ", ".join(
             f"<code>{escape(k)}</code> {escape(v)}" for k, v in data["compiler_args"]["options"].items()) + "</p>"
+    if data.get("tensor_parallel"):
+        html += _tensor_parallel(data["tensor_parallel"])
     return html
+
+
+def _tensor_parallel(split: dict) -> str:
+    """A tensor-parallel model's split: each split weight's spec, and what one core holds against the whole."""
+    per_core, whole = split["bytes_per_core"], split["bytes_whole"]
+    html = (f"<p>Tensor parallelism: <b>{split['tensor_parallel_size']} cores</b>; KV cache "
+            f"<code>{escape(split['state'])}</code>; per core {_kib(per_core['weights'])} of weights "
+            f"(whole: {_kib(whole['weights'])}) and {_kib(per_core['kv_cache'])} of KV cache "
+            f"(whole: {_kib(whole['kv_cache'])}). Weights not listed are whole on every core.</p>")
+    rows = "".join(f"<tr><td><code>{escape(name)}</code></td><td><code>{escape(spec)}</code></td></tr>"
+                   for name, spec in split["weights"].items())
+    return f"<table><tr><th>weight</th><th>split (tp: over the cores)</th></tr>{rows}</table>"
 
 
 def _legend(data: dict) -> str:

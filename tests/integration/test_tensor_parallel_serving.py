@@ -1,10 +1,12 @@
-"""A generate model served over tensor-parallel groups: cores_per_replica 4, tensor_parallel_size 2.
+"""Generate models served over tensor-parallel groups of two emulated cores.
 
-The LLM example, on one replica of four emulated cores: two engines, each over a group
-of two cores in a process of its own, the model's weights and KV cache split in each.
-The core's memory is set below what the whole model needs, so at tensor_parallel_size 1
-the same model.yaml is refused (naming tensor_parallel_size) and at 2 it serves. Every
-greedy answer must equal transformers' greedy generation of the same prompt ids.
+The LLM example on one replica of four cores: two engines, each over a group of two
+cores in a process of its own, the model's weights and KV cache split in each. The
+core's memory is set below what the whole model needs, so at tensor_parallel_size 1 the
+same model.yaml is refused (naming tensor_parallel_size) and at 2 it serves. Beside it,
+in the same deployment, a Qwen2 with one key/value head, a Mistral and a Qwen3 (tiny,
+random weights, token-id prompts) each over one group of two cores. Every greedy answer
+must equal transformers' greedy generation of the same prompt ids.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ from __future__ import annotations
 import json
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
 import pytest
 import torch
 import yaml
 
+import generation_models as gm
 from conftest import Server, make_llm
 from neuron_serve.config import parse_config
 from neuron_serve.errors import ConfigError
@@ -29,6 +33,11 @@ GENERATION = {"max_num_seqs": 4, "max_model_len": 64, "prefill_buckets": [16, 64
               "decode_context_buckets": [64]}
 CONFIG = {"name": "llm", "task": "generate", "model": {"pretrained": "llm"}, "cores_per_replica": 4,
           "generation": {**GENERATION, "tensor_parallel_size": 2}}
+# Tiny models of the other architectures, one group of two cores each, as factories of tests/generation_models.py.
+ARCHS = {"qwen2": {"num_key_value_heads": 1}, "mistral": {}, "qwen3": {}}
+TINY_GENERATION = {"max_num_seqs": 4, "max_model_len": 32, "prefill_buckets": [32], "decode_batch_buckets": [4],
+                   "decode_context_buckets": [32], "tensor_parallel_size": 2}
+ID_PROMPTS = [[5, 17, 200, 3], [9, 9, 31], [101, 7, 64, 2, 250, 12]]
 PROMPTS = ["Hello world", "neuron-serve compiles", "The cores are emulated", "tensor parallel", "four cores", "two"]
 
 
@@ -47,7 +56,14 @@ def tp(tmp_path_factory):
     cache = check_cache_fits(eager, buckets, tensor_parallel_size=2)
     budget = need[2] + cache + (need[1] - need[2]) // 4
     (tmp / "llm.yaml").write_text(yaml.safe_dump(CONFIG))
-    srv = Server([str(tmp / "llm.yaml")], tmp, env={CORE_MEMORY_ENV: str(budget)})
+    (tmp / "generation_models.py").write_text(Path(gm.__file__).read_text())  # the factories, beside their yaml
+    gm.byte_tokenizer().save_pretrained(tmp / "bytes")  # any id decodes: answers compare as text
+    for arch, overrides in ARCHS.items():
+        (tmp / f"{arch}.yaml").write_text(yaml.safe_dump({
+            "name": arch, "task": "generate", "cores_per_replica": 2, "generation": TINY_GENERATION,
+            "tokenizer": "bytes",
+            "model": {"factory": "generation_models:build", "kwargs": {"arch": arch, **overrides}}}))
+    srv = Server([str(tmp / f"{name}.yaml") for name in ("llm", *ARCHS)], tmp, env={CORE_MEMORY_ENV: str(budget)})
     srv.dir, srv.eager, srv.tokenizer, srv.budget = tmp, eager, tokenizer, budget
     yield srv
     srv.stop()
@@ -84,10 +100,22 @@ def test_greedy_answers_equal_transformers_with_both_groups_serving(tp):
     assert streamed == answers[0]
 
 
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_each_architecture_served_at_tp2_answers_as_transformers(tp, arch):
+    client = openai.OpenAI(base_url=f"{tp.url}/v1", api_key="unused", max_retries=0)
+    try:
+        done = client.completions.create(model=arch, prompt=ID_PROMPTS, max_tokens=12, temperature=0)
+    finally:
+        client.close()
+    lm, tokenizer = gm.build(arch, **ARCHS[arch]), gm.byte_tokenizer()
+    want = [tokenizer.decode(gm.eager_greedy(lm, p, 12), skip_special_tokens=True) for p in ID_PROMPTS]
+    assert [c.text for c in sorted(done.choices, key=lambda c: c.index)] == want
+
+
 def test_metadata_models_and_metrics_say_how_the_model_is_split(tp):
     parameters = get(tp, "/v2/models/llm")["parameters"]
     assert (parameters["cores"], parameters["tensor_parallel_size"], parameters["engines"]) == (4, 2, 2)
-    [card] = get(tp, "/v1/models")["data"]
+    [card] = [m for m in get(tp, "/v1/models")["data"] if m["id"] == "llm"]
     assert (card["id"], card["tensor_parallel_size"], card["max_model_len"]) == ("llm", 2, 64)
     text = urllib.request.urlopen(f"{tp.url}/metrics", timeout=30).read().decode()
     weights = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()

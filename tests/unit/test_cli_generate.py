@@ -139,3 +139,33 @@ def test_the_llm_example_is_made_locally_and_generates_as_transformers_does(tmp_
         assert done.tokens == gm.eager_greedy(lm, prompt, 12)
     finally:
         group.close()
+
+
+TP_YAML = LLM_YAML + "  tensor_parallel_size: 2\ncores_per_replica: 2\n"
+
+
+def test_analyze_of_a_tensor_parallel_model_shows_each_weights_split_and_the_bytes_per_core(tmp_path):
+    path = tmp_path / "tp.yaml"
+    path.write_text(TP_YAML)
+    done = _cli("analyze", path, "--html", tmp_path / "report.html")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert list(report) == COMPILED
+    split = report["prefill_32"]["tensor_parallel"]
+    assert split["tensor_parallel_size"] == 2 and split["state"] == "(-, tp, -, -)"
+    assert split["weights"]["lm.model.layers.0.self_attn.q_proj.weight"] == "(tp, -)"
+    assert split["weights"]["lm.model.layers.0.mlp.down_proj.weight"] == "(-, tp)"
+    assert split["bytes_per_core"]["kv_cache"] * 2 == split["bytes_whole"]["kv_cache"]
+    assert split["bytes_per_core"]["weights"] < split["bytes_whole"]["weights"]
+    page = (tmp_path / "report-decode_4x64.html").read_text()
+    assert "Tensor parallelism: <b>2 cores</b>" in page and "<code>(-, tp)</code>" in page
+
+
+def test_build_of_a_tensor_parallel_model_is_refused_with_what_to_do(tmp_path):
+    path = tmp_path / "tp.yaml"
+    path.write_text(TP_YAML)
+    done = _cli("build", path, "-o", tmp_path / "built")
+    assert done.returncode == 2 and not (tmp_path / "built").exists()
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        "error: generation.tensor_parallel_size: a tensor-parallel model is compiled for its core group when it "
+        "starts")
