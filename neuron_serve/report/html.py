@@ -192,7 +192,7 @@ def _tensor_parallel(split: dict) -> str:
             f"(whole: {_kib(whole['kv_cache'])}). Weights not listed are whole on every core.</p>")
     rows = "".join(f"<tr><td><code>{escape(name)}</code></td><td><code>{escape(spec)}</code></td></tr>"
                    for name, spec in split["weights"].items())
-    return f"<table><tr><th>weight</th><th>split (tp: over the cores)</th></tr>{rows}</table>"
+    return html + f"<table><tr><th>weight</th><th>split (tp: over the cores)</th></tr>{rows}</table>"
 
 
 def _legend(data: dict) -> str:

@@ -119,7 +119,8 @@ def test_metadata_models_and_metrics_say_how_the_model_is_split(tp):
     assert (card["id"], card["tensor_parallel_size"], card["max_model_len"]) == ("llm", 2, 64)
     text = urllib.request.urlopen(f"{tp.url}/metrics", timeout=30).read().decode()
     weights = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("neuron_serve_core_memory_bytes{") and 'kind="weights"' in line]
+               if line.startswith("neuron_serve_core_memory_bytes{") and 'kind="weights"' in line
+               and 'model_name="llm"' in line]
     expected = tensor_parallel.bytes_per_core(tp.eager, tensor_parallel.plan(tp.eager, 2))
     assert weights and set(weights) == {expected} and expected < 0.75 * weight_bytes(tp.eager)
 
