@@ -139,11 +139,6 @@ def _build_generation(args: argparse.Namespace, config, served: dict, out: Path)
     from .generation.artifact import save_generation  # noqa: PLC0415
     from .generation.build import compile_from_config  # noqa: PLC0415
 
-    if config.generation is not None and config.generation.tensor_parallel_size > 1:
-        print("error: generation.tensor_parallel_size: a tensor-parallel model is compiled for its core group when "
-              "it starts (through the compile cache); neuron-serve build writes artifacts of one core per engine. "
-              "Serve the model.yaml itself, or build it with tensor_parallel_size: 1.", file=sys.stderr)
-        return 2
     started = time.perf_counter()
     model, eos, tokenizer = compile_from_config(config, Path(args.config).resolve().parent)
     served.pop("tokenizer", None)  # the artifact carries its own copy

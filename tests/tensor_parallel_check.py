@@ -5,17 +5,22 @@ process's XLA runtime is two emulated cores, and each engine spans both. For Lla
 with one key/value head (fewer than the cores: kept whole on each), Mistral and Qwen3 it
 prints whether greedy generation equals transformers' with sequences joining and leaving
 (five prompts, four slots, slot moves), with decode_steps 2 for Llama; then a seeded
-sampled request's tokens, the split of the weights and each core's bytes, as one JSON object.
+sampled request's tokens, the split of the weights and each core's bytes, and whether
+Llama saved as an artifact and loaded again answers the same, as one JSON object.
 """
 
 import json
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 import torch_xla
 
 import generation_models as gm
 from neuron_serve.generation import SamplingParams, engine_for
+from neuron_serve.generation.artifact import load_generation, save_generation
+from neuron_serve.generation.engine import Engine
 
 SHAPES = {"max_num_seqs": 4, "max_model_len": 48, "prefill_buckets": [16, 48], "decode_batch_buckets": [1, 4],
           "decode_context_buckets": [24, 48]}
@@ -27,6 +32,21 @@ MODELS = {"llama": {}, "qwen2": {"num_key_value_heads": 1}, "mistral": {}, "qwen
 def prompts() -> list[list[int]]:
     generator = torch.Generator().manual_seed(1)
     return [torch.randint(0, gm.VOCAB, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+
+
+def _artifact_round_trip(engine, want: list[list[int]]) -> list[bool]:
+    """Save the split model as ``neuron-serve build`` does, load it over the same two cores, generate again."""
+    with tempfile.TemporaryDirectory() as folder:
+        save_generation(engine.model, Path(folder) / "built", eos_token_ids=[])
+        model, _, _ = load_generation(Path(folder) / "built")
+    loaded = Engine(model)
+    try:
+        assert loaded.model.tensor_parallel_size == 2
+        done = loaded.generate_batch(prompts(), [SamplingParams(max_tokens=n, temperature=0) for n in NEW_TOKENS],
+                                     timeout=300)
+    finally:
+        loaded.close()
+    return [d.tokens == w for d, w in zip(done, want)]
 
 
 def main(sampled_params: dict) -> None:
@@ -45,6 +65,7 @@ def main(sampled_params: dict) -> None:
                 [sampled] = engine.generate_batch([prompts()[1]], SamplingParams(**sampled_params), timeout=300)
                 result["sampled"] = sampled.tokens
                 result["cache_split"] = torch_xla._XLAC._get_xla_sharding_spec(engine.model.compiled.states[0])
+                result["artifact_equal"] = _artifact_round_trip(engine, want)
         finally:
             engine.close()
     print(json.dumps(result))

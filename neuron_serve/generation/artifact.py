@@ -2,7 +2,8 @@
 
 The artifact is a neuron-serve artifact (see neuron_serve.artifact) of every prefill and
 decode model, sharing one state (the cache, saved empty), plus in its manifest the
-buckets, vocabulary size and EOS ids the engine needs, and the tokenizer's files under
+buckets, vocabulary size and EOS ids the engine needs, and for a tensor-parallel model
+its split (loaded again over a group of as many cores), and the tokenizer's files under
 ``tokenizer/``. Loading compiles the models again for the core (through the compile
 cache) without the transformers model or its Python code.
 """
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import artifact
+from ..compile import sharding as spmd
 from ..errors import ArtifactError
 from ..model import CompiledModel
 from .buckets import GenerationBuckets
@@ -28,7 +30,12 @@ def save_generation(model: GenerationModel, path: str | Path, *, eos_token_ids: 
     # The engine picks buckets itself, so the models are stored without the bucket kernel (Python code).
     stored = CompiledModel(list(model.compiled.buckets))
     extra = {"generation": {**model.buckets.describe(), "vocab_size": model.vocab_size,
-                            "eos_token_ids": list(eos_token_ids), "tokenizer": tokenizer is not None}}
+                            "eos_token_ids": list(eos_token_ids), "tokenizer": tokenizer is not None,
+                            "weight_bytes": model.weight_bytes}}
+    if model.sharding is not None:  # loaded again over a group of as many cores, split the same way
+        plan = model.sharding
+        extra["generation"]["sharding"] = {"devices": plan.devices, "state": plan.state,
+                                           "weights": {name: list(spec) for name, spec in plan.weights.items()}}
 
     def add_tokenizer(root: Path) -> None:
         if tokenizer is not None:
@@ -44,9 +51,17 @@ def load_generation(path: str | Path) -> tuple[GenerationModel, list[int], str |
     if described is None:
         raise ArtifactError(f"artifact {root} holds a task: infer model; serve it with task: infer, or build the "
                             f"generate model.yaml again.")
-    compiled = artifact.load(root)
+    split = described.get("sharding")
+    plan = None
+    if split is not None:  # one program over a group of cores: this process's cores must be that group
+        plan = spmd.Sharding(split["devices"], {name: tuple(spec) for name, spec in split["weights"].items()},
+                             tuple(split["state"]) if split["state"] is not None else None)
+        spmd.start_spmd(plan.devices)
+    with spmd.sharded(plan):
+        compiled = artifact.load(root)
     buckets = GenerationBuckets(described["max_num_seqs"], described["max_model_len"], described["prefill_buckets"],
                                 described["decode_batch_buckets"], described["decode_context_buckets"],
                                 described.get("decode_steps", 1))
     tokenizer = str(root / TOKENIZER_DIR) if described["tokenizer"] else None
-    return GenerationModel(compiled, buckets, described["vocab_size"]), described["eos_token_ids"], tokenizer
+    model = GenerationModel(compiled, buckets, described["vocab_size"], plan, described.get("weight_bytes"))
+    return model, described["eos_token_ids"], tokenizer

@@ -150,7 +150,7 @@ def _from_artifact(config: ModelConfig, base_dir: str | Path | None) -> tuple[Ge
     path = _under(base_dir, config.model.artifact)
     model, eos, tokenizer_dir = load_generation(path)
     given = config.generation.model_dump(exclude_unset=True) if config.generation else {}
-    built = model.buckets.describe()
+    built = {**model.buckets.describe(), "tensor_parallel_size": model.tensor_parallel_size}
     differ = sorted(k for k in built if k in given and given[k] != built[k])
     if differ:
         raise ArtifactError(f"generation.{differ[0]}: {path} was built with {differ[0]} {built[differ[0]]}, but this "
@@ -177,10 +177,6 @@ def build_engine(config: ModelConfig, base_dir: str | Path | None = None, *, rep
         raise ConfigError(f"task: {config.name} is a task: {config.task} model; build_engine serves task: generate.")
     settings = config.generation or GenerationSettings()
     if config.model.artifact is not None:
-        if settings.tensor_parallel_size > 1:
-            raise ConfigError("generation.tensor_parallel_size: an artifact is loaded onto one core per engine; serve "
-                              "a tensor-parallel model from model.factory or model.pretrained (compiled at start, "
-                              "through the compile cache), or set tensor_parallel_size: 1.")
         model, eos, tokenizer = _from_artifact(config, base_dir)
     else:
         model, eos, tokenizer = compile_from_config(config, base_dir)

@@ -161,11 +161,14 @@ def test_analyze_of_a_tensor_parallel_model_shows_each_weights_split_and_the_byt
     assert "Tensor parallelism: <b>2 cores</b>" in page and "<code>(-, tp)</code>" in page
 
 
-def test_build_of_a_tensor_parallel_model_is_refused_with_what_to_do(tmp_path):
+def test_build_of_a_tensor_parallel_model_records_its_split(tmp_path):
     path = tmp_path / "tp.yaml"
     path.write_text(TP_YAML)
     done = _cli("build", path, "-o", tmp_path / "built")
-    assert done.returncode == 2 and not (tmp_path / "built").exists()
-    assert done.stderr.strip().splitlines()[-1].startswith(
-        "error: generation.tensor_parallel_size: a tensor-parallel model is compiled for its core group when it "
-        "starts")
+    assert done.returncode == 0, done.stderr
+    manifest = json.loads((tmp_path / "built" / "manifest.json").read_text())
+    split = manifest["extra"]["generation"]["sharding"]
+    assert split["devices"] == 2 and split["state"] == [None, "tp", None, None]
+    assert split["weights"]["lm.model.layers.0.self_attn.o_proj.weight"] == [None, "tp"]
+    served = (tmp_path / "built" / "model.yaml").read_text()
+    assert "tensor_parallel_size: 2" in served and "cores_per_replica: 2" in served

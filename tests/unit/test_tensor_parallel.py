@@ -45,6 +45,10 @@ def test_greedy_at_tp2_equals_transformers_with_sequences_joining_and_leaving(at
     assert at_tp2["equal"][arch] == [True] * 5
 
 
+def test_a_tensor_parallel_artifact_loads_over_its_group_and_answers_the_same(at_tp2):
+    assert at_tp2["artifact_equal"] == [True] * 5
+
+
 def test_a_seeded_sample_gives_the_same_tokens_at_tp1_and_tp2(at_tp2):
     engine = engine_for(gm.build("llama"), max_num_seqs=4, max_model_len=48, prefill_buckets=[16, 48],
                         decode_batch_buckets=[1, 4], decode_context_buckets=[24, 48])
