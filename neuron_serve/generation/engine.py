@@ -45,8 +45,8 @@ DEFAULT_MAX_WAITING = 256
 
 
 def _plain_greedy(seq: Sequence) -> bool:
-    """Whether the core's argmax is the sequence's whole choice (no sampling, penalties or logprobs)."""
-    return seq.params.greedy and seq.params.logprobs is None and not seq.params.penalized
+    """Whether the core's argmax is the sequence's whole choice (no sampling, penalties, logprobs, bias, ...)."""
+    return not seq.params.on_host(len(seq.output))
 
 
 
@@ -256,7 +256,7 @@ class Engine(Streams):
             return
         logits = out.logits
         for seq, row in zip(seqs, logits):
-            self._append(seq, sample_row(row, seq.params, seq.prompt, seq.output, seq.generator))
+            self._append(seq, sample_row(row, seq.params, seq.prompt, seq.output, seq.generator, self.eos_token_ids))
 
     def _append(self, seq: Sequence, sampled: Sampled) -> None:
         now = time.perf_counter()

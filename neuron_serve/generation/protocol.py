@@ -69,6 +69,9 @@ def check_prompt(prompt: Seq[int], params: SamplingParams, *, vocab_size: int, m
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise InvalidInput(f"prompt token id {bad[0]} is outside the vocabulary (0 to {vocab_size - 1}).")
+    biased = [t for t, _ in params.logit_bias if not 0 <= t < vocab_size]
+    if biased:
+        raise InvalidInput(f"logit_bias: token id {biased[0]} is outside the vocabulary (0 to {vocab_size - 1}).")
     limit = max_model_len
     if len(ids) >= limit:
         raise InvalidInput(f"the prompt has {len(ids)} tokens, max_model_len is {limit}: no room for a generated "

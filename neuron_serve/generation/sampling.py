@@ -35,8 +35,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n log-probabilities per token (0: only the chosen token's)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits
+    min_tokens: int = 0  # EOS and stop_token_ids are banned until this many tokens are generated
 
     def __post_init__(self) -> None:
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
         checks = [
             (self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1), "max_tokens",
              "an integer >= 1, or None (until the context is full)"),
@@ -47,11 +51,16 @@ class SamplingParams:
             (-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"in [0, {MAX_LOGPROBS}]"),
+            (isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "an integer >= 0"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", "at most max_tokens"),
+            (all(-100 <= b <= 100 for _, b in self.logit_bias), "logit_bias",
+             "a bias in [-100, 100] for each token id"),
         ]
         for ok, name, want in checks:
             if not ok:
                 raise InvalidInput(f"{name} must be {want}, got {getattr(self, name)!r}.")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
         object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
 
     @property
@@ -61,6 +70,12 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    def on_host(self, generated: int) -> bool:
+        """Whether the next token needs the logits on the host (the core's argmax is not the whole choice):
+        sampling, penalties, logprobs, a logit bias, or end tokens still banned by ``min_tokens``."""
+        return (not self.greedy or self.logprobs is not None or self.penalized or bool(self.logit_bias)
+                or generated < self.min_tokens)
 
 
 @dataclass
@@ -100,11 +115,25 @@ def _truncate(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return logits
 
 
+def _bias(logits: torch.Tensor, params: SamplingParams, output: list[int], ends: frozenset[int]) -> torch.Tensor:
+    """``logit_bias`` added, and the end tokens banned while fewer than ``min_tokens`` are generated."""
+    if not params.logit_bias and len(output) >= params.min_tokens:
+        return logits
+    logits = logits.clone()
+    for token, bias in params.logit_bias:
+        logits[token] += bias
+    if len(output) < params.min_tokens:
+        banned = [t for t in (ends | frozenset(params.stop_token_ids)) if 0 <= t < logits.shape[-1]]
+        logits[banned] = float("-inf")
+    return logits
+
+
 def sample_row(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int],
-               generator: torch.Generator | None) -> Sampled:
-    """Choose the next token of one sequence from its logits (vocab,)."""
+               generator: torch.Generator | None, ends: frozenset[int] = frozenset()) -> Sampled:
+    """Choose the next token of one sequence from its logits (vocab,); ``ends`` are the model's EOS ids."""
     logits = logits.float()
-    chosen_from = _penalize(logits, params, prompt, output) if params.penalized else logits
+    chosen_from = _bias(logits, params, output, frozenset() if params.ignore_eos else ends)
+    chosen_from = _penalize(chosen_from, params, prompt, output) if params.penalized else chosen_from
     if params.greedy:
         token = int(chosen_from.argmax())
     else:
@@ -118,6 +147,8 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, prompt: list[int], 
     if params.logprobs:
         values, ids = torch.topk(logprobs, params.logprobs)
         top = [(int(i), float(v)) for i, v in zip(ids, values)]
+        if token not in ids:  # as OpenAI, the chosen token is always among them
+            top.append((token, float(logprobs[token])))
     return Sampled(token, float(logprobs[token]), top)
 
 

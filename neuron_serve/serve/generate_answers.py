@@ -10,6 +10,7 @@ the server app (``/v1`` without a model prefix) return the same bytes.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Literal
@@ -22,6 +23,8 @@ from .protocols import oip_generate, openai
 JSON = {"content-type": "application/json"}
 EVENTS = {"content-type": "text/event-stream", "cache-control": "no-cache", "x-accel-buffering": "no"}
 CHOICES = "\u0000choices\u0000"  # where a stream chunk's choices go in its encoded frame
+
+logger = logging.getLogger("neuron_serve")
 
 
 @dataclass
@@ -66,6 +69,8 @@ async def openai_answer(plane: GenerationPlane, kind: Literal["completions", "ch
         request = openai.parse(kind, body)
         if request.model != plane.name:
             raise openai.unknown_model(request.model, [plane.name])
+        if request.user is not None:  # who the end user is, for the operator's logs; kept nowhere else
+            logger.info("%s: OpenAI %s request for end user %r", plane.name, kind, request.user)
         if kind == "chat":
             prompts = [plane.chat(openai.chat_messages(request))]
         else:
@@ -100,7 +105,10 @@ class _OpenAIEncoder:
         self.prompt_tokens = sum(prompt_lengths)
         self.logprobs = [params.logprobs is not None for _, params in every]
         self.offsets = [0] * len(every)
-        self.include_usage = request.stream_options is not None and request.stream_options.include_usage
+        options = request.stream_options
+        self.include_usage = options is not None and options.include_usage
+        self.continuous_usage = options is not None and options.continuous_usage_stats
+        self.completion: dict[int, int] = {}  # tokens so far, by choice
         self._frame: tuple[bytes, bytes] | None = None
 
     def _usage(self, completion_tokens: int) -> dict:
@@ -109,8 +117,8 @@ class _OpenAIEncoder:
     def _logprobs(self, index: int, piece: Piece) -> dict | None:
         if not self.logprobs[index]:
             return None
-        if self.kind == "chat":
-            return openai.chat_logprobs(piece.logprobs)
+        if self.kind == "chat":  # the chat API's lists hold the top n only (the sampled token has its own entry)
+            return openai.chat_logprobs(piece.logprobs, self.request.top_logprobs or 0)
         tokens = [token for token, _, _ in piece.logprobs]
         encoded = openai.completion_logprobs(tokens, [lp for _, lp, _ in piece.logprobs],
                                              [top for _, _, top in piece.logprobs], self.offsets[index])
@@ -138,6 +146,9 @@ class _OpenAIEncoder:
                                usage_=self._usage(completion))
 
     def _chunk(self, choices: list[dict]) -> bytes:
+        if self.continuous_usage:  # vLLM's continuous_usage_stats: each chunk carries the usage so far
+            return openai.sse(openai.envelope(self.kind, self.rid, self.request.model, self.created, choices,
+                                              chunk=True, usage_=self._usage(sum(self.completion.values()))))
         if self._frame is None:
             # Everything of a chunk but its choices is the same for the whole stream: encoded
             # once, around a marker the choices replace (one small dumps a token, not the envelope).
@@ -164,7 +175,7 @@ class _OpenAIEncoder:
 
     async def events(self, first: list[Piece], rest: AsyncIterator[list[Piece]], started: float) -> AsyncIterator[bytes]:
         status = 200
-        completion: dict[int, int] = {}
+        completion = self.completion
         try:
             if self.kind == "chat":
                 for index in range(len(self.logprobs)):

@@ -62,11 +62,18 @@ def generate_app() -> FastAPI:
         served = plane()
         return JSONResponse(openai.models_list([served.name], {served.name: served.model_card()}))
 
+    async def model(request: Request) -> Response:
+        served, asked = plane(), request.path_params["model_id"]
+        if asked != served.name:
+            return to_response(openai_error(openai.unknown_model(asked, [served.name])))
+        return JSONResponse(openai.model_card(served.name, served.model_card()))
+
     async def infer(_: Request) -> Response:
         return to_response(infer_refused(plane().name))
 
     for path, endpoint, methods in (("/generate", generate, ["POST"]), ("/generate_stream", generate_stream, ["POST"]),
                                     ("/v1/completions", completions, ["POST"]), ("/v1/chat/completions", chat, ["POST"]),
-                                    ("/v1/models", models, ["GET"]), ("/infer", infer, ["POST"])):
+                                    ("/v1/models", models, ["GET"]), ("/v1/models/{model_id:path}", model, ["GET"]),
+                                    ("/infer", infer, ["POST"])):
         app.router.routes.append(Route(path, endpoint, methods=methods))
     return app

@@ -225,7 +225,8 @@ class GenerationPlane:
             piece.text = text.add(event.token)
             piece.token_ids.append(event.token)
             if params.logprobs is not None:
-                top = [(self.token_text(t), lp) for t, lp in event.top_logprobs[:params.logprobs]]
+                # The top n, and the chosen token after them when it is not among them (as OpenAI lists it).
+                top = [(self.token_text(t), lp) for t, lp in event.top_logprobs]
                 piece.logprobs.append((self.token_text(event.token), event.logprob, top))
         if event.finished:
             if text.stopped is None:

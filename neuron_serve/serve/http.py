@@ -155,6 +155,11 @@ def server_app(model_states: ModelStates, generate_states: ModelStates | None = 
             return JSONResponse({"ready": False, "error": f"models not ready: {waiting or 'none deployed'}"}, 503)
         return JSONResponse({"ready": True})
 
+    @app.get("/health")  # vLLM's: 200 with an empty body when every model serves (guidellm probes it)
+    async def health() -> Response:
+        states = await model_states()
+        return Response(status_code=200 if states and all(s == "ready" for s in states.values()) else 503)
+
     @app.get("/v2")
     async def server_metadata() -> dict:
         return {

@@ -61,6 +61,13 @@ def install(app: FastAPI, model_states: States, generate_states: States,
         details = dict(zip(names, await asyncio.gather(*(describe(n) for n in names)))) if describe else None
         return JSONResponse(openai.models_list(names, details))
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        states = await generate_states()
+        if states.get(model_id) != "ready":
+            return _error(openai.unknown_model(model_id, sorted(n for n, s in states.items() if s == "ready")))
+        return JSONResponse(openai.model_card(model_id, await describe(model_id) if describe else None))
+
     async def answer(request: Request, kind: str) -> Response:
         try:
             body = await read_body(request)

@@ -168,6 +168,51 @@ def test_n_seed_logprobs_stop_and_penalties(llm, client):
     assert penalized.usage.completion_tokens >= 1
 
 
+def test_health_model_retrieval_user_and_usage_on_every_chunk(llm, client):
+    with urllib.request.urlopen(f"{llm.url}/health", timeout=10) as health:  # vLLM's, as guidellm probes it
+        assert (health.status, health.read()) == (200, b"")
+    card = client.models.retrieve(MODEL)
+    assert (card.id, card.object, card.model_extra["max_model_len"]) == (MODEL, "model", MAX_MODEL_LEN)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-4")
+    assert missing.value.body["message"] == "the model 'gpt-4' does not exist; this server serves: llm"
+    expected = eager_text(llm, completion_ids(llm, "Hello"), 6)
+    assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=0,
+                                     user="end-user-1").choices[0].text == expected
+    chunks = list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert all(c.usage is not None for c in chunks) and counts == sorted(counts) and chunks[-1].usage.completion_tokens == 6
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+
+
+def test_logit_bias_min_tokens_and_the_sampled_token_in_top_logprobs(llm, client):
+    ids = completion_ids(llm, "Hello")
+    greedy = llm.eager.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                max_new_tokens=1, do_sample=False, pad_token_id=llm.tokenizer.eos_token_id)[0, -1].item()
+    forced_id = 1 + (greedy + 7) % (len(llm.tokenizer) - 1)
+    forced = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0,
+                                       logit_bias={str(forced_id): 100}, extra_body={"ignore_eos": True})
+    assert forced.choices[0].text == llm.tokenizer.decode([forced_id] * 4, skip_special_tokens=True)
+    banned = client.completions.create(model=MODEL, prompt="Hello", max_tokens=1, temperature=0, logprobs=0,
+                                       logit_bias={str(greedy): -100})
+    assert banned.choices[0].text != llm.tokenizer.decode([greedy]) and banned.usage.completion_tokens == 1
+    # The greedy first token as a stop token id: it ends the answer at once, unless min_tokens holds it off.
+    ended = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0,
+                                      extra_body={"stop_token_ids": [greedy]})
+    held = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0,
+                                     extra_body={"stop_token_ids": [greedy], "min_tokens": 3})
+    assert ended.usage.completion_tokens == 1 and ended.choices[0].finish_reason == "stop"
+    assert held.usage.completion_tokens >= 3
+    sampled = client.completions.create(model=MODEL, prompt="Hello", max_tokens=12, temperature=1.5, seed=5,
+                                        logprobs=1)
+    logprobs = sampled.choices[0].logprobs
+    assert all(token in top for token, top in zip(logprobs.tokens, logprobs.top_logprobs))
+    with pytest.raises(openai.BadRequestError) as outside:
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, logit_bias={"999999": 5})
+    assert outside.value.body["message"].startswith("logit_bias: token id 999999 is outside the vocabulary")
+
+
 # -- errors ------------------------------------------------------------------------------
 
 
@@ -351,6 +396,11 @@ def test_two_generate_models_share_v1_by_the_requests_model(llm, pair):
     expected = eager_text(llm, completion_ids(llm, PROMPTS[2]), 12)
     with openai.OpenAI(base_url=f"{pair.url}/v1", api_key="x", max_retries=0) as api:
         assert sorted(m.id for m in api.models.list().data) == ["left", "right"]
+        left = api.models.retrieve("left")  # GET /v1/models/{id}, through the server app
+        assert (left.id, left.owned_by, left.model_extra["max_model_len"]) == ("left", "neuron-serve", 128)
+        with pytest.raises(openai.NotFoundError) as gone:
+            api.models.retrieve("llm")
+        assert gone.value.body["code"] == "model_not_found"
         for name in ("left", "right"):
             whole = api.completions.create(model=name, prompt=PROMPTS[2], max_tokens=12, temperature=0)
             streamed = "".join(c.choices[0].text for c in api.completions.create(

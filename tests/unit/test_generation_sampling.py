@@ -83,3 +83,48 @@ def test_the_scheduler_prefills_under_the_token_budget_and_fills_the_lowest_slot
     scheduler.release(first)
     assert [(s.request_id, s.slot) for s in scheduler.admit()] == [("d", 0)]  # the freed low slot
     assert [s.request_id for s in scheduler.decoding()] == ["d", "b", "c"]
+
+
+def test_the_chosen_token_is_always_among_the_top_logprobs():
+    # Sampled at a high temperature until a token outside the top 2 comes up: it is listed with its logprob.
+    params = SamplingParams(temperature=2.0, logprobs=2, seed=3)
+    generator = generator_for(params)
+    expected = torch.log_softmax(LOGITS, -1)
+    for _ in range(200):
+        chosen = sample_row(LOGITS, params, [], [], generator)
+        if chosen.token not in (4, 0):
+            break
+    assert chosen.token not in (4, 0)
+    assert chosen.top == [(4, pytest.approx(float(expected[4]))), (0, pytest.approx(float(expected[0]))),
+                          (chosen.token, pytest.approx(float(expected[chosen.token])))]
+
+
+def test_logit_bias_forces_and_bans_tokens_for_greedy_and_sampled_rows():
+    assert sample_row(LOGITS, SamplingParams(temperature=0, logit_bias={3: 100.0}), [], [], None).token == 3
+    assert sample_row(LOGITS, SamplingParams(temperature=0, logit_bias={4: -100.0}), [], [], None).token == 0
+    assert draws(SamplingParams(temperature=1.0, seed=1, logit_bias={2: 100.0})) == {2}
+    assert 4 not in draws(SamplingParams(temperature=1.0, seed=1, logit_bias={4: -100.0}))
+    chosen = sample_row(LOGITS, SamplingParams(temperature=0, logprobs=0, logit_bias={3: 100.0}), [], [], None)
+    assert chosen.logprob == pytest.approx(float(torch.log_softmax(LOGITS, -1)[3]))  # the model's own, unbiased
+    assert SamplingParams(temperature=0, logit_bias={3: 1.0}).on_host(0)  # the core's argmax is not the choice
+
+
+def test_min_tokens_bans_eos_and_stop_token_ids_until_reached():
+    ends = frozenset({4})
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=(0,))
+    assert sample_row(LOGITS, params, [], [], None, ends).token == 1  # 4 (EOS) and 0 (a stop id) banned
+    assert sample_row(LOGITS, params, [], [7], None, ends).token == 1
+    assert sample_row(LOGITS, params, [], [7, 7], None, ends).token == 4  # reached: EOS may come
+    assert params.on_host(1) and not params.on_host(2)
+    ignoring = SamplingParams(temperature=0, min_tokens=2, ignore_eos=True)
+    assert sample_row(LOGITS, ignoring, [], [], None, ends).token == 4
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"logit_bias": {1: 101.0}}, "logit_bias must be a bias in [-100, 100] for each token id, got ((1, 101.0),)."),
+    ({"min_tokens": 5, "max_tokens": 3}, "min_tokens must be at most max_tokens, got 5."),
+])
+def test_bad_bias_and_min_tokens_are_refused_by_name(fields, message):
+    with pytest.raises(InvalidInput) as refused:
+        SamplingParams(**fields)
+    assert str(refused.value) == message

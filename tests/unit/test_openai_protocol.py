@@ -53,6 +53,12 @@ def test_sampling_fields_reach_the_engine():
     (b'{"model": "m", "prompt": "x", "foo": 1}', "foo", "unknown field 'foo': this server does not support it"),
     (b'{"model": "m", "prompt": "x", "echo": true}', "echo", "echo is not supported; send the prompt back yourself"),
     (b'{"model": "m", "prompt": "x", "best_of": 3}', "best_of", "best_of is not supported unless equal to n"),
+    (b'{"model": "m", "prompt": "x", "logit_bias": {"a": 1}}', "logit_bias",
+     "logit_bias: 'a' is not a token id (give token ids as strings of integers)"),
+    (b'{"model": "m", "prompt": "x", "logit_bias": {"5": 200}}', "logit_bias",
+     "logit_bias: token 5 has bias 200.0; give token ids >= 0 and biases in [-100, 100]"),
+    (b'{"model": "m", "prompt": "x", "min_tokens": -1}', "min_tokens",
+     "min_tokens: Input should be greater than or equal to 0"),
     (b'{"model": "m", "prompt": "x", "stream_options": {"include_usage": true}}', "stream_options",
      "stream_options is only allowed with stream: true"),
 ])
@@ -68,6 +74,14 @@ def test_bad_chat_requests_name_the_field():
     assert str(refused) == "top_logprobs needs logprobs: true"
     tools = error("chat", b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{}]}')
     assert tools.param == "tools" and "tool-call parser" in str(tools)
+
+
+def test_user_logit_bias_and_min_tokens_reach_the_sampling_parameters():
+    request = parse("completions", model="m", prompt="x", user="end-user-7", logit_bias={"5": -100, "9": 2.5},
+                    min_tokens=3, max_tokens=8)
+    params = openai.sampling(request)
+    assert params.logit_bias == ((5, -100.0), (9, 2.5)) and params.min_tokens == 3
+    assert request.user == "end-user-7"
 
 
 def test_error_objects_are_openais():

@@ -61,6 +61,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage (so far) on every chunk
 
 
 class _Sampling(_Strict):
@@ -76,8 +77,9 @@ class _Sampling(_Strict):
     seed: int | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None  # refused below: nothing here keeps per-user records
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    user: str | None = None  # an end user's id: logged with the request, kept nowhere
+    min_tokens: int = Field(0, ge=0)  # vLLM's: no EOS nor stop token id before this many tokens
     # vLLM's extra sampling fields
     top_k: int | None = Field(None, ge=-1)
     repetition_penalty: float | None = Field(None, gt=0)
@@ -122,12 +124,10 @@ class ChatRequest(_Sampling):
 _REFUSED = {
     "echo": (False, "echo is not supported; send the prompt back yourself"),
     "suffix": (None, "suffix (insertion) is not supported by causal LMs served here"),
-    "logit_bias": (None, "logit_bias is not supported; use stop_token_ids or the penalties"),
     "tools": (None, "tools are not supported: the served model has no tool-call parser"),
     "tool_choice": (None, "tool_choice is not supported: the served model has no tool-call parser"),
     "parallel_tool_calls": (None, "parallel_tool_calls is not supported: the served model has no tool-call parser"),
     "response_format": (None, "response_format (structured output) is not supported"),
-    "user": (None, "user is not supported: this server keeps no per-user records; leave it out"),
 }
 
 
@@ -164,7 +164,25 @@ def parse(kind: Literal["completions", "chat"], body: bytes) -> CompletionReques
         raise OpenAIError("top_logprobs needs logprobs: true", param="top_logprobs")
     if request.stream_options is not None and not request.stream:
         raise OpenAIError("stream_options is only allowed with stream: true", param="stream_options")
+    _logit_bias(request.logit_bias)
     return request
+
+
+def _logit_bias(bias: dict[str, float] | None) -> list[tuple[int, float]]:
+    """``logit_bias`` as (token id, bias) pairs; an OpenAIError naming it when a key is no token id or a bias
+    is outside [-100, 100]."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise OpenAIError(f"logit_bias: {key!r} is not a token id (give token ids as strings of integers)",
+                              param="logit_bias") from None
+        if token < 0 or not -100 <= value <= 100:
+            raise OpenAIError(f"logit_bias: token {key} has bias {value}; give token ids >= 0 and biases in "
+                              f"[-100, 100]", param="logit_bias")
+        pairs.append((token, float(value)))
+    return pairs
 
 
 def sampling(request: CompletionRequest | ChatRequest, choice: int = 0) -> SamplingParams:
@@ -189,6 +207,8 @@ def sampling(request: CompletionRequest | ChatRequest, choice: int = 0) -> Sampl
             stop=tuple(stop),
             ignore_eos=request.ignore_eos,
             logprobs=logprobs,
+            logit_bias=tuple(_logit_bias(request.logit_bias)),
+            min_tokens=request.min_tokens,
         )
     except InvalidInput as exc:
         raise OpenAIError(str(exc), param=str(exc).split(" ", 1)[0]) from None
@@ -252,10 +272,11 @@ def completion_logprobs(tokens: list[str], logprobs: list[float | None], tops: l
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": keyed, "text_offset": offsets}
 
 
-def chat_logprobs(entries: list[tuple[str, float | None, list[tuple[str, float]]]]) -> dict:
-    """The chat ``logprobs`` object: one entry per token, with its top alternatives."""
+def chat_logprobs(entries: list[tuple[str, float | None, list[tuple[str, float]]]], top_n: int | None = None) -> dict:
+    """The chat ``logprobs`` object: one entry per token, with its ``top_n`` alternatives (default: all given)."""
     return {"content": [{"token": token, "logprob": logprob, "bytes": list(token.encode()),
-                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in top]}
+                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}
+                                          for t, lp in (top if top_n is None else top[:top_n])]}
                         for token, logprob, top in entries]}
 
 
@@ -283,9 +304,12 @@ DONE = sse("[DONE]")
 
 def models_list(names: list[str], details: dict[str, dict] | None = None) -> dict:
     """``GET /v1/models``; ``details`` adds fields to a model's entry (vLLM adds ``max_model_len`` and the like)."""
-    created = int(time.time())
-    return {"object": "list", "data": [{"id": n, "object": "model", "created": created, "owned_by": OWNER,
-                                        **(details or {}).get(n, {})} for n in names]}
+    return {"object": "list", "data": [model_card(n, (details or {}).get(n)) for n in names]}
+
+
+def model_card(name: str, details: dict | None = None) -> dict:
+    """One model's object, as ``GET /v1/models/{id}`` answers it."""
+    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": OWNER, **(details or {})}
 
 
 def unknown_model(name: Any, served: list[str]) -> OpenAIError:
