@@ -8,13 +8,12 @@ free slots, so load spreads across the cores as slots fill.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence as Seq
+from typing import Any, Sequence as Seq
 
 from ..targets.pjrt import use_device, xla
 from .engine import Engine
 from .model import GenerationModel
-from .protocol import Admission, Streams, TokenEvent
-from .sampling import SamplingParams
+from .protocol import Dispatcher
 
 
 def copies_on_cores(model: GenerationModel, cores: int) -> list[tuple[GenerationModel, Any]]:
@@ -28,15 +27,14 @@ def copies_on_cores(model: GenerationModel, cores: int) -> list[tuple[Generation
     return placed
 
 
-class EngineGroup(Streams):
+class EngineGroup(Dispatcher):
     """Engines over several cores behind one ``submit``/``abort``/``generate`` API."""
 
     def __init__(self, engines: Seq[Engine]) -> None:
         if not engines:
             raise ValueError("an engine group needs at least one engine")
+        super().__init__()
         self.engines = list(engines)
-        # Ids here; each engine bounds its own queue.
-        self.admission = Admission(0, None)
 
     @classmethod
     def on_cores(cls, model: GenerationModel, cores: int, **engine_options: Any) -> "EngineGroup":
@@ -46,26 +44,8 @@ class EngineGroup(Streams):
             return cls([Engine(model, **engine_options)])
         return cls([Engine(m, device=device, **engine_options) for m, device in copies_on_cores(model, cores)])
 
-    def submit(self, prompt: Seq[int], params: SamplingParams, sink: Callable[[TokenEvent], None],
-               request_id: str | None = None) -> str:
-        engine = max(self.engines, key=lambda e: e.free_slots)
-        rid = self.admission.admit(request_id, engine)
-
-        def forget(event: TokenEvent) -> None:
-            if event.finished:
-                self.admission.pop(rid)
-            sink(event)
-
-        try:
-            return engine.submit(prompt, params, forget, rid)
-        except Exception:
-            self.admission.pop(rid)
-            raise
-
-    def abort(self, request_id: str) -> None:
-        engine = self.admission.get(request_id)
-        if engine is not None:
-            engine.abort(request_id)
+    def choose(self) -> Engine:
+        return max(self.engines, key=lambda e: e.free_slots)
 
     @property
     def running(self) -> int:

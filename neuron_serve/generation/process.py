@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence as Seq
 
 from ..errors import ModelNotReady
 from ..targets.pjrt import neuron_devices_present
-from .protocol import Admission, Streams, TokenEvent, check_prompt
+from .protocol import Admission, Dispatcher, Streams, TokenEvent, check_prompt
 from .sampling import SamplingParams
 
 logger = logging.getLogger("neuron_serve")
@@ -203,7 +203,7 @@ def _core_list(visible: str | None) -> list[int]:
     return cores
 
 
-class ProcessGroup(Streams):
+class ProcessGroup(Dispatcher):
     """A replica's tensor-parallel groups, each an :class:`EngineProcess`, behind one ``submit``/``abort`` API.
 
     A request goes to the group with the most room (slots and queue) left, as an engine
@@ -211,33 +211,15 @@ class ProcessGroup(Streams):
     """
 
     def __init__(self, processes: Seq[EngineProcess]) -> None:
+        super().__init__()
         self.processes = list(processes)
         first = self.processes[0]
         self.engines = sum(p.engines for p in self.processes)
         self.slots, self.vocab_size, self.max_model_len = first.slots, first.vocab_size, first.max_model_len
         self.tokenizer, self.info = first.tokenizer, first.info
-        self.admission = Admission(0, None)  # ids only: each process bounds its own queue
 
-    def submit(self, prompt: Seq[int], params: SamplingParams, sink: Callable[[TokenEvent], None],
-               request_id: str | None = None) -> str:
-        process = max(self.processes, key=lambda p: p.free)
-        rid = self.admission.admit(request_id, process)
-
-        def forget(event: TokenEvent) -> None:
-            if event.finished:
-                self.admission.pop(rid)
-            sink(event)
-
-        try:
-            return process.submit(prompt, params, forget, rid)
-        except Exception:
-            self.admission.pop(rid)
-            raise
-
-    def abort(self, request_id: str) -> None:
-        process = self.admission.get(request_id)
-        if process is not None:
-            process.abort(request_id)
+    def choose(self) -> EngineProcess:
+        return max(self.processes, key=lambda p: p.free)
 
     @property
     def running(self) -> int:

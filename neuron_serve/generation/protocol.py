@@ -223,3 +223,36 @@ class Admission:
 
     def __len__(self) -> int:
         return len(self.open)
+
+
+class Dispatcher(Streams):
+    """Streams over several members (engines, engine processes): each request goes to the member
+    :meth:`choose` picks; request ids are checked here, each member bounds its own queue."""
+
+    def __init__(self) -> None:
+        self.admission = Admission(0, None)
+
+    @abc.abstractmethod
+    def choose(self) -> Streams:
+        """The member the next request goes to."""
+
+    def submit(self, prompt: Seq[int], params: SamplingParams, sink: Callable[[TokenEvent], None],
+               request_id: str | None = None) -> str:
+        member = self.choose()
+        rid = self.admission.admit(request_id, member)
+
+        def forget(event: TokenEvent) -> None:
+            if event.finished:
+                self.admission.pop(rid)
+            sink(event)
+
+        try:
+            return member.submit(prompt, params, forget, rid)
+        except Exception:
+            self.admission.pop(rid)
+            raise
+
+    def abort(self, request_id: str) -> None:
+        member = self.admission.get(request_id)
+        if member is not None:
+            member.abort(request_id)
