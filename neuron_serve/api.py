@@ -337,6 +337,21 @@ def bucket_model_trace(
     return CompiledModel(buckets, kernel=bucket_config.bucket_kernel())
 
 
+def trace_bucket_on_state(model: torch.nn.Module, aliases: dict, example_inputs: Any, shared_state: DeviceState,
+                          *, target: str = "neuron", compiler_args: str | list[str] | None = None) -> Bucket:
+    """One more bucket model around a state that buckets compiled earlier already hold on the core.
+
+    ``aliases`` name ``model``'s state tensors as ``bucket_model_trace``'s ``func`` returns
+    them, in the state's order; the bucket reads and updates ``shared_state`` in place. For a
+    bucket compiled when it is first needed (a model's rarely used variant) without
+    compiling the others again.
+    """
+    states = state_aliases.check_aliases(model, aliases, "trace_bucket_on_state")
+    states = state_aliases.bind_shared(states, [torch.zeros_like(t, device="cpu") for t in shared_state.tensors], 0)
+    return _trace_bucket(model, as_args(example_inputs), None, None, target, compiler_args, states=states,
+                         shared_state=shared_state)
+
+
 def trace_buckets(
     model: torch.nn.Module,
     example_inputs: Any,

@@ -33,7 +33,7 @@ from .executor import CoreGroupExecutor, Executor
 from .metrics import EngineMetrics
 from .model import GenerationModel, StepOutput
 from .protocol import Admission, Completion, Streams, TokenEvent, check_prompt
-from .sampling import SamplingParams, Sampled, generator_for, sample_row
+from .sampling import SamplingParams, Sampled, generator_for, prompt_logprobs, sample_row
 from .scheduler import Scheduler, Sequence, default_budget
 from .text import IncrementalText
 
@@ -215,10 +215,19 @@ class Engine(Streams):
         """Prefill the prompts the scheduler admits, each into its slot; each first token goes out at once."""
         for seq in self.scheduler.admit():
             started = time.perf_counter()
-            out, shape = self.executor.prefill(seq.prompt, seq.slot)
+            scored = seq.params.prompt_logprobs is not None
+            if scored:  # a prefill that also brings home every prompt position's logits
+                out, shape, logits = self.executor.prefill_scored(seq.prompt, seq.slot)
+                seq.prompt_logprobs = [None if s is None else (s.logprob, s.top) for s in
+                                       prompt_logprobs(seq.prompt, logits, seq.params.prompt_logprobs)]
+            else:
+                out, shape = self.executor.prefill(seq.prompt, seq.slot)
             self.metrics.observe(self.metrics.step(shape), time.perf_counter() - started)
             self.metrics.count(self.metrics.prompt_tokens, len(seq.prompt))
-            self._choose([seq], out)
+            if scored and seq.params.max_tokens == 0:  # the prompt's logprobs were all it asked for
+                self._finish(seq, "length")
+            else:
+                self._choose([seq], out)
             # The first token goes out now. Left for the next call to carry, it would wait
             # for the decode step to be prepared and launched, or for the whole decode step
             # when the prefill's own step runs one (the LLM example's first token: 8.8 against
@@ -271,6 +280,8 @@ class Engine(Streams):
         reason, stop = self._stop(seq, sampled.token)
         event = TokenEvent(seq.request_id, sampled.token, sampled.logprob, sampled.top, prompt_tokens=len(seq.prompt),
                            completion_tokens=len(seq.output))
+        if seq.prompt_logprobs is not None:  # on the first event only
+            event.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
         if reason is None:
             self._emit(seq, event)
             return
@@ -297,7 +308,7 @@ class Engine(Streams):
         self.admission.pop(seq.request_id)
         seq.finish_reason, seq.stop_reason = reason, stop
         event = event or TokenEvent(seq.request_id, None, prompt_tokens=len(seq.prompt),
-                                    completion_tokens=len(seq.output))
+                                    completion_tokens=len(seq.output), prompt_logprobs=seq.prompt_logprobs)
         event.finish_reason, event.stop_reason, event.error, event.timed_out = reason, stop, error, timed_out
         if seq.text is not None:
             seq.text.finish()

@@ -36,6 +36,10 @@ class Executor(abc.ABC):
         """Write ``prompt`` into ``slot``; the output at its last token and the bucket run."""
 
     @abc.abstractmethod
+    def prefill_scored(self, prompt: Sequence[int], slot: int) -> tuple[StepOutput, Shape, Any]:
+        """:meth:`prefill`, and the logits at every prompt position (len(prompt), vocab) on the host."""
+
+    @abc.abstractmethod
     def decode(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
                steps: int = 1) -> tuple[StepOutput, Shape]:
         """One token (or ``steps`` greedy ones) for each running sequence; outputs in the order given."""
@@ -74,6 +78,9 @@ class CoreGroupExecutor(Executor):
 
     def prefill(self, prompt: Sequence[int], slot: int) -> tuple[StepOutput, Shape]:
         return self.model.prefill(prompt, slot)
+
+    def prefill_scored(self, prompt: Sequence[int], slot: int) -> tuple[StepOutput, Shape, Any]:
+        return self.model.prefill_scored(prompt, slot)
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
                steps: int = 1) -> tuple[StepOutput, Shape]:

@@ -24,7 +24,7 @@ import torch
 import torch.fx
 
 from .. import progress
-from ..api import bucket_model_trace
+from ..api import bucket_model_trace, trace_bucket_on_state
 from ..bucketing import BucketModelConfig
 from ..compile import sharding as spmd
 from ..errors import ConfigError, InvalidInput, UnsupportedModelError
@@ -115,8 +115,12 @@ class GenerationModel:
     """
 
     def __init__(self, compiled: CompiledModel, buckets: GenerationBuckets, vocab_size: int,
-                 sharding: spmd.Sharding | None = None, weight_bytes: int | None = None) -> None:
+                 sharding: spmd.Sharding | None = None, weight_bytes: int | None = None,
+                 source: tuple | None = None) -> None:
         self.compiled = compiled
+        # (transformers model, target, compiler_args) to compile the prompt-logprobs prefill from, when first asked.
+        self._source = source
+        self._scored: dict[int, Bucket] = {}
         self.buckets = buckets
         self.shapes = shapes_of(buckets)
         self.vocab_size = vocab_size
@@ -167,7 +171,7 @@ class GenerationModel:
                             [torch.zeros_like(t, device="cpu") for t in states], device)
         buckets = [_bucket_on(b, device, cache) for b in self.compiled.buckets]
         return GenerationModel(CompiledModel(buckets, kernel=self.compiled.kernel), self.buckets, self.vocab_size,
-                               weight_bytes=self.weight_bytes)
+                               weight_bytes=self.weight_bytes, source=self._source)
 
     def reset(self) -> None:
         """Empty the cache (every slot), on the core."""
@@ -214,6 +218,37 @@ class GenerationModel:
         positions = torch.arange(shape.tokens)[None]
         last = torch.tensor([[len(prompt) - 1]])
         return self._run(shape, tokens, positions, torch.tensor([slot]), last).rows(torch.tensor([0])), shape
+
+    def prefill_scored(self, prompt: Sequence[int], slot: int) -> tuple["StepOutput", Shape, torch.Tensor]:
+        """:meth:`prefill`, also returning the logits at every prompt position (len(prompt), vocab) on the host.
+
+        Its own compiled model per prompt-length bucket, compiled the first time a prompt of
+        that bucket asks (a few seconds; the engine's other sequences wait for it once), so a
+        model whose requests never ask compiles and runs nothing more.
+        """
+        shape = self.prefill_shape(len(prompt))
+        bucket = self._scored.get(shape.tokens)
+        if bucket is None:
+            bucket = self._scored[shape.tokens] = self._compile_scored(shape)
+        tokens = torch.zeros(1, shape.tokens, dtype=torch.long)
+        tokens[0, :len(prompt)] = torch.as_tensor(prompt, dtype=torch.long)
+        last = torch.tensor([[len(prompt) - 1]])
+        logits, greedy = bucket.run_flat([tokens, torch.arange(shape.tokens)[None], torch.tensor([slot]), last])[:2]
+        every = logits.cpu()[0, :len(prompt)]
+        return StepOutput(every[-1:], greedy).rows(torch.tensor([0])), shape, every
+
+    def _compile_scored(self, shape: Shape) -> Bucket:
+        if self._source is None:
+            raise InvalidInput("prompt logprobs (echo with logprobs, prompt_logprobs) need the model's prefill that keeps "
+                               "every position's logits, compiled from the transformers model; this engine was loaded "
+                               "from an artifact without it. Serve the model.yaml with model.pretrained or "
+                               "model.factory.")
+        lm, target, compiler_args = self._source
+        model = SlotLM(lm, self.buckets.max_num_seqs, self.buckets.max_model_len, every_position=True).eval()
+        with grouped_for_compile(lm), spmd.sharded(self.sharding):
+            bucket = trace_bucket_on_state(model, model.aliases(), _example(shape), self.compiled.buckets[0].state,
+                                           target=target, compiler_args=compiler_args)
+        return bucket
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
                steps: int = 1) -> tuple["StepOutput", Shape]:
@@ -300,4 +335,5 @@ def compile_generation(lm: torch.nn.Module, buckets: GenerationBuckets, *, targe
         listed = str(exc).rsplit("\nPass partitioner_config", 1)[0]
         raise UnsupportedModelError(f"{listed}\n{NO_CPU_PARTITIONS}") from None
     vocab = int(lm.get_output_embeddings().weight.shape[0])
-    return GenerationModel(compiled, buckets, vocab, plan, tensor_parallel.bytes_per_core(lm, plan))
+    return GenerationModel(compiled, buckets, vocab, plan, tensor_parallel.bytes_per_core(lm, plan),
+                           source=(lm, target, compiler_args))

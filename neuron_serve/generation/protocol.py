@@ -39,6 +39,9 @@ class TokenEvent:
     error: str | None = None
     text: str | None = None  # with stop strings: the output text, cut before the stop string (last event)
     timed_out: bool = False  # an abort because the request ran past the engine's request_timeout_s (last event)
+    # With prompt_logprobs, on the request's first event: per prompt token, None (the first) or
+    # (its logprob, the top alternatives as (token, logprob)).
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -56,6 +59,7 @@ class Completion:
     stop_reason: int | str | None = None
     logprobs: list[float | None] = field(default_factory=list)
     text: str | None = None
+    prompt_logprobs: list | None = None  # as TokenEvent's, when asked for
 
 
 def check_prompt(prompt: Seq[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
@@ -138,14 +142,18 @@ class Streams(abc.ABC):
         def collect(index: int, prompt: list[int]) -> Callable[[TokenEvent], None]:
             tokens: list[int] = []
             logprobs: list[float | None] = []
+            scored: list = []
 
             def sink(event: TokenEvent) -> None:
+                if event.prompt_logprobs is not None:
+                    scored.append(event.prompt_logprobs)
                 if event.token is not None:
                     tokens.append(event.token)
                     logprobs.append(event.logprob)
                 if event.finished:
                     results[index] = Completion(event.request_id, prompt, tokens, event.finish_reason,
-                                                event.stop_reason, logprobs, event.text)
+                                                event.stop_reason, logprobs, event.text,
+                                                scored[0] if scored else None)
                     done.release()
             return sink
 

@@ -37,13 +37,15 @@ class SamplingParams:
     logprobs: int | None = None  # top-n log-probabilities per token (0: only the chosen token's)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits
     min_tokens: int = 0  # EOS and stop_token_ids are banned until this many tokens are generated
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and the top-n at its position
 
     def __post_init__(self) -> None:
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
         checks = [
-            (self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1), "max_tokens",
-             "an integer >= 1, or None (until the context is full)"),
+            (self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1)
+             or (self.max_tokens == 0 and self.prompt_logprobs is not None), "max_tokens",
+             "an integer >= 1, or None (until the context is full); 0 only with prompt_logprobs"),
             (self.temperature >= 0, "temperature", ">= 0 (0 is greedy)"),
             (0 < self.top_p <= 1, "top_p", "in (0, 1]"),
             (isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "an integer >= 0 (0: no limit)"),
@@ -52,6 +54,8 @@ class SamplingParams:
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"in [0, {MAX_LOGPROBS}]"),
             (isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "an integer >= 0"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+             f"in [0, {MAX_LOGPROBS}]"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", "at most max_tokens"),
             (all(-100 <= b <= 100 for _, b in self.logit_bias), "logit_bias",
              "a bias in [-100, 100] for each token id"),
@@ -150,6 +154,24 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, prompt: list[int], 
         if token not in ids:  # as OpenAI, the chosen token is always among them
             top.append((token, float(logprobs[token])))
     return Sampled(token, float(logprobs[token]), top)
+
+
+def prompt_logprobs(prompt: list[int], logits: torch.Tensor, top_n: int) -> list[Sampled | None]:
+    """Each prompt token's log-probability given the tokens before it, with the ``top_n`` at its position
+    (the token itself always among them, as OpenAI lists them); None for the first token, which has none."""
+    logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)  # position i predicts token i + 1
+    targets = torch.as_tensor(prompt[1:], dtype=torch.long)
+    chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+    scored: list[Sampled | None] = [None]
+    tops = torch.topk(logprobs, top_n) if top_n else None
+    for i, (token, logprob) in enumerate(zip(prompt[1:], chosen)):
+        top = []
+        if tops is not None:
+            top = [(int(t), float(v)) for t, v in zip(tops.indices[i], tops.values[i])]
+            if token not in (t for t, _ in top):
+                top.append((token, logprob))
+        scored.append(Sampled(token, logprob, top))
+    return scored
 
 
 def generator_for(params: SamplingParams) -> torch.Generator | None:

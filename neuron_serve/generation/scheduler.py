@@ -55,6 +55,7 @@ class Sequence:
     first_token_at: float | None = None
     last_token_at: float | None = None
     text: Any = None  # the output's IncrementalText, when stop strings are watched
+    prompt_logprobs: list | None = None  # with params.prompt_logprobs: handed out on the first event
 
     @property
     def length(self) -> int:

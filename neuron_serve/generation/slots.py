@@ -100,11 +100,13 @@ class SlotLM(torch.nn.Module):
     """
 
     def __init__(self, lm: torch.nn.Module, slots: int, positions: int, context: int | None = None,
-                 steps: int = 1) -> None:
+                 steps: int = 1, every_position: bool = False) -> None:
         super().__init__()
         self.lm = lm
         self.context = context
         self.steps = steps
+        # Prefill only: output 0 is the logits at every prompt position (1, T, vocab), for prompt logprobs.
+        self.every_position = every_position
         self.kwarg = _cache_kwarg(lm)
         shape = cache_shape(lm.config, slots, positions)
         dtype = next(lm.parameters()).dtype
@@ -124,6 +126,10 @@ class SlotLM(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, last: torch.Tensor):
         caches = self.caches()
+        if self.every_position:
+            logits, caches = self._step(tokens, positions, slots, None, caches)  # (rows, T, vocab)
+            at_last = logits.gather(1, last[:, :, None].expand(-1, -1, logits.shape[-1]))[:, 0]
+            return (logits, at_last.argmax(-1), *caches)
         if self.context is None or self.steps == 1:
             logits, caches = self._step(tokens, positions, slots, last, caches)
             # Greedy choice on the core: a batch of greedy rows takes home one id a row, not the logits.
@@ -148,5 +154,6 @@ class SlotLM(torch.nn.Module):
         mask = torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
         cache = SlotCache(caches[0::2], caches[1::2], slots, positions, self.context)
         out = self.lm(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
-                      logits_to_keep=last, **{self.kwarg: cache})
-        return out.logits[:, 0], [t for pair in zip(cache.keys, cache.values) for t in pair]
+                      logits_to_keep=0 if last is None else last, **{self.kwarg: cache})
+        logits = out.logits if last is None else out.logits[:, 0]
+        return logits, [t for pair in zip(cache.keys, cache.values) for t in pair]

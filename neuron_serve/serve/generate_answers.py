@@ -71,10 +71,15 @@ async def openai_answer(plane: GenerationPlane, kind: Literal["completions", "ch
             raise openai.unknown_model(request.model, [plane.name])
         if request.user is not None:  # who the end user is, for the operator's logs; kept nowhere else
             logger.info("%s: OpenAI %s request for end user %r", plane.name, kind, request.user)
+        echo = None
         if kind == "chat":
             prompts = [plane.chat(openai.chat_messages(request))]
         else:
-            prompts = [plane.encode(p) for p in openai.completion_prompts(request)]
+            given = openai.completion_prompts(request)
+            prompts = [plane.encode(p) for p in given]
+            if request.echo:  # the prompt as sent (token ids as their text), before each of its choices
+                echo = [p if isinstance(p, str) else plane.tokenizer.decode(p) for p in given
+                        for _ in range(request.n)]
         every = [(prompt, openai.sampling(request, choice)) for prompt in prompts for choice in range(request.n)]
         stream = plane.run([p for p, _ in every], [s for _, s in every])
         first = await _first(stream)
@@ -83,7 +88,7 @@ async def openai_answer(plane: GenerationPlane, kind: Literal["completions", "ch
         plane.record(answer.status, time.perf_counter() - started)
         return answer
     rid, created = openai.new_id(kind), int(time.time())
-    encoder = _OpenAIEncoder(plane, kind, request, rid, created, [len(p) for p in prompts], every)
+    encoder = _OpenAIEncoder(plane, kind, request, rid, created, [len(p) for p in prompts], every, echo)
     if request.stream:
         return Answer(200, dict(EVENTS), encoder.events(first, stream, started))
     try:
@@ -100,8 +105,11 @@ class _OpenAIEncoder:
     """Pieces of one request to OpenAI's response object or its stream of chunks."""
 
     def __init__(self, plane: GenerationPlane, kind: str, request, rid: str, created: int, prompt_lengths: list[int],
-                 every: list[tuple[list[int], SamplingParams]]) -> None:
+                 every: list[tuple[list[int], SamplingParams]], echo: list[str] | None = None) -> None:
         self.plane, self.kind, self.request, self.rid, self.created = plane, kind, request, rid, created
+        self.echo = echo  # per choice: the prompt's text, echoed before the completion
+        self.prompt_logprobs = getattr(request, "prompt_logprobs", None) is not None
+        self._started: set[int] = set()  # choices whose first piece went out
         self.prompt_tokens = sum(prompt_lengths)
         self.logprobs = [params.logprobs is not None for _, params in every]
         self.offsets = [0] * len(every)
@@ -110,6 +118,24 @@ class _OpenAIEncoder:
         self.continuous_usage = options is not None and options.continuous_usage_stats
         self.completion: dict[int, int] = {}  # tokens so far, by choice
         self._frame: tuple[bytes, bytes] | None = None
+
+    def _first(self, piece: Piece) -> dict:
+        """On a choice's first piece: the echoed prompt put before its text and logprobs; the choice's
+        extra fields (vLLM's ``prompt_logprobs``)."""
+        if piece.index in self._started:
+            return {}
+        self._started.add(piece.index)
+        if self.echo is not None:
+            piece.text = self.echo[piece.index] + piece.text
+            if self.logprobs[piece.index] and piece.prompt_logprobs is not None:
+                piece.logprobs = piece.prompt_logprobs + piece.logprobs
+        if not self.prompt_logprobs or piece.prompt_scores is None:
+            return {}
+        text = self.plane.token_text
+        return {"prompt_logprobs": [
+            None if scored is None else {str(t): {"logprob": lp, "decoded_token": text(t)}
+                                         for t, lp in [*scored[1], (token, scored[0])]}
+            for token, scored in piece.prompt_scores]}
 
     def _usage(self, completion_tokens: int) -> dict:
         return openai.usage(self.prompt_tokens, completion_tokens)
@@ -135,7 +161,9 @@ class _OpenAIEncoder:
         choices = []
         for index in sorted(merged):
             piece = merged[index]
-            choice = {"index": index, "logprobs": self._logprobs(index, piece), "finish_reason": piece.finish_reason}
+            extra = self._first(piece)
+            choice = {"index": index, "logprobs": self._logprobs(index, piece), "finish_reason": piece.finish_reason,
+                      **extra}
             if self.kind == "chat":
                 choice["message"] = {"role": "assistant", "content": piece.text}
             else:
@@ -162,9 +190,10 @@ class _OpenAIEncoder:
                                 for c in choices) + tail
 
     def _choice(self, piece: Piece) -> dict | None:
-        if not piece.text and piece.finish_reason is None and not piece.logprobs:
+        extra = self._first(piece)
+        if not piece.text and piece.finish_reason is None and not piece.logprobs and not extra:
             return None  # nothing to say yet (a character still incomplete, or a stop string's possible start)
-        choice: dict = {"index": piece.index}
+        choice: dict = {"index": piece.index, **extra}
         if self.kind == "chat":
             choice["delta"] = {"content": piece.text} if piece.text or piece.logprobs else {}
         else:

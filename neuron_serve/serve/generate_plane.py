@@ -42,9 +42,15 @@ class Piece:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # With prompt logprobs (on the choice's first piece): per prompt token (text, logprob or None, top
+    # alternatives or None), and the token ids with their (logprob, top as (id, logprob)) as the engine gave them.
+    prompt_logprobs: list[tuple[str, float | None, list[tuple[str, float]] | None]] | None = None
+    prompt_scores: list[tuple[int, tuple | None]] | None = None
 
     def merge(self, later: "Piece") -> None:
         """Fold a later piece of the same choice into this one (events that arrived together)."""
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs, self.prompt_scores = later.prompt_logprobs, later.prompt_scores
         self.text += later.text
         self.token_ids += later.token_ids
         self.logprobs += later.logprobs
@@ -195,7 +201,7 @@ class GenerationPlane:
                     arrived.append(queue.get_nowait())
                 pieces: dict[int, Piece] = {}
                 for index, event in arrived:
-                    piece = self._piece(index, event, texts[index], params[index])
+                    piece = self._piece(index, event, texts[index], params[index], prompts[index])
                     if event.finished:
                         running.pop(index, None)
                     if index in pieces:
@@ -215,12 +221,19 @@ class GenerationPlane:
             found = self._mailboxes[loop] = Mailbox(loop)
         return found
 
-    def _piece(self, index: int, event: TokenEvent, text: IncrementalText, params: SamplingParams) -> Piece:
+    def _piece(self, index: int, event: TokenEvent, text: IncrementalText, params: SamplingParams,
+               prompt: list[int]) -> Piece:
         if event.timed_out:
             raise RequestTimeout(event.error)
         if event.error is not None:
             raise GenerationFailed(f"generation failed: {event.error}")
         piece = Piece(index, prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens)
+        if event.prompt_logprobs is not None:
+            piece.prompt_scores = list(zip(prompt, event.prompt_logprobs))
+            piece.prompt_logprobs = [
+                (self.token_text(token), None, None) if scored is None else
+                (self.token_text(token), scored[0], [(self.token_text(t), lp) for t, lp in scored[1]])
+                for token, scored in piece.prompt_scores]
         if event.token is not None:
             piece.text = text.add(event.token)
             piece.token_ids.append(event.token)

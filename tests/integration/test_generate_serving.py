@@ -213,6 +213,46 @@ def test_logit_bias_min_tokens_and_the_sampled_token_in_top_logprobs(llm, client
     assert outside.value.body["message"].startswith("logit_bias: token id 999999 is outside the vocabulary")
 
 
+def eager_prompt_logprobs(llm, ids: list[int]) -> list[float]:
+    """transformers' log-softmax at each prompt position, of the prompt's next token."""
+    with torch.no_grad():
+        logits = llm.eager(torch.tensor([ids])).logits[0].float()
+    scores = torch.log_softmax(logits, -1)
+    return [float(scores[i, ids[i + 1]]) for i in range(len(ids) - 1)]
+
+
+def test_echo_returns_the_prompts_logprobs_as_transformers_computes_them(llm, client):
+    prompt = "The cores are emulated"
+    ids = completion_ids(llm, prompt)
+    want = eager_prompt_logprobs(llm, ids)
+    # lm-eval's loglikelihood request: the prompt scored, nothing generated.
+    scored = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                                       temperature=0)
+    choice = scored.choices[0]
+    assert choice.text == prompt and scored.usage.completion_tokens == 0 and choice.finish_reason == "length"
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(ids) and logprobs.token_logprobs[0] is None
+    assert logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)  # XLA:CPU against eager, float32
+    assert logprobs.top_logprobs[0] is None
+    assert all(token in top for token, top in zip(logprobs.tokens[1:], logprobs.top_logprobs[1:]))
+    assert logprobs.text_offset[0] == 0 and "".join(logprobs.tokens) == prompt
+    # With tokens generated after it: the prompt, then the completion greedy decoding gives.
+    expected = eager_text(llm, ids, 8)
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, echo=True, logprobs=0,
+                                      temperature=0)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=8, echo=True, temperature=0, stream=True))
+    assert whole.choices[0].text == prompt + expected == streamed
+    assert whole.choices[0].logprobs.token_logprobs[1:len(ids)] == pytest.approx(want, abs=1e-4)
+    assert len(whole.choices[0].logprobs.tokens) == len(ids) + whole.usage.completion_tokens
+    # vLLM's prompt_logprobs: each position's entries keyed by token id, the prompt's own token among them.
+    vllm = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0,
+                                     extra_body={"prompt_logprobs": 2})
+    entries = vllm.choices[0].model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(ids)
+    assert [entries[i + 1][str(ids[i + 1])]["logprob"] for i in range(len(ids) - 1)] == pytest.approx(want, abs=1e-4)
+
+
 # -- errors ------------------------------------------------------------------------------
 
 

@@ -56,7 +56,8 @@ def test_logprobs_are_the_models_own():
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
-    ("max_tokens", 0, "max_tokens must be an integer >= 1, or None (until the context is full), got 0."),
+    ("max_tokens", 0, "max_tokens must be an integer >= 1, or None (until the context is full); 0 only with "
+                      "prompt_logprobs, got 0."),
     ("top_p", 0.0, "top_p must be in (0, 1], got 0.0."),
     ("top_k", -1, "top_k must be an integer >= 0 (0: no limit), got -1."),
     ("presence_penalty", 3.0, "presence_penalty must be in [-2, 2], got 3.0."),

@@ -47,11 +47,15 @@ def test_sampling_fields_reach_the_engine():
     (b"\xff", None, "the request body is not valid JSON"),
     (b"[1]", None, "the request body must be a JSON object"),
     (b'{"model": "m"}', "prompt", "prompt: Field required"),
-    (b'{"model": "m", "prompt": "x", "max_tokens": 0}', "max_tokens", "max_tokens: Input should be greater than or equal to 1"),
+    (b'{"model": "m", "prompt": "x", "max_tokens": 0}', "max_tokens",
+     "max_tokens: 0 generates nothing; it needs echo: true or prompt_logprobs (to score the prompt), else give "
+     "max_tokens >= 1"),
+    (b'{"model": "m", "prompt": "x", "max_tokens": -1}', "max_tokens", "max_tokens: Input should be greater than or equal to 0"),
+    (b'{"model": "m", "prompt": "x", "prompt_logprobs": 21}', "prompt_logprobs",
+     "prompt_logprobs: Input should be less than or equal to 20"),
     (b'{"model": "m", "prompt": "x", "temperature": "hot"}', "temperature", "temperature: Input should be a valid number"),
     (b'{"model": "m", "prompt": "x", "n": 99}', "n", "n: Input should be less than or equal to 16"),
     (b'{"model": "m", "prompt": "x", "foo": 1}', "foo", "unknown field 'foo': this server does not support it"),
-    (b'{"model": "m", "prompt": "x", "echo": true}', "echo", "echo is not supported; send the prompt back yourself"),
     (b'{"model": "m", "prompt": "x", "best_of": 3}', "best_of", "best_of is not supported unless equal to n"),
     (b'{"model": "m", "prompt": "x", "logit_bias": {"a": 1}}', "logit_bias",
      "logit_bias: 'a' is not a token id (give token ids as strings of integers)"),
@@ -74,6 +78,16 @@ def test_bad_chat_requests_name_the_field():
     assert str(refused) == "top_logprobs needs logprobs: true"
     tools = error("chat", b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{}]}')
     assert tools.param == "tools" and "tool-call parser" in str(tools)
+
+
+def test_echo_scores_the_prompt_as_lm_eval_asks_it():
+    # lm-eval's loglikelihood request: the prompt's logprobs, nothing generated.
+    params = openai.sampling(parse("completions", model="m", prompt="x", max_tokens=0, echo=True, logprobs=1,
+                                   temperature=0))
+    assert (params.max_tokens, params.prompt_logprobs, params.logprobs) == (0, 1, 1)
+    assert openai.sampling(parse("completions", model="m", prompt="x", echo=True, max_tokens=0)).prompt_logprobs == 0
+    assert openai.sampling(parse("completions", model="m", prompt="x", echo=True)).prompt_logprobs is None
+    assert openai.sampling(parse("completions", model="m", prompt="x", prompt_logprobs=3)).prompt_logprobs == 3
 
 
 def test_user_logit_bias_and_min_tokens_reach_the_sampling_parameters():

@@ -89,9 +89,10 @@ class _Sampling(_Strict):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1)
+    max_tokens: int | None = Field(COMPLETIONS_DEFAULT_MAX_TOKENS, ge=0)  # 0: with echo or prompt_logprobs only
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    echo: bool = False  # the prompt before the completion, with its tokens' logprobs when logprobs is given
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: choices[].prompt_logprobs
     suffix: str | None = None
     best_of: int | None = None
 
@@ -122,7 +123,6 @@ class ChatRequest(_Sampling):
 
 # Fields OpenAI defines that this server cannot honour: refused when given a non-default value.
 _REFUSED = {
-    "echo": (False, "echo is not supported; send the prompt back yourself"),
     "suffix": (None, "suffix (insertion) is not supported by causal LMs served here"),
     "tools": (None, "tools are not supported: the served model has no tool-call parser"),
     "tool_choice": (None, "tool_choice is not supported: the served model has no tool-call parser"),
@@ -160,6 +160,10 @@ def parse(kind: Literal["completions", "chat"], body: bytes) -> CompletionReques
             raise OpenAIError(why, param=name)
     if isinstance(request, CompletionRequest) and request.best_of not in (None, request.n):
         raise OpenAIError("best_of is not supported unless equal to n", param="best_of")
+    if isinstance(request, CompletionRequest) and request.max_tokens == 0 and not request.echo \
+            and request.prompt_logprobs is None:
+        raise OpenAIError("max_tokens: 0 generates nothing; it needs echo: true or prompt_logprobs (to score the "
+                          "prompt), else give max_tokens >= 1", param="max_tokens")
     if isinstance(request, ChatRequest) and request.top_logprobs is not None and not request.logprobs:
         raise OpenAIError("top_logprobs needs logprobs: true", param="top_logprobs")
     if request.stream_options is not None and not request.stream:
@@ -187,11 +191,17 @@ def _logit_bias(bias: dict[str, float] | None) -> list[tuple[int, float]]:
 
 def sampling(request: CompletionRequest | ChatRequest, choice: int = 0) -> SamplingParams:
     """The engine's parameters for one choice (each choice of a seeded request gets its own seed)."""
+    scored = None
     if isinstance(request, ChatRequest):
         max_tokens = request.max_completion_tokens or request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
     else:
         max_tokens, logprobs = request.max_tokens, request.logprobs
+        # The prompt's own logprobs: vLLM's prompt_logprobs, or echo's with logprobs (lm-eval's loglikelihood).
+        scored = request.prompt_logprobs if request.prompt_logprobs is not None else \
+            (logprobs if request.echo and logprobs is not None else None)
+        if max_tokens == 0 and scored is None:
+            scored = 0  # echo of the prompt alone: nothing is generated, the prompt is only prefilled
     stop = [request.stop] if isinstance(request.stop, str) else (request.stop or [])
     try:
         return SamplingParams(
@@ -209,6 +219,7 @@ def sampling(request: CompletionRequest | ChatRequest, choice: int = 0) -> Sampl
             logprobs=logprobs,
             logit_bias=tuple(_logit_bias(request.logit_bias)),
             min_tokens=request.min_tokens,
+            prompt_logprobs=scored,
         )
     except InvalidInput as exc:
         raise OpenAIError(str(exc), param=str(exc).split(" ", 1)[0]) from None
@@ -249,8 +260,8 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_logprobs(tokens: list[str], logprobs: list[float | None], tops: list[list[tuple[str, float]]],
-                        offset: int) -> dict:
+def completion_logprobs(tokens: list[str], logprobs: list[float | None],
+                        tops: list[list[tuple[str, float]] | None], offset: int) -> dict:
     """The legacy completions ``logprobs`` object of one chunk or choice.
 
     Its ``top_logprobs`` are objects keyed by token text, and two of a position's top
@@ -262,8 +273,11 @@ def completion_logprobs(tokens: list[str], logprobs: list[float | None], tops: l
     for token in tokens:
         offsets.append(at)
         at += len(token)
-    keyed = []
+    keyed: list[dict[str, float] | None] = []
     for top in tops:
+        if top is None:  # an echoed prompt's first token: nothing came before it
+            keyed.append(None)
+            continue
         best: dict[str, float] = {}
         for text, logprob in top:
             if text not in best or logprob > best[text]:
