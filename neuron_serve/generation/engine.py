@@ -35,6 +35,7 @@ from .model import GenerationModel, StepOutput
 from .protocol import Admission, Completion, Streams, TokenEvent, check_prompt
 from .sampling import SamplingParams, Sampled, generator_for, prompt_logprobs, sample_row
 from .scheduler import Scheduler, Sequence, default_budget
+from .structured import Grammars
 from .text import IncrementalText
 
 __all__ = ["Completion", "Engine", "Streams", "TokenEvent", "check_prompt"]
@@ -87,6 +88,7 @@ class Engine(Streams):
         self._inbox: list[Sequence] = []
         self._aborts: set[str] = set()
         self._pending: list[tuple[Sequence, TokenEvent]] = []  # events not yet handed to their sinks
+        self._structured: Grammars | None = None
         self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
         self._thread.start()
 
@@ -98,6 +100,8 @@ class Engine(Streams):
         prompt = self._check_prompt(prompt, params)
         seq = Sequence("", prompt, params, sink, generator=generator_for(params),
                        text=IncrementalText(self.tokenizer, params.stop) if params.stop else None)
+        if params.structured is not None:  # compiled here: a constraint the library refuses is the caller's error
+            seq.constraint = self._grammars().matcher(params.structured)
 
         def queue(rid: str) -> None:  # under the lock, once admitted
             seq.request_id = rid
@@ -123,6 +127,19 @@ class Engine(Streams):
         """Slots not held nor promised to a waiting request (negative when requests wait)."""
         with self._lock:
             return len(self.scheduler.free) - len(self.scheduler.waiting) - len(self._inbox)
+
+    def _grammars(self) -> Grammars:
+        """Structured outputs' grammars for this engine's tokenizer, made on the first constrained request."""
+        if self.tokenizer is None:
+            raise InvalidInput("structured outputs need a tokenizer; this engine has none.")
+        with self._lock:
+            if self._structured is None:
+                self._structured = Grammars(self.tokenizer, self.executor.vocab_size, sorted(self.eos_token_ids))
+            return self._structured
+
+    @property
+    def vocab_size(self) -> int:
+        return self.executor.vocab_size
 
     @property
     def model(self) -> GenerationModel:
@@ -265,7 +282,12 @@ class Engine(Streams):
             return
         logits = out.logits
         for seq, row in zip(seqs, logits):
-            self._append(seq, sample_row(row, seq.params, seq.prompt, seq.output, seq.generator, self.eos_token_ids))
+            sampled = sample_row(row, seq.params, seq.prompt, seq.output, seq.generator, self.eos_token_ids,
+                                 seq.constraint)
+            if seq.constraint is not None and not seq.constraint.accept(sampled.token):
+                self._finish(seq, "error", error=f"token {sampled.token} left the structured output's grammar")
+                continue
+            self._append(seq, sampled)
 
     def _append(self, seq: Sequence, sampled: Sampled) -> None:
         now = time.perf_counter()
@@ -289,7 +311,7 @@ class Engine(Streams):
 
     def _stop(self, seq: Sequence, token: int) -> tuple[str | None, int | str | None]:
         params = seq.params
-        if token in params.stop_token_ids:
+        if token in params.stop_token_ids or (seq.constraint is not None and seq.constraint.done):
             return "stop", token
         if token in self.eos_token_ids and not params.ignore_eos:
             return "stop", token

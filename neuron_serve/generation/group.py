@@ -48,6 +48,10 @@ class EngineGroup(Dispatcher):
         return max(self.engines, key=lambda e: e.free_slots)
 
     @property
+    def vocab_size(self) -> int:
+        return self.engines[0].vocab_size
+
+    @property
     def running(self) -> int:
         return sum(e.running for e in self.engines)
 

@@ -11,6 +11,7 @@ penalties and truncation), as vLLM and OpenAI report them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -38,6 +39,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits
     min_tokens: int = 0  # EOS and stop_token_ids are banned until this many tokens are generated
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and the top-n at its position
+    structured: Any = None  # a structured.Constraint: the answer held to a schema, regex, choice or grammar
 
     def __post_init__(self) -> None:
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
@@ -79,7 +81,7 @@ class SamplingParams:
         """Whether the next token needs the logits on the host (the core's argmax is not the whole choice):
         sampling, penalties, logprobs, a logit bias, or end tokens still banned by ``min_tokens``."""
         return (not self.greedy or self.logprobs is not None or self.penalized or bool(self.logit_bias)
-                or generated < self.min_tokens)
+                or generated < self.min_tokens or self.structured is not None)
 
 
 @dataclass
@@ -133,10 +135,13 @@ def _bias(logits: torch.Tensor, params: SamplingParams, output: list[int], ends:
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int],
-               generator: torch.Generator | None, ends: frozenset[int] = frozenset()) -> Sampled:
-    """Choose the next token of one sequence from its logits (vocab,); ``ends`` are the model's EOS ids."""
+               generator: torch.Generator | None, ends: frozenset[int] = frozenset(), constraint: Any = None) -> Sampled:
+    """Choose the next token of one sequence from its logits (vocab,); ``ends`` are the model's EOS ids,
+    ``constraint`` its structured-output grammar (a structured.RowConstraint), which masks the logits."""
     logits = logits.float()
     chosen_from = _bias(logits, params, output, frozenset() if params.ignore_eos else ends)
+    if constraint is not None:
+        chosen_from = constraint.mask(chosen_from.clone() if chosen_from is logits else chosen_from)
     chosen_from = _penalize(chosen_from, params, prompt, output) if params.penalized else chosen_from
     if params.greedy:
         token = int(chosen_from.argmax())

@@ -56,6 +56,7 @@ class Sequence:
     last_token_at: float | None = None
     text: Any = None  # the output's IncrementalText, when stop strings are watched
     prompt_logprobs: list | None = None  # with params.prompt_logprobs: handed out on the first event
+    constraint: Any = None  # with params.structured: its structured.RowConstraint
 
     @property
     def length(self) -> int:

@@ -81,6 +81,12 @@ async def openai_answer(plane: GenerationPlane, kind: Literal["completions", "ch
                 echo = [p if isinstance(p, str) else plane.tokenizer.decode(p) for p in given
                         for _ in range(request.n)]
         every = [(prompt, openai.sampling(request, choice)) for prompt in prompts for choice in range(request.n)]
+        structured = every[0][1].structured
+        if structured is not None:
+            try:
+                plane.check_constraint(structured)
+            except InvalidInput as exc:
+                raise openai.OpenAIError(str(exc), param=structured.field) from None
         stream = plane.run([p for p, _ in every], [s for _, s in every])
         first = await _first(stream)
     except Exception as exc:  # noqa: BLE001 - every failure is answered with OpenAI's error object

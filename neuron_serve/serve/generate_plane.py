@@ -81,6 +81,7 @@ class GenerationPlane:
         self._codes: dict[str, Any] = {}
         self._mailboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._ready = False
+        self._grammars: Any = None
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -163,6 +164,17 @@ class GenerationPlane:
             raise InvalidInput(f"messages: the chat template refused them: {exc}") from None
         # The template writes the special tokens itself (as vLLM encodes it).
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def check_constraint(self, constraint: Any) -> None:
+        """Compile a structured-output constraint here too, so one the library refuses is the request's 400 (the
+        engine compiles it again, in its process)."""
+        from ..generation.structured import Grammars  # noqa: PLC0415 - only structured requests need xgrammar
+
+        tokenizer = self._need_tokenizer("a structured output")
+        if self._grammars is None:
+            vocab = getattr(self.engines, "vocab_size", None) or len(tokenizer)
+            self._grammars = Grammars(tokenizer, vocab)
+        self._grammars.compile(constraint)
 
     def token_text(self, token: int) -> str:
         """A token's text in logprobs: its share of the output text, which leaves special tokens

@@ -15,6 +15,7 @@ import re
 import socket
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -253,6 +254,50 @@ def test_echo_returns_the_prompts_logprobs_as_transformers_computes_them(llm, cl
     assert [entries[i + 1][str(ids[i + 1])]["logprob"] for i in range(len(ids) - 1)] == pytest.approx(want, abs=1e-4)
 
 
+STRUCTURED_SCHEMA = {"type": "object", "properties": {"tag": {"enum": ["red", "green"]},
+                                                      "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+                     "required": ["tag", "n"]}
+
+
+def test_structured_outputs_validate_beside_unconstrained_requests(llm, client):
+    import jsonschema  # noqa: PLC0415
+
+    messages = [{"role": "user", "content": "Give me a tag"}]
+    expected = eager_text(llm, completion_ids(llm, PROMPTS[1]), 12)
+
+    def constrained(kind: str):
+        if kind == "schema":
+            answer = client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=60, temperature=0,
+                response_format={"type": "json_schema", "json_schema": {"name": "tag", "schema": STRUCTURED_SCHEMA}})
+            return answer.choices[0].message.content, answer.choices[0].finish_reason
+        if kind == "choice":
+            answer = client.completions.create(model=MODEL, prompt="Yes or no?", max_tokens=8, temperature=0.9,
+                                               seed=2, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+            return answer.choices[0].text, answer.choices[0].finish_reason
+        if kind == "regex":
+            chunks = client.completions.create(model=MODEL, prompt="A code:", max_tokens=12, temperature=0,
+                                               stream=True, extra_body={"guided_regex": r"[A-C]{2}-[0-9]{3}"})
+            pieces = list(chunks)
+            return "".join(c.choices[0].text for c in pieces), pieces[-1].choices[0].finish_reason
+        free = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0)
+        return free.choices[0].text, free.choices[0].finish_reason
+
+    with ThreadPoolExecutor(4) as pool:  # sent at once: constrained and unconstrained rows share decode calls
+        schema, choice, regex, free = pool.map(constrained, ["schema", "choice", "regex", "free"])
+    jsonschema.validate(json.loads(schema[0]), STRUCTURED_SCHEMA)
+    assert choice[0] in ("yes", "no") and re.fullmatch(r"[A-C]{2}-[0-9]{3}", regex[0])
+    assert schema[1] == choice[1] == regex[1] == "stop"
+    assert free[0] == expected
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+                "a": {"type": "nosuchtype"}}}}})
+    assert bad.value.body["param"] == "response_format.json_schema.schema"
+    assert bad.value.body["message"].startswith("response_format.json_schema.schema: the json schema cannot be "
+                                                "compiled")
+
+
 # -- errors ------------------------------------------------------------------------------
 
 
@@ -380,6 +425,21 @@ FIELDS = {
     "stream": st.one_of(st.booleans(), st.text(max_size=3)),
     "logprobs": st.one_of(st.integers(-3, 40), st.booleans()),
     "seed": st.one_of(st.integers(), st.floats()),
+    "echo": st.one_of(st.booleans(), st.text(max_size=3)),
+    "prompt_logprobs": st.one_of(st.integers(-2, 30), st.text(max_size=2)),
+    "logit_bias": st.one_of(st.dictionaries(st.text(max_size=4) | st.integers(-5, 10**6).map(str),
+                                            st.floats(-200, 200) | st.text(max_size=2), max_size=3), st.integers()),
+    "min_tokens": st.one_of(st.integers(-3, 50), st.text(max_size=2)),
+    "user": st.one_of(st.text(max_size=8), st.integers()),
+    "response_format": st.one_of(
+        st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema", "xml", ""])},
+                              optional={"json_schema": st.one_of(st.none(), st.fixed_dictionaries(
+                                  {"name": st.text(max_size=3)},
+                                  optional={"schema": st.sampled_from([{}, {"type": "integer"}, {"type": "nope"},
+                                                                       [], "x", {"enum": []}])}))}),
+        st.text(max_size=3)),
+    "guided_regex": st.one_of(st.text(max_size=4), st.integers()),
+    "guided_choice": st.one_of(st.lists(st.text(max_size=3), max_size=3), st.text(max_size=2)),
     "unknown_field": st.integers(),
 }
 

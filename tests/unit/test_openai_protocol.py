@@ -1,5 +1,7 @@
 """The OpenAI codec: requests decoded into prompts and sampling parameters, errors by field."""
 
+import json
+
 import pytest
 
 from neuron_serve.generation.sampling import SamplingParams
@@ -88,6 +90,41 @@ def test_echo_scores_the_prompt_as_lm_eval_asks_it():
     assert openai.sampling(parse("completions", model="m", prompt="x", echo=True, max_tokens=0)).prompt_logprobs == 0
     assert openai.sampling(parse("completions", model="m", prompt="x", echo=True)).prompt_logprobs is None
     assert openai.sampling(parse("completions", model="m", prompt="x", prompt_logprobs=3)).prompt_logprobs == 3
+
+
+def test_each_structured_output_field_becomes_one_constraint():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    cases = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+         ("json_schema", schema, "response_format.json_schema.schema")),
+        ({"response_format": {"type": "json_object"}}, ("json_object", None, "response_format")),
+        ({"structured_outputs": {"choice": ["a", "b"]}}, ("choice", ("a", "b"), "structured_outputs.choice")),
+        ({"structured_outputs": {"regex": "x+"}}, ("regex", "x+", "structured_outputs.regex")),
+        ({"structured_outputs": {"json": json.dumps(schema)}}, ("json_schema", schema, "structured_outputs.json")),
+        ({"guided_grammar": 'root ::= "a"'}, ("grammar", 'root ::= "a"', "guided_grammar")),
+        ({"guided_json": schema}, ("json_schema", schema, "guided_json")),
+        ({"response_format": {"type": "text"}}, None),
+    ]
+    for fields, want in cases:
+        found = openai.sampling(parse("chat", model="m", messages=[{"role": "user", "content": "x"}], **fields))
+        got = found.structured
+        assert (None if got is None else (got.kind, got.spec, got.field)) == want, fields
+
+
+@pytest.mark.parametrize("fields,param,message", [
+    ({"response_format": {"type": "xml"}}, "response_format.type",
+     "response_format.type: 'xml' is not one of text, json_object, json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema",
+     "response_format.json_schema.schema: give the JSON schema (an object)"),
+    ({"guided_choice": []}, "guided_choice", "guided_choice: give a list of non-empty strings"),
+    ({"structured_outputs": {"json": "{nope"}}, "structured_outputs.json", "structured_outputs.json: not a JSON schema"),
+    ({"structured_outputs": {"cfg": "x"}}, "structured_outputs.cfg", "structured_outputs.cfg: not one of json, regex"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex",
+     "guided_regex: give one structured-output constraint; response_format gives one already"),
+])
+def test_bad_structured_output_fields_name_the_field(fields, param, message):
+    caught = error("completions", json.dumps({"model": "m", "prompt": "x", **fields}).encode())
+    assert str(caught).startswith(message) and caught.param == param
 
 
 def test_user_logit_bias_and_min_tokens_reach_the_sampling_parameters():

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ...errors import InvalidInput, NeuronServeError
 from ...generation.sampling import MAX_LOGPROBS, SamplingParams
+from ...generation.structured import Constraint
 
 MAX_N = 16  # choices per request: each is a sequence holding a KV-cache slot
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat has none: the context)
@@ -85,6 +86,13 @@ class _Sampling(_Strict):
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -117,7 +125,6 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
-    response_format: dict | None = None
     parallel_tool_calls: bool | None = None
 
 
@@ -127,7 +134,6 @@ _REFUSED = {
     "tools": (None, "tools are not supported: the served model has no tool-call parser"),
     "tool_choice": (None, "tool_choice is not supported: the served model has no tool-call parser"),
     "parallel_tool_calls": (None, "parallel_tool_calls is not supported: the served model has no tool-call parser"),
-    "response_format": (None, "response_format (structured output) is not supported"),
 }
 
 
@@ -169,7 +175,72 @@ def parse(kind: Literal["completions", "chat"], body: bytes) -> CompletionReques
     if request.stream_options is not None and not request.stream:
         raise OpenAIError("stream_options is only allowed with stream: true", param="stream_options")
     _logit_bias(request.logit_bias)
+    constraint(request)
     return request
+
+
+_STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                    "json_object": "json_object"}
+
+
+def constraint(request: CompletionRequest | ChatRequest) -> Constraint | None:
+    """The request's structured-output constraint, from whichever one field gives it; an OpenAIError naming the
+    field when it is malformed or when two fields give one."""
+    found: list[Constraint] = []
+    fmt = request.response_format
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            found.append(Constraint("json_object", field="response_format"))
+        elif kind == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema") if isinstance(fmt.get("json_schema"), dict) else None
+            if not isinstance(schema, (dict, bool)):
+                raise OpenAIError("response_format.json_schema.schema: give the JSON schema (an object)",
+                                  param="response_format.json_schema.schema")
+            found.append(Constraint("json_schema", schema, "response_format.json_schema.schema"))
+        elif kind != "text":
+            raise OpenAIError(f"response_format.type: {kind!r} is not one of text, json_object, json_schema",
+                              param="response_format.type")
+    given = request.structured_outputs or {}
+    unknown = sorted(set(given) - set(_STRUCTURED_KEYS) - {"disable_any_whitespace", "whitespace_pattern"})
+    if unknown:
+        raise OpenAIError(f"structured_outputs.{unknown[0]}: not one of {', '.join(_STRUCTURED_KEYS)}",
+                          param=f"structured_outputs.{unknown[0]}")
+    for key, kind in _STRUCTURED_KEYS.items():
+        value = given.get(key)
+        if value is None or value is False:
+            continue
+        found.append(Constraint(kind, None if kind == "json_object" else _spec(kind, value, f"structured_outputs.{key}"),
+                                f"structured_outputs.{key}"))
+    for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                       ("guided_grammar", "grammar")):
+        value = getattr(request, name)
+        if value is not None:
+            found.append(Constraint(kind, _spec(kind, value, name), name))
+    if len(found) > 1:
+        raise OpenAIError(f"{found[1].field}: give one structured-output constraint; {found[0].field} gives one "
+                          f"already", param=found[1].field)
+    return found[0] if found else None
+
+
+def _spec(kind: str, value: Any, field: str) -> Any:
+    """A constraint's spec, checked for its form (the grammar library checks the rest)."""
+    if kind == "json_schema":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise OpenAIError(f"{field}: not a JSON schema ({exc})", param=field) from None
+        if not isinstance(value, (dict, bool)):
+            raise OpenAIError(f"{field}: give the JSON schema (an object)", param=field)
+        return value
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise OpenAIError(f"{field}: give a list of non-empty strings", param=field)
+        return tuple(value)
+    if not isinstance(value, str) or not value:
+        raise OpenAIError(f"{field}: give the {kind} as a non-empty string", param=field)
+    return value
 
 
 def _logit_bias(bias: dict[str, float] | None) -> list[tuple[int, float]]:
@@ -220,6 +291,7 @@ def sampling(request: CompletionRequest | ChatRequest, choice: int = 0) -> Sampl
             logit_bias=tuple(_logit_bias(request.logit_bias)),
             min_tokens=request.min_tokens,
             prompt_logprobs=scored,
+            structured=constraint(request),
         )
     except InvalidInput as exc:
         raise OpenAIError(str(exc), param=str(exc).split(" ", 1)[0]) from None
