@@ -188,6 +188,19 @@ def run_generate(quick: bool, out: Path, log) -> str | None:
     return (out / "generate.md").read_text()
 
 
+def run_openai_fields(quick: bool, out: Path, log) -> str | None:
+    """bench/openai_fields.py in its own process: what structured outputs and prompt logprobs cost."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "PJRT_DEVICE": "CPU"}
+    command = [sys.executable, "-m", "bench.openai_fields", "--out", str(out)] + (["--quick"] if quick else [])
+    log("structured outputs and prompt logprobs (the engine in process)")
+    with open(out / "logs" / "openai_fields.log", "w") as handle:
+        proc = subprocess.run(command, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=1800)
+    if proc.returncode != 0:
+        log(f"  openai fields: rc {proc.returncode}; see {out / 'logs' / 'openai_fields.log'}")
+        return None
+    return (out / "openai_fields.md").read_text()
+
+
 def run_tensor_parallel(quick: bool, out: Path, log) -> str | None:
     """bench/tensor_parallel.py (it starts one process per layout itself): its Markdown table."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
@@ -250,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     generation = None if args.no_generate else run_generate(args.quick, out, log)
     generation_http = None if args.no_generate_http else run_generate_http(args.quick, out, log)
     tensor_parallel = None if args.no_tensor_parallel else run_tensor_parallel(args.quick, out, log)
+    openai_fields = None if args.no_generate else run_openai_fields(args.quick, out, log)
 
     targets = report.target_rows(rows)
     sections = [
@@ -275,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         sections += ["", "## Generation over HTTP (bench/generate_http.py)", "", generation_http.strip()]
     if tensor_parallel:
         sections += ["", tensor_parallel.strip()]
+    if openai_fields:
+        sections += ["", openai_fields.strip()]
     markdown = "\n".join(sections) + "\n"
     (out / "results.md").write_text(markdown)
     (out / "raw.json").write_text(json.dumps({"rows": rows, "memory": memory, "internal": internal,
