@@ -35,7 +35,7 @@ def test_grouped_attention_equals_transformers_eager_attention(q):
 
 
 def test_it_applies_to_grouped_query_llama_family_models_only():
-    assert [arch for arch in sorted(gm.CONFIGS) if attention.applies(gm.build(arch))] == ["llama", "mistral", "qwen2"]
+    assert [arch for arch in sorted(gm.CONFIGS) if attention.applies(gm.build(arch))] == ["llama", "mistral", "qwen2", "qwen3"]
 
 
 def test_the_compile_attends_grouped_then_leaves_the_models_own_attention_as_it_was(monkeypatch):
