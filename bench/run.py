@@ -188,45 +188,39 @@ def run_generate(quick: bool, out: Path, log) -> str | None:
     return (out / "generate.md").read_text()
 
 
-def run_openai_fields(quick: bool, out: Path, log) -> str | None:
-    """bench/openai_fields.py in its own process: what structured outputs and prompt logprobs cost."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "PJRT_DEVICE": "CPU"}
-    command = [sys.executable, "-m", "bench.openai_fields", "--out", str(out)] + (["--quick"] if quick else [])
-    log("structured outputs and prompt logprobs (the engine in process)")
-    with open(out / "logs" / "openai_fields.log", "w") as handle:
-        proc = subprocess.run(command, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=1800)
+def _run_module(module: str, quick: bool, out: Path, log, what: str, timeout: int,
+                env: dict | None = None) -> str | None:
+    """``python -m bench.<module>`` in its own process, writing <module>.md in ``out``: that file's text, or None
+    (its log says why)."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", **(env or {})}
+    command = [sys.executable, "-m", f"bench.{module}", "--out", str(out)] + (["--quick"] if quick else [])
+    log(what)
+    (out / f"{module}.md").unlink(missing_ok=True)
+    with open(out / "logs" / f"{module}.log", "w") as handle:
+        proc = subprocess.run(command, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=timeout)
     if proc.returncode != 0:
-        log(f"  openai fields: rc {proc.returncode}; see {out / 'logs' / 'openai_fields.log'}")
-        return None
-    return (out / "openai_fields.md").read_text()
+        log(f"  {module}: rc {proc.returncode}; see {out / 'logs' / f'{module}.log'}")
+    path = out / f"{module}.md"
+    return path.read_text() if path.exists() else None
+
+
+def run_openai_fields(quick: bool, out: Path, log) -> str | None:
+    """bench/openai_fields.py: what structured outputs and prompt logprobs cost the engine."""
+    return _run_module("openai_fields", quick, out, log, "structured outputs and prompt logprobs (the engine in "
+                       "process)", 1800, {"PJRT_DEVICE": "CPU"})
 
 
 def run_tensor_parallel(quick: bool, out: Path, log) -> str | None:
-    """bench/tensor_parallel.py (it starts one process per layout itself): its Markdown table."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    command = [sys.executable, "-m", "bench.tensor_parallel", "--out", str(out)] + (["--quick"] if quick else [])
-    log("tensor parallelism (TP 1, TP 2 and DP 2 in turn, each compiles a 110M-parameter Llama first)")
-    with open(out / "logs" / "tensor_parallel.log", "w") as handle:
-        proc = subprocess.run(command, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=5400)
-    if proc.returncode != 0:
-        log(f"  tensor parallelism: rc {proc.returncode}; see {out / 'logs' / 'tensor_parallel.log'}")
-        return None
-    return (out / "tensor_parallel.md").read_text()
+    """bench/tensor_parallel.py (it starts one process per layout itself)."""
+    return _run_module("tensor_parallel", quick, out, log, "tensor parallelism (TP 1, TP 2 and DP 2 in turn, each "
+                       "compiles a 110M-parameter Llama first)", 5400)
 
 
 def run_generate_http(quick: bool, out: Path, log) -> str | None:
-    """bench/generate_http.py in its own process (it starts and stops each server itself):
-    returns its Markdown table whenever it wrote one (a server that failed is a row of it)."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    command = [sys.executable, "-m", "bench.generate_http", "--out", str(out)] + (["--quick"] if quick else [])
-    log(f"generation over HTTP ({'quick' if quick else 'full'}: four servers in turn, neuron-serve compiles first)")
-    (out / "generate_http.md").unlink(missing_ok=True)
-    with open(out / "logs" / "generate_http.log", "w") as handle:
-        proc = subprocess.run(command, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=5400)
-    if proc.returncode != 0:
-        log(f"  generation over HTTP: rc {proc.returncode}; see {out / 'logs' / 'generate_http.log'}")
-    path = out / "generate_http.md"
-    return path.read_text() if path.exists() else None
+    """bench/generate_http.py in its own process (it starts and stops each server itself): its Markdown table
+    whenever it wrote one (a server that failed is a row of it)."""
+    return _run_module("generate_http", quick, out, log, f"generation over HTTP ({'quick' if quick else 'full'}: four "
+                       "servers in turn, neuron-serve compiles first)", 5400)
 
 
 def main(argv: list[str] | None = None) -> int:

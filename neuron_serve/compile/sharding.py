@@ -145,14 +145,10 @@ def mark(tensor: torch.Tensor, spec: Spec | None, devices: int) -> None:
     xs.mark_sharding(tensor, mesh(devices), spec if spec is not None else (None,) * tensor.dim())
 
 
-def apply_to_module(module: torch.nn.Module, plan: Sharding, derived: dict[str, tuple]) -> dict[str, Spec]:
-    """Mark every parameter and buffer of ``module`` (on the SPMD device) by ``plan``; returns the split ones."""
-    split = {}
+def apply_to_module(module: torch.nn.Module, plan: Sharding, derived: dict[str, tuple]) -> None:
+    """Mark every parameter and buffer of ``module`` (on the SPMD device) by ``plan``."""
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
         spec = plan.spec_of(name, derived)
         if spec is not None and len(spec) != tensor.dim():
             raise ValueError(f"sharding spec {spec} of {name} does not fit its shape {tuple(tensor.shape)}")
         mark(tensor, spec, plan.devices)
-        if spec is not None:
-            split[name] = spec
-    return split

@@ -170,11 +170,10 @@ class CompiledSubgraph(torch.nn.Module):
         self.donate = list(donate)
         # One program over a core group: weights and state split as the plan says (SPMD).
         self.sharding = sharding if sharding is not None else spmd.current()
-        self.split_weights: dict[str, tuple] = {}
         if self.sharding is not None:
             if not inline_weights:
                 raise ValueError("a sharded subgraph holds its weights inside the executable (inline_weights)")
-            self.split_weights = spmd.apply_to_module(resident, self.sharding, resident.meta.get(DERIVED, {}))
+            spmd.apply_to_module(resident, self.sharding, resident.meta.get(DERIVED, {}))
             for index in self.donate:
                 spmd.mark(xla_args[index], self.sharding.state, self.sharding.devices)
         # Outputs left on the device: new values of state tensors, never copied to the host.

@@ -15,7 +15,6 @@ import os
 import subprocess
 import tempfile
 import time
-from pathlib import Path
 
 import ray
 from ray import serve

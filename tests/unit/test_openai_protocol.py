@@ -119,6 +119,8 @@ def test_each_structured_output_field_becomes_one_constraint():
     ({"guided_choice": []}, "guided_choice", "guided_choice: give a list of non-empty strings"),
     ({"structured_outputs": {"json": "{nope"}}, "structured_outputs.json", "structured_outputs.json: not a JSON schema"),
     ({"structured_outputs": {"cfg": "x"}}, "structured_outputs.cfg", "structured_outputs.cfg: not one of json, regex"),
+    ({"structured_outputs": {"json_object": True, "disable_any_whitespace": True}},
+     "structured_outputs.disable_any_whitespace", "structured_outputs.disable_any_whitespace: not one of json"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex",
      "guided_regex: give one structured-output constraint; response_format gives one already"),
 ])

@@ -202,7 +202,7 @@ def constraint(request: CompletionRequest | ChatRequest) -> Constraint | None:
             raise OpenAIError(f"response_format.type: {kind!r} is not one of text, json_object, json_schema",
                               param="response_format.type")
     given = request.structured_outputs or {}
-    unknown = sorted(set(given) - set(_STRUCTURED_KEYS) - {"disable_any_whitespace", "whitespace_pattern"})
+    unknown = sorted(set(given) - set(_STRUCTURED_KEYS))
     if unknown:
         raise OpenAIError(f"structured_outputs.{unknown[0]}: not one of {', '.join(_STRUCTURED_KEYS)}",
                           param=f"structured_outputs.{unknown[0]}")
