@@ -22,9 +22,15 @@ ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 1024
 SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|user|>", "<|assistant|>", "<|system|>"]
 # A Llama-3-like template: one role marker a turn, the assistant's marker last when asked to answer.
+# Tools (OpenAI's, as transformers passes them) are listed first, each its name and parameters' schema; an assistant's tool calls are
+# written as Hermes writes them, <tool_call>{"name": ..., "arguments": ...}</tool_call>.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    "{{ bos_token }}{% if tools %}<|tools|>{% for tool in tools %}{{ tool.function.name }}"
+    "{{ (tool.function.parameters or {}) | tojson }}{% endfor %}{% endif %}"
+    "{% for message in messages %}<|{{ message['role'] }}|>{% if message.content %}{{ message.content }}{% endif %}"
+    "{% for call in message.tool_calls or [] %}<tool_call>"
+    "{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}</tool_call>{% endfor %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
 

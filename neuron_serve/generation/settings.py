@@ -7,7 +7,7 @@ config without the compiler, so nothing here imports torch models or the compile
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
@@ -83,6 +83,13 @@ class GenerationSettings(BaseModel):
                     "least 32")
     max_waiting: int = Field(
         DEFAULT_MAX_WAITING, ge=1, description="requests waiting for a slot before more are refused (503)")
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
+        default=None,
+        description="how the model writes a tool call, for OpenAI's tool_choice \"auto\" (vLLM's --tool-call-parser "
+                    "names): hermes, a JSON object {name, arguments} between <tool_call> and </tool_call> (Hermes, "
+                    "Qwen 2.5 and later); llama3_json, an answer that is JSON objects {name, parameters} separated "
+                    "by ; (Llama 3.1 and later). Without it, tools are still served with tool_choice \"required\", "
+                    "a named function or \"none\"")
     request_timeout_s: float | None = Field(
         default=None, gt=0,
         description="a request not finished this many seconds after it arrived (waiting or generating) is aborted: "

@@ -17,8 +17,10 @@ from typing import AsyncIterator, Literal
 
 from ..errors import InvalidInput, NeuronServeError
 from ..generation.sampling import SamplingParams
+from ..generation.structured import Constraint
 from .generate_plane import GenerationPlane, Piece
 from .protocols import oip_generate, openai
+from .protocols.openai_tools import Reader, ToolChoice
 
 JSON = {"content-type": "application/json"}
 EVENTS = {"content-type": "text/event-stream", "cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -71,22 +73,23 @@ async def openai_answer(plane: GenerationPlane, kind: Literal["completions", "ch
             raise openai.unknown_model(request.model, [plane.name])
         if request.user is not None:  # who the end user is, for the operator's logs; kept nowhere else
             logger.info("%s: OpenAI %s request for end user %r", plane.name, kind, request.user)
-        echo = None
+        echo = tool = None
         if kind == "chat":
-            prompts = [plane.chat(openai.chat_messages(request))]
+            tool = openai.tools(request, plane.tool_call_parser)
+            for i, given in enumerate(tool.tools if tool.mode != "none" else ()):
+                check(plane, given.parameters, f"tools[{i}].function.parameters")
+            prompts = [plane.chat(openai.chat_messages(request), tools=request.tools if tool.tools else None)]
         else:
             given = openai.completion_prompts(request)
             prompts = [plane.encode(p) for p in given]
             if request.echo:  # the prompt as sent (token ids as their text), before each of its choices
                 echo = [p if isinstance(p, str) else plane.tokenizer.decode(p) for p in given
                         for _ in range(request.n)]
-        every = [(prompt, openai.sampling(request, choice)) for prompt in prompts for choice in range(request.n)]
+        every = [(prompt, openai.sampling(request, choice, tool)) for prompt in prompts
+                 for choice in range(request.n)]
         structured = every[0][1].structured
         if structured is not None:
-            try:
-                plane.check_constraint(structured)
-            except InvalidInput as exc:
-                raise openai.OpenAIError(str(exc), param=structured.field) from None
+            check(plane, structured)
         stream = plane.run([p for p, _ in every], [s for _, s in every])
         first = await _first(stream)
     except Exception as exc:  # noqa: BLE001 - every failure is answered with OpenAI's error object
@@ -94,7 +97,7 @@ async def openai_answer(plane: GenerationPlane, kind: Literal["completions", "ch
         plane.record(answer.status, time.perf_counter() - started)
         return answer
     rid, created = openai.new_id(kind), int(time.time())
-    encoder = _OpenAIEncoder(plane, kind, request, rid, created, [len(p) for p in prompts], every, echo)
+    encoder = _OpenAIEncoder(plane, kind, request, rid, created, [len(p) for p in prompts], every, echo, tool)
     if request.stream:
         return Answer(200, dict(EVENTS), encoder.events(first, stream, started))
     try:
@@ -107,12 +110,27 @@ async def openai_answer(plane: GenerationPlane, kind: Literal["completions", "ch
     return _json(200, encoder.whole([p for batch in pieces for p in batch]))
 
 
+def check(plane: GenerationPlane, constraint, field: str | None = None) -> None:
+    """A constraint (or a bare JSON schema, with the ``field`` it came from) compiled here, so one the grammar
+    library refuses is the request's 400 naming that field."""
+    if field is not None:
+        constraint = Constraint("json_schema", constraint, field)
+    try:
+        plane.check_constraint(constraint)
+    except InvalidInput as exc:
+        raise openai.OpenAIError(str(exc), param=constraint.field) from None
+
+
 class _OpenAIEncoder:
     """Pieces of one request to OpenAI's response object or its stream of chunks."""
 
     def __init__(self, plane: GenerationPlane, kind: str, request, rid: str, created: int, prompt_lengths: list[int],
-                 every: list[tuple[list[int], SamplingParams]], echo: list[str] | None = None) -> None:
+                 every: list[tuple[list[int], SamplingParams]], echo: list[str] | None = None,
+                 tool: ToolChoice | None = None) -> None:
         self.plane, self.kind, self.request, self.rid, self.created = plane, kind, request, rid, created
+        # Each choice's answer read for tool calls (tool_choice other than "none").
+        self.readers = [Reader(tool, plane.tool_call_parser) for _ in every] \
+            if tool is not None and tool.mode != "none" else None
         self.echo = echo  # per choice: the prompt's text, echoed before the completion
         self.prompt_logprobs = getattr(request, "prompt_logprobs", None) is not None
         self._started: set[int] = set()  # choices whose first piece went out
@@ -172,6 +190,14 @@ class _OpenAIEncoder:
                       **extra}
             if self.kind == "chat":
                 choice["message"] = {"role": "assistant", "content": piece.text}
+                if self.readers is not None:
+                    reader = self.readers[index]
+                    reader.add(piece.text)
+                    reader.finish()
+                    choice["message"]["content"] = reader.content
+                    if reader.calls:
+                        choice["message"]["tool_calls"] = [call.message() for call in reader.calls]
+                        choice["finish_reason"] = _tools_finish(piece.finish_reason)
             else:
                 choice["text"] = piece.text
             choices.append(choice)
@@ -200,12 +226,27 @@ class _OpenAIEncoder:
         if not piece.text and piece.finish_reason is None and not piece.logprobs and not extra:
             return None  # nothing to say yet (a character still incomplete, or a stop string's possible start)
         choice: dict = {"index": piece.index, **extra}
-        if self.kind == "chat":
+        finish = piece.finish_reason
+        if self.kind == "chat" and self.readers is not None:
+            reader = self.readers[piece.index]
+            content, calls = reader.add(piece.text)
+            if finish is not None:
+                more, last = reader.finish()
+                content, calls = content + more, calls + last
+                if reader.calls:
+                    finish = _tools_finish(finish)
+            delta: dict = {"content": content} if content else {}
+            if calls:
+                delta["tool_calls"] = calls
+            if not delta and finish is None and not piece.logprobs:
+                return None  # held: what arrived may still be part of a call
+            choice["delta"] = delta
+        elif self.kind == "chat":
             choice["delta"] = {"content": piece.text} if piece.text or piece.logprobs else {}
         else:
             choice["text"] = piece.text
         choice["logprobs"] = self._logprobs(piece.index, piece)
-        choice["finish_reason"] = piece.finish_reason
+        choice["finish_reason"] = finish
         return choice
 
     async def events(self, first: list[Piece], rest: AsyncIterator[list[Piece]], started: float) -> AsyncIterator[bytes]:
@@ -240,6 +281,11 @@ class _OpenAIEncoder:
             await rest.aclose()  # aborts what still runs when the client left
             self.plane.record(status, time.perf_counter() - started)
         yield openai.DONE
+
+
+def _tools_finish(reason: str | None) -> str | None:
+    """An answer that made tool calls ends with "tool_calls", unless it was cut short ("length" says so)."""
+    return "tool_calls" if reason in ("stop", None) else reason
 
 
 # -- the OIP generate extension ------------------------------------------------------------

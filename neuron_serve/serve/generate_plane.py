@@ -152,14 +152,20 @@ class GenerationPlane:
             return list(self._need_tokenizer("a text prompt")(prompt)["input_ids"])
         return [int(t) for t in prompt]
 
-    def chat(self, messages: list[dict]) -> list[int]:
-        """Prompt ids of chat messages, through the tokenizer's chat template (with the assistant's turn opened)."""
+    @property
+    def tool_call_parser(self) -> str | None:
+        """How the model writes tool calls (model.yaml's generation.tool_call_parser); None: not configured."""
+        return self.config.generation.tool_call_parser if self.config.generation is not None else None
+
+    def chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Prompt ids of chat messages, through the tokenizer's chat template (with the assistant's turn opened);
+        ``tools`` reach the template as transformers passes them (``tools=``)."""
         tokenizer = self._need_tokenizer("a chat request")
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidInput(f"model {self.name!r}'s tokenizer has no chat template; use /v1/completions, or give "
                                f"the tokenizer a chat_template.")
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # a template's own checks (roles in order, ...) raise jinja errors
             raise InvalidInput(f"messages: the chat template refused them: {exc}") from None
         # The template writes the special tokens itself (as vLLM encodes it).

@@ -50,8 +50,8 @@ def completion_ids(llm, prompt: str) -> list[int]:
     return llm.tokenizer(prompt)["input_ids"]
 
 
-def chat_ids(llm, messages: list[dict]) -> list[int]:
-    text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+def chat_ids(llm, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    text = llm.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     return llm.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -298,6 +298,89 @@ def test_structured_outputs_validate_beside_unconstrained_requests(llm, client):
                                                 "compiled")
 
 
+# Small schemas: the example's tokenizer spends many tokens on JSON, and its context is 256.
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "today's weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Lima"]}, "celsius": {"type": "boolean"}},
+    "required": ["city", "celsius"]}}}
+CLOCK = {"type": "function", "function": {"name": "get_time"}}
+
+
+def streamed_calls(chunks) -> tuple[list[dict], str | None, str]:
+    """A chat stream's tool calls folded by index (name and arguments joined), its finish reason and content."""
+    calls: dict[int, dict] = {}
+    finish, content = None, ""
+    for chunk in chunks:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+                call["id"] += delta.id or ""
+                call["name"] += (delta.function.name or "") if delta.function else ""
+                call["arguments"] += (delta.function.arguments or "") if delta.function else ""
+            finish = choice.finish_reason or finish
+    return [calls[i] for i in sorted(calls)], finish, content
+
+
+def test_named_and_required_tool_choices_give_valid_calls_streamed_and_not(llm, client):
+    import jsonschema  # noqa: PLC0415
+
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    tools = [WEATHER, CLOCK]
+    schemas = {t["function"]["name"]: t["function"].get("parameters", {"type": "object"}) for t in tools}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice=named,
+                                            max_tokens=40, temperature=0)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), schemas["get_weather"])
+    # The tools reached the chat template: the prompt is the template's with them.
+    assert answer.usage.prompt_tokens == len(chat_ids(llm, messages, tools))
+    calls, finish, content = streamed_calls(client.chat.completions.create(
+        model=MODEL, messages=messages, tools=tools, tool_choice=named, max_tokens=40, temperature=0, stream=True))
+    assert (finish, content) == ("tool_calls", "")
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", call.function.arguments)]
+
+    for stream in (False, True):
+        kwargs = dict(model=MODEL, messages=messages, tools=tools, tool_choice="required", max_tokens=140,
+                      temperature=0.8, seed=5)
+        if stream:
+            calls, finish, _ = streamed_calls(client.chat.completions.create(stream=True, **kwargs))
+        else:
+            message = client.chat.completions.create(**kwargs).choices[0]
+            finish = message.finish_reason
+            calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                     for c in message.message.tool_calls]
+        assert finish == "tool_calls" and calls, stream
+        for made in calls:
+            assert made["id"].startswith("call_")
+            jsonschema.validate(json.loads(made["arguments"]), schemas[made["name"]])
+    one = client.chat.completions.create(parallel_tool_calls=False, **{**kwargs, "seed": 6})
+    assert len(one.choices[0].message.tool_calls) == 1
+
+
+def test_tool_results_go_back_through_the_template(llm, client):
+    messages = [{"role": "user", "content": "Weather in Lima?"},
+                {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Lima", "celsius": true}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, cloudy"}]
+    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none",
+                                            max_tokens=10, temperature=0)
+    templated = [messages[0], {**messages[1], "tool_calls": [{**messages[1]["tool_calls"][0], "function": {
+        "name": "get_weather", "arguments": {"city": "Lima", "celsius": True}}}]}, messages[2]]
+    ids = chat_ids(llm, templated, [WEATHER])
+    assert answer.usage.prompt_tokens == len(ids)
+    assert answer.choices[0].message.content == eager_text(llm, ids, 10)
+    assert answer.choices[0].message.tool_calls is None
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, tool_choice="required",
+                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {
+                                           "type": "object", "properties": {"a": {"type": "nosuchtype"}}}}}])
+    assert bad.value.body["param"] == "tools[0].function.parameters"
+
+
 # -- errors ------------------------------------------------------------------------------
 
 
@@ -313,10 +396,11 @@ def test_errors_are_openai_error_objects(llm, client):
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_MODEL_LEN)
     assert (f"the prompt has {length} tokens and max_tokens is {MAX_MODEL_LEN}: {length + MAX_MODEL_LEN} tokens, "
             f"more than max_model_len ({MAX_MODEL_LEN})") in too_long.value.body["message"]
-    with pytest.raises(openai.BadRequestError) as refused:
+    with pytest.raises(openai.BadRequestError) as refused:  # the example model has no tool-call parser
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                        tools=[{"type": "function", "function": {"name": "f"}}])
-    assert refused.value.body["param"] == "tools"
+    assert refused.value.body["param"] == "tool_choice" and "generation.tool_call_parser" in \
+        refused.value.body["message"]
     with pytest.raises(openai.BadRequestError) as unknown:
         client.completions.create(model=MODEL, prompt="x", extra_body={"temprature": 0})
     assert unknown.value.body["message"] == "unknown field 'temprature': this server does not support it"

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ...errors import InvalidInput, NeuronServeError
 from ...generation.sampling import MAX_LOGPROBS, SamplingParams
 from ...generation.structured import Constraint
+from .openai_tools import ToolChoice, ToolError, template_messages, tool_choice
 
 MAX_N = 16  # choices per request: each is a sequence holding a KV-cache slot
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat has none: the context)
@@ -131,9 +132,6 @@ class ChatRequest(_Sampling):
 # Fields OpenAI defines that this server cannot honour: refused when given a non-default value.
 _REFUSED = {
     "suffix": (None, "suffix (insertion) is not supported by causal LMs served here"),
-    "tools": (None, "tools are not supported: the served model has no tool-call parser"),
-    "tool_choice": (None, "tool_choice is not supported: the served model has no tool-call parser"),
-    "parallel_tool_calls": (None, "parallel_tool_calls is not supported: the served model has no tool-call parser"),
 }
 
 
@@ -260,8 +258,24 @@ def _logit_bias(bias: dict[str, float] | None) -> list[tuple[int, float]]:
     return pairs
 
 
-def sampling(request: CompletionRequest | ChatRequest, choice: int = 0) -> SamplingParams:
-    """The engine's parameters for one choice (each choice of a seeded request gets its own seed)."""
+def tools(request: ChatRequest, parser: str | None) -> ToolChoice:
+    """The chat request's tool choice (see openai_tools), checked against the model's tool-call parser
+    (``None``: the model has none); an OpenAIError naming the field when it cannot be served."""
+    try:
+        choice = tool_choice(request.tools, request.tool_choice, request.parallel_tool_calls, parser)
+    except ToolError as exc:
+        raise OpenAIError(str(exc), param=exc.param) from None
+    given = constraint(request)
+    if choice.constraint is not None and given is not None:
+        raise OpenAIError(f"tool_choice: {request.tool_choice!r} holds the answer to a tool call, and {given.field} "
+                          f"to another form; give one of them", param="tool_choice")
+    return choice
+
+
+def sampling(request: CompletionRequest | ChatRequest, choice: int = 0,
+             tool: ToolChoice | None = None) -> SamplingParams:
+    """The engine's parameters for one choice (each choice of a seeded request gets its own seed); a required
+    or named ``tool`` choice holds the answer to its calls."""
     scored = None
     if isinstance(request, ChatRequest):
         max_tokens = request.max_completion_tokens or request.max_tokens
@@ -291,7 +305,7 @@ def sampling(request: CompletionRequest | ChatRequest, choice: int = 0) -> Sampl
             logit_bias=tuple(_logit_bias(request.logit_bias)),
             min_tokens=request.min_tokens,
             prompt_logprobs=scored,
-            structured=constraint(request),
+            structured=constraint(request) or (tool.constraint if tool is not None else None),
         )
     except InvalidInput as exc:
         raise OpenAIError(str(exc), param=str(exc).split(" ", 1)[0]) from None
@@ -310,14 +324,17 @@ def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
 
 
 def chat_messages(request: ChatRequest) -> list[dict]:
-    """Messages as a chat template takes them (text parts joined)."""
+    """Messages as a chat template takes them (text parts joined, an assistant's tool-call arguments as objects)."""
     messages = []
     for message in request.messages:
         item = message.model_dump(exclude_none=True)
         if isinstance(message.content, list):
             item["content"] = "".join(part.text for part in message.content)
         messages.append(item)
-    return messages
+    try:
+        return template_messages(messages)
+    except ToolError as exc:
+        raise OpenAIError(str(exc), param=exc.param) from None
 
 
 # -- encoding ------------------------------------------------------------------------------
