@@ -540,6 +540,59 @@ def test_fuzzed_openai_requests_get_4xx_with_messages(llm, body):
         assert error["message"] and error["type"], answer.body
 
 
+_ARGUMENTS = st.one_of(st.text(max_size=6), st.just('{"city": "Paris", "celsius": true}'), st.integers(),
+                       st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+_CALL = st.fixed_dictionaries({}, optional={
+    "id": st.text(max_size=4), "type": st.sampled_from(["function", "x"]),
+    "function": st.one_of(st.fixed_dictionaries({}, optional={"name": st.one_of(st.text(max_size=4), st.integers()),
+                                                              "arguments": _ARGUMENTS}), st.text(max_size=2))})
+_MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool", "robot"])}, optional={
+    "content": st.one_of(st.text(max_size=12), st.none(), st.integers(),
+                         st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]),
+                                                         "text": st.text(max_size=5)}), max_size=2)),
+    "tool_calls": st.one_of(st.lists(_CALL, max_size=2), st.integers(), st.text(max_size=2)),
+    "tool_call_id": st.one_of(st.text(max_size=4), st.integers()),
+    "name": st.text(max_size=4)})
+_TOOL = st.one_of(st.just(WEATHER), st.just(CLOCK), st.fixed_dictionaries({}, optional={
+    "type": st.sampled_from(["function", "retrieval", ""]),
+    "function": st.one_of(st.fixed_dictionaries({}, optional={
+        "name": st.one_of(st.text(max_size=5), st.integers()),
+        "parameters": st.sampled_from([{}, {"type": "nope"}, [], "x", {"type": "object", "properties": {
+            "a": {"type": "integer"}}}]),
+        "strict": st.booleans()}), st.integers())}))
+CHAT_FIELDS = {
+    **{name: FIELDS[name] for name in ("temperature", "top_p", "stop", "stream", "seed", "logit_bias",
+                                       "min_tokens", "user", "response_format", "guided_choice", "unknown_field")},
+    "n": st.integers(-1, 3),
+    "max_tokens": st.one_of(st.integers(-3, 12), st.text(max_size=2), st.none()),
+    "max_completion_tokens": st.one_of(st.integers(-3, 12), st.floats(allow_nan=True)),
+    "logprobs": st.one_of(st.booleans(), st.integers(-2, 3)),
+    "top_logprobs": st.one_of(st.integers(-2, 30), st.text(max_size=2)),
+    "tools": st.one_of(st.lists(_TOOL, max_size=3), st.integers(), st.text(max_size=3)),
+    "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required", "any", ""]), st.integers(),
+                             st.fixed_dictionaries({"type": st.sampled_from(["function", "x"])}, optional={
+                                 "function": st.fixed_dictionaries({}, optional={
+                                     "name": st.sampled_from(["get_weather", "get_time", "other", ""])})})),
+    "parallel_tool_calls": st.one_of(st.booleans(), st.text(max_size=2)),
+}
+
+
+@settings(max_examples=100, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(st.fixed_dictionaries({
+    # Mostly the model served and a user's turn, so the fuzzed fields are read, not refused before.
+    "model": st.sampled_from([MODEL, MODEL, MODEL, MODEL, None, 7]),
+    "messages": st.one_of(st.just([{"role": "user", "content": "Weather in Paris?"}]), st.lists(_MESSAGE, max_size=3),
+                          st.text(max_size=3))}, optional=CHAT_FIELDS))
+def test_fuzzed_chat_requests_get_4xx_with_messages(llm, body):
+    api = Client(llm.url, timeout=60)
+    answer = api.request("POST", "/v1/chat/completions", json.dumps(body).encode())
+    api.close()
+    assert answer.status < 500, (body, answer.body)
+    if answer.status >= 400:
+        error = answer.json()["error"]
+        assert error["message"] and error["type"], answer.body
+
+
 @pytest.mark.parametrize("raw", [b"\xff\xfe{", b"", b"[]", b"null", b'{"model": "llm", "prompt": "\xc3\x28"}',
                                  b'{"model": "llm", "messages": "hi"}', b'{"model":"llm","prompt":"x","max_tokens":-1}',
                                  b'{"model":"llm","prompt":"x","max_tokens":100000000000}'])
