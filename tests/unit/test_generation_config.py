@@ -45,6 +45,8 @@ REFUSED = [
      "inputs: Field required for task: infer (add the model's inputs, each with name, shape and dtype)"),
     ("generate with inputs", with_(GENERATE, inputs=[{"name": "ids", "shape": [1, 8], "dtype": "int64"}]),
      "inputs: applies to task: infer; a generate model takes prompt token ids and returns tokens; remove inputs"),
+    ("an unknown tool-call parser", with_(GENERATE, generation={"tool_call_parser": "mistral"}),
+     "generation.tool_call_parser: Input should be 'hermes' or 'llama3_json' (use one of the values listed)"),
     ("generate with outputs", with_(GENERATE, outputs=["logits"]),
      "outputs: applies to task: infer; a generate model takes prompt token ids and returns tokens; remove outputs"),
     ("generate with buckets", with_(GENERATE, buckets={"sizes": [8], "inputs": {"ids": 1}}),
@@ -118,7 +120,7 @@ def test_a_generate_model_yaml_parses_with_defaults():
     assert given.generation.model_dump() == {
         "max_num_seqs": 8, "max_model_len": None, "prefill_buckets": None, "decode_batch_buckets": None,
         "decode_context_buckets": None, "decode_steps": 1, "tensor_parallel_size": 1, "max_num_batched_tokens": None,
-        "max_waiting": 256, "request_timeout_s": None}
+        "max_waiting": 256, "tool_call_parser": None, "request_timeout_s": None}
     assert parse_config(with_(GENERATE, model={"factory": "pkg.lm:build", "kwargs": {"size": 2}})).model.kwargs
     assert parse_config(INFER).task == "infer"
 
