@@ -15,7 +15,7 @@ KSERVE_VENV  := .venv-kserve
 KSERVE_STAMP := $(KSERVE_VENV)/.installed
 KSERVE_REQS  := tests/integration/kserve-requirements.txt
 
-.PHONY: install serve analyze test test-system-packages kserve-client bench bench-quick bench-latency bench-generate-http soak llm-example docs
+.PHONY: install serve analyze test test-system-packages kserve-client bench bench-quick bench-latency bench-generate-http bench-guidellm soak llm-example docs
 
 # Serving needs only the base dependencies; the tests add their own extra.
 $(STAMP): pyproject.toml
@@ -99,6 +99,10 @@ bench-latency: $(VENV)/.bench
 # Generation over HTTP alone: neuron-serve's OpenAI API against transformers serve and Ray Serve.
 bench-generate-http: $(VENV)/.bench llm-example
 	$(BIN)/python -m bench.generate_http
+
+# guidellm (vLLM's load generator) against the LLM example served; fails on any errored request.
+bench-guidellm: $(VENV)/.bench llm-example
+	$(BIN)/python -m bench.guidellm
 
 # 10 minutes at 80% of the measured capacity, valid and invalid requests mixed; not part of `make test`.
 soak: $(VENV)/.bench

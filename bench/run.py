@@ -16,7 +16,9 @@ servers are stopped) adds generate.md and generate.json there; generation over H
 (bench/generate_http.py: neuron-serve's OpenAI API against transformers serve and Ray Serve,
 one server at a time) adds generate_http.md and generate_http.json; tensor parallelism
 (bench/tensor_parallel.py: a 110M-parameter Llama at TP 1, TP 2 and DP 2) adds
-tensor_parallel.md and tensor_parallel.json.
+tensor_parallel.md and tensor_parallel.json; guidellm (bench/guidellm.py: vLLM's load generator
+against the LLM example served, exiting non-zero on any errored request) adds guidellm.md and
+guidellm.json.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="skip generation over HTTP (bench/generate_http.py)")
     parser.add_argument("--no-tensor-parallel", action="store_true",
                         help="skip tensor parallelism (bench/tensor_parallel.py)")
+    parser.add_argument("--no-guidellm", action="store_true", help="skip guidellm (bench/guidellm.py)")
     parser.add_argument("--out", type=Path, help="results directory (default bench/results/<timestamp>)")
     return parser.parse_args(argv)
 
@@ -223,6 +226,12 @@ def run_generate_http(quick: bool, out: Path, log) -> str | None:
                        "servers in turn, neuron-serve compiles first)", 5400)
 
 
+def run_guidellm(quick: bool, out: Path, log) -> str | None:
+    """bench/guidellm.py (it serves the LLM example itself): its Markdown table, errors counted in it."""
+    return _run_module("guidellm", quick, out, log, "guidellm against the LLM example (neuron-serve compiles first)",
+                       1800)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
@@ -258,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     generation_http = None if args.no_generate_http else run_generate_http(args.quick, out, log)
     tensor_parallel = None if args.no_tensor_parallel else run_tensor_parallel(args.quick, out, log)
     openai_fields = None if args.no_generate else run_openai_fields(args.quick, out, log)
+    guidellm = None if args.no_guidellm else run_guidellm(args.quick, out, log)
 
     targets = report.target_rows(rows)
     sections = [
@@ -285,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         sections += ["", tensor_parallel.strip()]
     if openai_fields:
         sections += ["", openai_fields.strip()]
+    if guidellm:
+        sections += ["", guidellm.strip()]
     markdown = "\n".join(sections) + "\n"
     (out / "results.md").write_text(markdown)
     (out / "raw.json").write_text(json.dumps({"rows": rows, "memory": memory, "internal": internal,
