@@ -173,6 +173,11 @@ E2E_REQUEST_LATENCY = Histogram(
 )
 PROMPT_TOKENS = Counter("neuron_serve_prompt_tokens", "Prompt tokens prefilled", GEN_LABELS)
 GENERATION_TOKENS = Counter("neuron_serve_generation_tokens", "Tokens generated", GEN_LABELS)
+# vLLM's prefix_cache_queries / prefix_cache_hits, in tokens: with generation.enable_prefix_caching.
+PREFIX_CACHE_QUERIES = Counter("neuron_serve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                               GEN_LABELS)
+PREFIX_CACHE_HITS = Counter("neuron_serve_prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)",
+                            GEN_LABELS)
 REQUESTS_RUNNING = Gauge(
     "neuron_serve_num_requests_running", "Sequences holding a KV-cache slot", GEN_LABELS, multiprocess_mode="livesum",
 )

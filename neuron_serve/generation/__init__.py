@@ -54,7 +54,8 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
                decode_context_buckets: Sequence[int] | None = None, decode_steps: int = 1,
                max_num_batched_tokens: int | None = None,
                max_waiting: int = 256, request_timeout_s: float | None = None, tokenizer: Any = None,
-               target: str = "neuron", name: str = "model", tensor_parallel_size: int = 1) -> Engine:
+               target: str = "neuron", name: str = "model", tensor_parallel_size: int = 1,
+               enable_prefix_caching: bool = False) -> Engine:
     """Compile ``lm`` for generation and start an engine over it (see :class:`Engine`).
 
     The arguments are model.yaml's ``generation`` fields; a KV cache that does not fit
@@ -70,7 +71,8 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
 
     buckets = GenerationBuckets.build(max_num_seqs, max_model_len, prefill=prefill_buckets,
                                       decode_rows=decode_batch_buckets, decode_context=decode_context_buckets,
-                                      decode_steps=decode_steps, field_prefix="")
+                                      decode_steps=decode_steps, prefix_caching=enable_prefix_caching,
+                                      field_prefix="")
     tensor_parallel.check(lm.config, tensor_parallel_size, field="tensor_parallel_size")
     check_cache_fits(lm, buckets, field_prefix="", tensor_parallel_size=tensor_parallel_size)
     model = compile_generation(lm, buckets, target=target, tensor_parallel_size=tensor_parallel_size)

@@ -11,6 +11,11 @@ With ``decode_steps`` K above 1, every decode bucket is also compiled as K greed
 in one call (each step's argmax fed back on the core, as vLLM's multi-step scheduling
 and on-device sampling do): a batch of greedy sequences then crosses to the host once
 per K tokens.
+
+With ``prefix_caching``, a prompt whose first tokens are already in a slot's cache is
+prefilled from there: its remaining tokens run in an extend model, compiled per
+(suffix-length bucket x context bucket), suffix lengths from the prefill buckets and
+contexts from the decode context buckets, each suffix no longer than its context.
 """
 
 from __future__ import annotations
@@ -52,11 +57,13 @@ class GenerationBuckets:
     decode_rows: list[int] = field(default_factory=list)
     decode_context: list[int] = field(default_factory=list)
     decode_steps: int = 1
+    prefix_caching: bool = False
 
     @classmethod
     def build(cls, max_num_seqs: int, max_model_len: int, *, prefill: Sequence[int] | None = None,
               decode_rows: Sequence[int] | None = None, decode_context: Sequence[int] | None = None,
-              decode_steps: int = 1, field_prefix: str = "generation.") -> "GenerationBuckets":
+              decode_steps: int = 1, prefix_caching: bool = False,
+              field_prefix: str = "generation.") -> "GenerationBuckets":
         """Defaults for what is not given; each list checked and sorted. Errors name the model.yaml field."""
         if max_num_seqs < 1:
             raise ConfigError(f"{field_prefix}max_num_seqs: must be at least 1, got {max_num_seqs}.")
@@ -83,19 +90,26 @@ class GenerationBuckets:
                                   f"{what} unreachable.")
             chosen[name] = sizes
         return cls(max_num_seqs, max_model_len, chosen["prefill_buckets"], chosen["decode_batch_buckets"],
-                   chosen["decode_context_buckets"], decode_steps)
+                   chosen["decode_context_buckets"], decode_steps, prefix_caching)
 
     @property
     def count(self) -> int:
         """How many models are compiled."""
         decode = len(self.decode_rows) * len(self.decode_context)
-        return len(self.prefill) + decode * (2 if self.decode_steps > 1 else 1)
+        return len(self.prefill) + decode * (2 if self.decode_steps > 1 else 1) + len(self.extend)
+
+    @property
+    def extend(self) -> list[tuple[int, int]]:
+        """(suffix tokens, context) of each extend model: prefill after a cached prefix (none without caching)."""
+        if not self.prefix_caching:
+            return []
+        return [(tokens, context) for context in self.decode_context for tokens in self.prefill if tokens <= context]
 
     def describe(self) -> dict:
         return {"max_num_seqs": self.max_num_seqs, "max_model_len": self.max_model_len,
                 "prefill_buckets": self.prefill, "decode_batch_buckets": self.decode_rows,
                 "decode_context_buckets": self.decode_context,
-                "decode_steps": self.decode_steps}
+                "decode_steps": self.decode_steps, "enable_prefix_caching": self.prefix_caching}
 
 
 def kv_cache_bytes(config, slots: int, positions: int, dtype_bytes: int) -> int:

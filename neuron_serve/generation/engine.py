@@ -32,6 +32,7 @@ from ..errors import InvalidInput
 from .executor import CoreGroupExecutor, Executor
 from .metrics import EngineMetrics
 from .model import GenerationModel, StepOutput
+from .prefix_cache import PrefixCache
 from .protocol import Admission, Completion, Streams, TokenEvent, check_prompt
 from .sampling import SamplingParams, Sampled, generator_for, prompt_logprobs, sample_row
 from .scheduler import Scheduler, Sequence, default_budget
@@ -75,7 +76,10 @@ class Engine(Streams):
         self.name = name
         executor = self.executor
         budget = max_num_batched_tokens or default_budget(executor.max_model_len)
-        self.scheduler = Scheduler(executor.slots, budget)
+        # Decode calls park their free rows in a slot's last decode_steps positions: no cached block reaches them.
+        self.prefix = PrefixCache(executor.slots, executor.max_model_len - executor.decode_steps) \
+            if executor.prefix_caching else None
+        self.scheduler = Scheduler(executor.slots, budget, self.prefix)
         self.request_timeout_s = request_timeout_s
         # Sequences in submission order: with one timeout for all, the first is the first to expire.
         self._deadlines: deque[Sequence] = deque()
@@ -208,6 +212,8 @@ class Engine(Streams):
         self._prefill()
         for seq, slot in self.scheduler.compaction(self.executor.rows_bucket):
             self.executor.move(seq.slot, slot)
+            if self.prefix is not None:
+                self.prefix.copy(seq.slot, slot)
             self.scheduler.move(seq, slot)
         running = self.scheduler.decoding()
         if running:
@@ -233,14 +239,21 @@ class Engine(Streams):
         for seq in self.scheduler.admit():
             started = time.perf_counter()
             scored = seq.params.prompt_logprobs is not None
+            if seq.copy_from is not None:  # a running sequence's slot holds the prefix: copied, on the core
+                self.executor.move(seq.copy_from, seq.slot)
             if scored:  # a prefill that also brings home every prompt position's logits
                 out, shape, logits = self.executor.prefill_scored(seq.prompt, seq.slot)
                 seq.prompt_logprobs = [None if s is None else (s.logprob, s.top) for s in
                                        prompt_logprobs(seq.prompt, logits, seq.params.prompt_logprobs)]
+            elif seq.cached:
+                out, shape = self.executor.extend(seq.prompt, seq.slot, seq.cached)
             else:
                 out, shape = self.executor.prefill(seq.prompt, seq.slot)
             self.metrics.observe(self.metrics.step(shape), time.perf_counter() - started)
             self.metrics.count(self.metrics.prompt_tokens, len(seq.prompt))
+            if self.prefix is not None:
+                self.metrics.count(self.metrics.prefix_queries, len(seq.prompt))
+                self.metrics.count(self.metrics.prefix_hits, seq.cached)
             if scored and seq.params.max_tokens == 0:  # the prompt's logprobs were all it asked for
                 self._finish(seq, "length")
             else:
@@ -326,6 +339,11 @@ class Engine(Streams):
 
     def _finish(self, seq: Sequence, reason: str, stop: int | str | None = None, event: TokenEvent | None = None,
                 error: str | None = None, timed_out: bool = False) -> None:
+        if self.prefix is not None and seq.slot is not None and self.scheduler.running.get(seq.slot) is seq:
+            if error is None or timed_out:  # its slot keeps what was written: every token but the last
+                self.prefix.hold(seq.slot, seq.prompt + seq.output[:-1])
+            else:  # a failed call may have left the slot half written
+                self.prefix.forget(seq.slot)
         self.scheduler.release(seq)
         self.admission.pop(seq.request_id)
         seq.finish_reason, seq.stop_reason = reason, stop

@@ -26,6 +26,7 @@ class Executor(abc.ABC):
     vocab_size: int
     decode_steps: int
     tensor_parallel_size: int
+    prefix_caching: bool
 
     @abc.abstractmethod
     def start(self) -> None:
@@ -34,6 +35,10 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def prefill(self, prompt: Sequence[int], slot: int) -> tuple[StepOutput, Shape]:
         """Write ``prompt`` into ``slot``; the output at its last token and the bucket run."""
+
+    @abc.abstractmethod
+    def extend(self, prompt: Sequence[int], slot: int, cached: int) -> tuple[StepOutput, Shape]:
+        """Write ``prompt[cached:]`` after the ``cached`` tokens ``slot`` holds (prefix caching); as :meth:`prefill`."""
 
     @abc.abstractmethod
     def prefill_scored(self, prompt: Sequence[int], slot: int) -> tuple[StepOutput, Shape, Any]:
@@ -68,6 +73,7 @@ class CoreGroupExecutor(Executor):
         self.vocab_size = model.vocab_size
         self.decode_steps = model.decode_steps
         self.tensor_parallel_size = model.tensor_parallel_size
+        self.prefix_caching = model.buckets.prefix_caching
 
     def start(self) -> None:
         if self.device is not None:
@@ -78,6 +84,9 @@ class CoreGroupExecutor(Executor):
 
     def prefill(self, prompt: Sequence[int], slot: int) -> tuple[StepOutput, Shape]:
         return self.model.prefill(prompt, slot)
+
+    def extend(self, prompt: Sequence[int], slot: int, cached: int) -> tuple[StepOutput, Shape]:
+        return self.model.extend(prompt, slot, cached)
 
     def prefill_scored(self, prompt: Sequence[int], slot: int) -> tuple[StepOutput, Shape, Any]:
         return self.model.prefill_scored(prompt, slot)

@@ -25,6 +25,8 @@ class EngineMetrics:
         self.e2e = metrics.E2E_REQUEST_LATENCY.labels(**labels)
         self.prompt_tokens = metrics.PROMPT_TOKENS.labels(**labels)
         self.generation_tokens = metrics.GENERATION_TOKENS.labels(**labels)
+        self.prefix_queries = metrics.PREFIX_CACHE_QUERIES.labels(**labels)
+        self.prefix_hits = metrics.PREFIX_CACHE_HITS.labels(**labels)
         self.running = metrics.REQUESTS_RUNNING.labels(**labels)
         self.waiting = metrics.REQUESTS_WAITING.labels(**labels)
         self.usage = metrics.KV_SLOTS_USAGE.labels(**labels)

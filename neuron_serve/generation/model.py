@@ -44,7 +44,7 @@ NO_CPU_PARTITIONS = ("Generation runs every operator on the NeuronCore, where th
 class Shape:
     """One compiled generation model: ``rows`` sequences of ``tokens`` tokens, attending over ``context`` positions."""
 
-    kind: str  # "prefill" or "decode"
+    kind: str  # "prefill", "decode" or "extend" (prefill after a cached prefix)
     rows: int
     tokens: int
     context: int
@@ -55,6 +55,8 @@ class Shape:
         """The bucket label of metrics and logs: prefill_64, decode_8x256, decode_8x256_steps4."""
         if self.kind == "prefill":
             return f"prefill_{self.tokens}"
+        if self.kind == "extend":
+            return f"extend_{self.tokens}x{self.context}"
         return f"decode_{self.rows}x{self.context}" + (f"_steps{self.steps}" if self.steps > 1 else "")
 
 
@@ -65,6 +67,7 @@ def shapes_of(buckets: GenerationBuckets) -> list[Shape]:
     shapes += [Shape("decode", rows, 1, context) for rows, context in decode]
     if buckets.decode_steps > 1:
         shapes += [Shape("decode", rows, 1, context, buckets.decode_steps) for rows, context in decode]
+    shapes += [Shape("extend", 1, tokens, context) for tokens, context in buckets.extend]
     return shapes
 
 
@@ -219,6 +222,26 @@ class GenerationModel:
         last = torch.tensor([[len(prompt) - 1]])
         return self._run(shape, tokens, positions, torch.tensor([slot]), last).rows(torch.tensor([0])), shape
 
+    def extend_shape(self, tokens: int, length: int) -> Shape:
+        """The extend bucket of ``tokens`` new tokens in a sequence of ``length`` tokens (prefix and them)."""
+        for t, c in self.buckets.extend:  # context-major, then suffix length: the first that holds both is smallest
+            if t >= tokens and c >= length:
+                return Shape("extend", 1, t, c)
+        raise InvalidInput(f"no extend bucket takes {tokens} tokens at {length} positions.")
+
+    def extend(self, prompt: Sequence[int], slot: int, cached: int) -> tuple["StepOutput", Shape]:
+        """Write ``prompt[cached:]`` into ``slot``, whose cache already holds ``prompt[:cached]``; the output at the
+        prompt's last token and the bucket run. The bucket's padding repeats the last token at its position, so
+        it writes what that token writes, and nothing past the prompt."""
+        rest = len(prompt) - cached
+        shape = self.extend_shape(rest, len(prompt))
+        tokens = torch.full((1, shape.tokens), int(prompt[-1]), dtype=torch.long)
+        tokens[0, :rest] = torch.as_tensor(prompt[cached:], dtype=torch.long)
+        positions = torch.full((1, shape.tokens), len(prompt) - 1, dtype=torch.long)
+        positions[0, :rest] = torch.arange(cached, len(prompt))
+        last = torch.tensor([[rest - 1]])
+        return self._run(shape, tokens, positions, torch.tensor([slot]), last).rows(torch.tensor([0])), shape
+
     def prefill_scored(self, prompt: Sequence[int], slot: int) -> tuple["StepOutput", Shape, torch.Tensor]:
         """:meth:`prefill`, also returning the logits at every prompt position (len(prompt), vocab) on the host.
 
@@ -255,8 +278,8 @@ class GenerationModel:
         """One token for each running sequence (its last token, at its position, in its slot).
 
         Row r of the call is slot r, so the call covers slots 0 to the highest running one;
-        a free slot among them gets token 0 at position 0 (it writes only there, or at
-        positions 0 to steps - 1). Returns the output of each sequence, in the order given,
+        a free slot among them gets token 0 at the last positions (it writes only at
+        max_model_len - steps to max_model_len - 1, which no cached prefix holds). Returns the output of each sequence, in the order given,
         and the bucket run. ``steps`` > 1 (``decode_steps``) runs that many greedy steps:
         each row's greedy output is its next ``steps`` tokens, written at the positions after.
         """
@@ -264,7 +287,7 @@ class GenerationModel:
             raise InvalidInput(f"decode runs 1 or decode_steps ({self.decode_steps}) steps a call, not {steps}.")
         shape = self.decode_shape(max(slots) + 1, max(positions) + steps, steps)
         tokens_t = torch.zeros(shape.rows, 1, dtype=torch.long)
-        positions_t = torch.zeros(shape.rows, 1, dtype=torch.long)
+        positions_t = torch.full((shape.rows, 1), self.max_model_len - steps, dtype=torch.long)
         index = torch.as_tensor(slots, dtype=torch.long)
         tokens_t[index, 0] = torch.as_tensor(tokens, dtype=torch.long)
         positions_t[index, 0] = torch.as_tensor(positions, dtype=torch.long)
@@ -307,13 +330,15 @@ def compile_generation(lm: torch.nn.Module, buckets: GenerationBuckets, *, targe
     shared = [torch.zeros_like(t) for t in cache.caches()]
     del cache
 
-    def func(context: int | None, steps: int) -> tuple[SlotLM, dict]:
-        model = SlotLM(lm, buckets.max_num_seqs, buckets.max_model_len, context, steps).eval()
+    def func(context: int | None, steps: int, extend: bool = False) -> tuple[SlotLM, dict]:
+        model = SlotLM(lm, buckets.max_num_seqs, buckets.max_model_len, context, steps, extend=extend).eval()
         return model, model.aliases()
 
     def kernel(inputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
         tokens, positions = inputs[0], inputs[1]
         kind = "prefill" if tokens.shape[1] > 1 else "decode"
+        if kind == "prefill" and int(positions[:, 0].max()) > 0:
+            kind = "extend"  # after a cached prefix
         context = int(positions.max()) + 1
         for i, shape in enumerate(shapes):  # one token per call: the engine runs multi-step shapes itself
             if shape.kind == kind and shape.rows == tokens.shape[0] and shape.tokens == tokens.shape[1] \
@@ -322,8 +347,8 @@ def compile_generation(lm: torch.nn.Module, buckets: GenerationBuckets, *, targe
         raise InvalidInput(f"no generation bucket takes {tuple(tokens.shape)} tokens at {context} positions.")
 
     config = BucketModelConfig(lambda: kernel, shared_state_buffer=shared,
-                               func_kwargs=[{"context": s.context if s.kind == "decode" else None, "steps": s.steps}
-                                            for s in shapes])
+                               func_kwargs=[{"context": s.context if s.kind != "prefill" else None, "steps": s.steps,
+                                             "extend": s.kind == "extend"} for s in shapes])
     name = type(lm).__name__
     try:
         with grouped_for_compile(lm), spmd.sharded(plan), \

@@ -17,6 +17,11 @@ Policy, once per engine step:
 4. A sequence that ends (EOS, a stop token or string, ``max_tokens``, a full context)
    gives its slot back at once, before the next step admits anyone.
 
+With prefix caching (:mod:`.prefix_cache`), a prompt whose leading blocks a slot holds
+takes that slot when it is free, or a free slot to copy it into when a running sequence
+holds them; it costs the budget only the tokens it computes. A prompt that reuses nothing
+takes an empty slot first, then the least recently used cached one.
+
 The default budget, a quarter of ``max_model_len`` (at least 32 tokens), admits about one
 prompt per step when prompts are long: a step with several prefills in front of its
 decode call is what makes the slow tail of time per output token.
@@ -57,6 +62,8 @@ class Sequence:
     text: Any = None  # the output's IncrementalText, when stop strings are watched
     prompt_logprobs: list | None = None  # with params.prompt_logprobs: handed out on the first event
     constraint: Any = None  # with params.structured: its structured.RowConstraint
+    cached: int = 0  # prompt tokens whose keys and values its slot holds already (prefix caching)
+    copy_from: int | None = None  # the slot to copy into its own before its prefill (a running sequence's)
 
     @property
     def length(self) -> int:
@@ -77,7 +84,7 @@ def default_budget(max_model_len: int) -> int:
 class Scheduler:
     """Waiting queue, running set and free slots; see the module docstring for the policy."""
 
-    def __init__(self, slots: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, slots: int, max_num_batched_tokens: int, prefix: Any = None) -> None:
         # A heap: the lowest free slot is handed out first, so running sequences stay in the
         # low slots and a decode call (which covers slots 0 to the highest running) stays small.
         self.free = list(range(slots))
@@ -85,6 +92,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}
+        self.prefix = prefix  # a PrefixCache, with prefix caching
 
     def add(self, seq: Sequence) -> None:
         """Queue ``seq`` (the engine bounds the queue when a request is submitted)."""
@@ -96,12 +104,22 @@ class Scheduler:
         tokens = 0
         while self.waiting and self.free:
             seq = self.waiting[0]
-            if admitted and tokens + len(seq.prompt) > self.max_num_batched_tokens:
+            src, cached = None, 0
+            if self.prefix is not None and seq.params.prompt_logprobs is None:  # prompt logprobs need every position
+                src, cached = self.prefix.match(seq.prompt, prefer=self.free)
+            if admitted and tokens + len(seq.prompt) - cached > self.max_num_batched_tokens:
                 break
             self.waiting.popleft()
-            seq.slot = heapq.heappop(self.free)
+            if self.prefix is None:
+                seq.slot = heapq.heappop(self.free)
+            else:
+                seq.slot = src if src in self.free else self.prefix.empty_first(self.free)
+                self.free.remove(seq.slot)
+                heapq.heapify(self.free)
+                seq.cached, seq.copy_from = cached, (src if src is not None and src != seq.slot else None)
+                self.prefix.hold(seq.slot, seq.prompt)
             self.running[seq.slot] = seq
-            tokens += len(seq.prompt)
+            tokens += len(seq.prompt) - seq.cached
             admitted.append(seq)
         return admitted
 

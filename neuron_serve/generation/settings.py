@@ -83,6 +83,13 @@ class GenerationSettings(BaseModel):
                     "least 32")
     max_waiting: int = Field(
         DEFAULT_MAX_WAITING, ge=1, description="requests waiting for a slot before more are refused (503)")
+    enable_prefix_caching: bool = Field(
+        False,
+        description="reuse the keys and values of earlier prompts (vLLM's automatic prefix caching): prompt tokens are "
+                    "hashed in blocks of 16, a prompt whose leading blocks are held in a slot's cache prefills only "
+                    "the rest, and finished sequences' slots keep their cache until a new sequence needs the slot "
+                    "(least recently used first); compiles an extend model per (prefill bucket x decode context "
+                    "bucket) with the prefill bucket at most the context")
     tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
         default=None,
         description="how the model writes a tool call, for OpenAI's tool_choice \"auto\" (vLLM's --tool-call-parser "
@@ -132,7 +139,8 @@ class GenerationSettings(BaseModel):
                                        prefill=self.prefill_buckets if lengths else None,
                                        decode_rows=self.decode_batch_buckets,
                                        decode_context=self.decode_context_buckets if lengths else None,
-                                       decode_steps=self.decode_steps, field_prefix=field_prefix)
+                                       decode_steps=self.decode_steps, prefix_caching=self.enable_prefix_caching,
+                                       field_prefix=field_prefix)
 
 
 def check_task(config: Any) -> None:

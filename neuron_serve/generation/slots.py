@@ -17,8 +17,12 @@ batching needs each sequence at its own slot and position.
   0..T-1; its attention reads only its own new keys and values, never the cache.
 - decode (``context=C``): row r is slot r, one token each at its own position;
   attention reads the first C positions of slots 0..rows-1, a static slice of the
-  cache (no gather). Rows whose slot is free carry token 0 at position 0, which writes
-  only into that free slot, and a prefill overwrites before anyone reads it.
+  cache (no gather). Rows whose slot is free carry token 0 at the last position, which
+  writes only there, in that free slot, where no cached prefix is ever kept.
+- extend (``context=C, extend=True``): one row of T tokens written into its own slot at
+  their positions (after a prefix already in the slot, as prefix caching reuses one);
+  attention reads the first C positions of that slot (a gather of one slot), so the
+  suffix sees the cached prefix and itself.
 """
 
 from __future__ import annotations
@@ -40,8 +44,10 @@ class SlotCache:
     is_compileable = True
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], slots: torch.Tensor,
-                 positions: torch.Tensor, context: int | None) -> None:
+                 positions: torch.Tensor, context: int | None, by_slot: bool = False) -> None:
         self.keys = list(keys)
+        self.slots = slots
+        self.by_slot = by_slot  # read the rows' own slots (extend), not slots 0..rows-1 (decode)
         self.values = list(values)
         heads = keys[0].shape[1]
         # Index tensors broadcasting to (rows, kv_heads, tokens): the places the new values go.
@@ -61,6 +67,9 @@ class SlotCache:
         self.values[layer_idx] = self.values[layer_idx].index_put(self.index, value_states)
         if self.context is None:
             return key_states, value_states
+        if self.by_slot:
+            return (self.keys[layer_idx].index_select(0, self.slots)[:, :, :, :self.context].transpose(2, 3),
+                    self.values[layer_idx].index_select(0, self.slots)[:, :, :self.context])
         return (self.keys[layer_idx][:self.rows, :, :, :self.context].transpose(2, 3),
                 self.values[layer_idx][:self.rows, :, :self.context])
 
@@ -94,16 +103,17 @@ class SlotLM(torch.nn.Module):
     up to its own (a 4D additive mask), so what a slot held before, or a padded prompt
     wrote past its end, is never read before it is overwritten. The new keys and values
     are written into the whole cache, in place on the core (the executable aliases it).
-    Decode (``context`` given) ignores ``slots``: row r is slot r. With ``steps`` K above 1
+    Decode (``context`` given) ignores ``slots``: row r is slot r; extend reads each row's slot. With ``steps`` K above 1
     (decode only) the call runs K greedy steps, each feeding its argmax back at the next
     position, and ``greedy`` is (rows, K); the logits are the last step's.
     """
 
     def __init__(self, lm: torch.nn.Module, slots: int, positions: int, context: int | None = None,
-                 steps: int = 1, every_position: bool = False) -> None:
+                 steps: int = 1, every_position: bool = False, extend: bool = False) -> None:
         super().__init__()
         self.lm = lm
         self.context = context
+        self.extend = extend  # with context: the rows' own slots, after what they hold (see the module docstring)
         self.steps = steps
         # Prefill only: output 0 is the logits at every prompt position (1, T, vocab), for prompt logprobs.
         self.every_position = every_position
@@ -147,12 +157,13 @@ class SlotLM(torch.nn.Module):
         dtype = caches[0].dtype
         if self.context is None:  # prefill: the prompt's own positions
             seen = positions[:, None, :]
-        else:  # decode: row r is slot r
-            slots = torch.arange(tokens.shape[0], device=tokens.device)
+        else:  # decode (row r is slot r) or extend (each row its slot): the first ``context`` positions
+            if not self.extend:
+                slots = torch.arange(tokens.shape[0], device=tokens.device)
             seen = torch.arange(self.context, device=tokens.device)[None, None, :]
         visible = seen <= positions[:, :, None]
         mask = torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
-        cache = SlotCache(caches[0::2], caches[1::2], slots, positions, self.context)
+        cache = SlotCache(caches[0::2], caches[1::2], slots, positions, self.context, by_slot=self.extend)
         out = self.lm(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
                       logits_to_keep=0 if last is None else last, **{self.kwarg: cache})
         logits = out.logits if last is None else out.logits[:, 0]

@@ -120,7 +120,7 @@ def test_a_generate_model_yaml_parses_with_defaults():
     assert given.generation.model_dump() == {
         "max_num_seqs": 8, "max_model_len": None, "prefill_buckets": None, "decode_batch_buckets": None,
         "decode_context_buckets": None, "decode_steps": 1, "tensor_parallel_size": 1, "max_num_batched_tokens": None,
-        "max_waiting": 256, "tool_call_parser": None, "request_timeout_s": None}
+        "max_waiting": 256, "enable_prefix_caching": False, "tool_call_parser": None, "request_timeout_s": None}
     assert parse_config(with_(GENERATE, model={"factory": "pkg.lm:build", "kwargs": {"size": 2}})).model.kwargs
     assert parse_config(INFER).task == "infer"
 
@@ -135,11 +135,15 @@ def test_settings_to_buckets_defaults():
     buckets = GenerationSettings().to_buckets(Positions(4096))
     assert buckets.describe() == {
         "max_num_seqs": 8, "max_model_len": 2048, "prefill_buckets": [32, 64, 128, 256, 512, 1024, 2048],
-        "decode_batch_buckets": [1, 4, 8], "decode_context_buckets": [128, 256, 512, 1024, 2048], "decode_steps": 1}
+        "decode_batch_buckets": [1, 4, 8], "decode_context_buckets": [128, 256, 512, 1024, 2048], "decode_steps": 1,
+        "enable_prefix_caching": False}
     short = GenerationSettings(max_num_seqs=2).to_buckets(Positions(64))
     assert (short.max_model_len, short.prefill, short.decode_rows, short.decode_context) == (64, [32, 64], [1, 2], [64])
     given = GenerationSettings(**SMALL).to_buckets(Positions(64))
     assert (given.prefill, given.decode_rows, given.decode_context) == ([8, 32], [2], [32])
+    cached = GenerationSettings(max_num_seqs=2, prefill_buckets=[16, 64], decode_context_buckets=[32, 64],
+                                enable_prefix_caching=True).to_buckets(Positions(64))
+    assert cached.extend == [(16, 32), (16, 64), (64, 64)] and cached.count == 2 + 2 * 2 + 3
 
 
 def test_settings_to_buckets_refusals_name_the_field():
