@@ -176,6 +176,15 @@ GENERATION_TOKENS = Counter("neuron_serve_generation_tokens", "Tokens generated"
 # vLLM's prefix_cache_queries / prefix_cache_hits, in tokens: with generation.enable_prefix_caching.
 PREFIX_CACHE_QUERIES = Counter("neuron_serve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                GEN_LABELS)
+# vLLM's spec_decode_* counters, with generation.speculative_config.
+SPEC_DRAFTS = Counter("neuron_serve_spec_decode_num_drafts", "Speculative rounds with proposals, per sequence",
+                      GEN_LABELS)
+SPEC_DRAFT_TOKENS = Counter("neuron_serve_spec_decode_num_draft_tokens", "Tokens proposed", GEN_LABELS)
+SPEC_ACCEPTED_TOKENS = Counter("neuron_serve_spec_decode_num_accepted_tokens", "Proposed tokens the model accepted",
+                               GEN_LABELS)
+SPEC_ACCEPTED_PER_POSITION = Counter("neuron_serve_spec_decode_num_accepted_tokens_per_pos",
+                                     "Proposed tokens accepted, by their position in the round",
+                                     [*GEN_LABELS, "position"])
 PREFIX_CACHE_HITS = Counter("neuron_serve_prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)",
                             GEN_LABELS)
 REQUESTS_RUNNING = Gauge(

@@ -55,7 +55,7 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
                max_num_batched_tokens: int | None = None,
                max_waiting: int = 256, request_timeout_s: float | None = None, tokenizer: Any = None,
                target: str = "neuron", name: str = "model", tensor_parallel_size: int = 1,
-               enable_prefix_caching: bool = False) -> Engine:
+               enable_prefix_caching: bool = False, speculative_config: Any = None) -> Engine:
     """Compile ``lm`` for generation and start an engine over it (see :class:`Engine`).
 
     The arguments are model.yaml's ``generation`` fields; a KV cache that does not fit
@@ -68,14 +68,18 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
     from .build import check_cache_fits  # noqa: PLC0415
     from .engine import Engine  # noqa: PLC0415
     from .model import compile_generation  # noqa: PLC0415
+    from .settings import SpeculativeConfig  # noqa: PLC0415
 
+    if isinstance(speculative_config, dict):  # model.yaml's keys
+        speculative_config = SpeculativeConfig(**speculative_config)
     buckets = GenerationBuckets.build(max_num_seqs, max_model_len, prefill=prefill_buckets,
                                       decode_rows=decode_batch_buckets, decode_context=decode_context_buckets,
                                       decode_steps=decode_steps, prefix_caching=enable_prefix_caching,
-                                      field_prefix="")
+                                      speculative_tokens=speculative_config.num_speculative_tokens
+                                      if speculative_config is not None else 0, field_prefix="")
     tensor_parallel.check(lm.config, tensor_parallel_size, field="tensor_parallel_size")
     check_cache_fits(lm, buckets, field_prefix="", tensor_parallel_size=tensor_parallel_size)
     model = compile_generation(lm, buckets, target=target, tensor_parallel_size=tensor_parallel_size)
     return Engine(model, eos_token_ids=eos_token_ids(lm), tokenizer=tokenizer,
                   max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,
-                  request_timeout_s=request_timeout_s, name=name)
+                  request_timeout_s=request_timeout_s, name=name, speculative_config=speculative_config)

@@ -61,7 +61,7 @@ def forms(config: ModelConfig, base_dir: str | Path | None = None) -> Iterator[F
     for index, shape in enumerate(shapes, 1):
         context = shape.context if shape.kind != "prefill" else None
         model = SlotLM(lm, buckets.max_num_seqs, buckets.max_model_len, context,
-                       extend=shape.kind == "extend").eval()
+                       every_position=shape.kind == "verify", extend=shape.kind == "extend").eval()
         captured = capture(model, _example(shape))
         analysis = analyze_graph(captured, target)
         print(f"analyzed {shape.label} ({index}/{len(shapes)})", file=sys.stderr, flush=True)

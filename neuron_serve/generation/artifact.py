@@ -61,7 +61,8 @@ def load_generation(path: str | Path) -> tuple[GenerationModel, list[int], str |
         compiled = artifact.load(root)
     buckets = GenerationBuckets(described["max_num_seqs"], described["max_model_len"], described["prefill_buckets"],
                                 described["decode_batch_buckets"], described["decode_context_buckets"],
-                                described.get("decode_steps", 1), described.get("enable_prefix_caching", False))
+                                described.get("decode_steps", 1), described.get("enable_prefix_caching", False),
+                                described.get("speculative_tokens", 0))
     tokenizer = str(root / TOKENIZER_DIR) if described["tokenizer"] else None
     model = GenerationModel(compiled, buckets, described["vocab_size"], plan, described.get("weight_bytes"))
     return model, described["eos_token_ids"], tokenizer

@@ -16,6 +16,9 @@ With ``prefix_caching``, a prompt whose first tokens are already in a slot's cac
 prefilled from there: its remaining tokens run in an extend model, compiled per
 (suffix-length bucket x context bucket), suffix lengths from the prefill buckets and
 contexts from the decode context buckets, each suffix no longer than its context.
+
+With ``speculative_tokens`` k, every decode bucket is also compiled as a verify model:
+k + 1 tokens a row (the last token and k proposals), the logits of every one returned.
 """
 
 from __future__ import annotations
@@ -58,11 +61,12 @@ class GenerationBuckets:
     decode_context: list[int] = field(default_factory=list)
     decode_steps: int = 1
     prefix_caching: bool = False
+    speculative_tokens: int = 0  # k: verify models take k + 1 tokens a row (0: none compiled)
 
     @classmethod
     def build(cls, max_num_seqs: int, max_model_len: int, *, prefill: Sequence[int] | None = None,
               decode_rows: Sequence[int] | None = None, decode_context: Sequence[int] | None = None,
-              decode_steps: int = 1, prefix_caching: bool = False,
+              decode_steps: int = 1, prefix_caching: bool = False, speculative_tokens: int = 0,
               field_prefix: str = "generation.") -> "GenerationBuckets":
         """Defaults for what is not given; each list checked and sorted. Errors name the model.yaml field."""
         if max_num_seqs < 1:
@@ -90,13 +94,14 @@ class GenerationBuckets:
                                   f"{what} unreachable.")
             chosen[name] = sizes
         return cls(max_num_seqs, max_model_len, chosen["prefill_buckets"], chosen["decode_batch_buckets"],
-                   chosen["decode_context_buckets"], decode_steps, prefix_caching)
+                   chosen["decode_context_buckets"], decode_steps, prefix_caching, speculative_tokens)
 
     @property
     def count(self) -> int:
         """How many models are compiled."""
         decode = len(self.decode_rows) * len(self.decode_context)
-        return len(self.prefill) + decode * (2 if self.decode_steps > 1 else 1) + len(self.extend)
+        return (len(self.prefill) + decode * (2 if self.decode_steps > 1 else 1) + len(self.extend)
+                + (decode if self.speculative_tokens else 0))
 
     @property
     def extend(self) -> list[tuple[int, int]]:
@@ -109,7 +114,8 @@ class GenerationBuckets:
         return {"max_num_seqs": self.max_num_seqs, "max_model_len": self.max_model_len,
                 "prefill_buckets": self.prefill, "decode_batch_buckets": self.decode_rows,
                 "decode_context_buckets": self.decode_context,
-                "decode_steps": self.decode_steps, "enable_prefix_caching": self.prefix_caching}
+                "decode_steps": self.decode_steps, "enable_prefix_caching": self.prefix_caching,
+                "speculative_tokens": self.speculative_tokens}
 
 
 def kv_cache_bytes(config, slots: int, positions: int, dtype_bytes: int) -> int:

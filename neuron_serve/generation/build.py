@@ -183,4 +183,4 @@ def build_engine(config: ModelConfig, base_dir: str | Path | None = None, *, rep
     return EngineGroup.on_cores(model, cores or config.cores_per_replica, eos_token_ids=eos,
                                 tokenizer=tokenizer, max_num_batched_tokens=settings.max_num_batched_tokens,
                                 max_waiting=settings.max_waiting, request_timeout_s=settings.request_timeout_s,
-                                name=config.name, replica=replica)
+                                name=config.name, replica=replica, speculative_config=settings.speculative_config)

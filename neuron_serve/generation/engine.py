@@ -33,6 +33,7 @@ from .executor import CoreGroupExecutor, Executor
 from .metrics import EngineMetrics
 from .model import GenerationModel, StepOutput
 from .prefix_cache import PrefixCache
+from . import speculative
 from .protocol import Admission, Completion, Streams, TokenEvent, check_prompt
 from .sampling import SamplingParams, Sampled, generator_for, prompt_logprobs, sample_row
 from .scheduler import Scheduler, Sequence, default_budget
@@ -65,7 +66,7 @@ class Engine(Streams):
     def __init__(self, model: GenerationModel | Executor, *, eos_token_ids: Seq[int] = (), tokenizer: Any = None,
                  max_num_batched_tokens: int | None = None, max_waiting: int = DEFAULT_MAX_WAITING,
                  request_timeout_s: float | None = None, name: str = "model", replica: str = "0",
-                 device: Any = None) -> None:
+                 device: Any = None, speculative_config: Any = None) -> None:
         if request_timeout_s is not None and not request_timeout_s > 0:
             raise InvalidInput(f"request_timeout_s must be a number of seconds > 0 (or None: no limit); got "
                                f"{request_timeout_s!r}.")
@@ -80,6 +81,12 @@ class Engine(Streams):
         self.prefix = PrefixCache(executor.slots, executor.max_model_len - executor.decode_steps) \
             if executor.prefix_caching else None
         self.scheduler = Scheduler(executor.slots, budget, self.prefix)
+        # Speculative decoding (a settings.SpeculativeConfig): its verify models must have been compiled for k.
+        self.speculation = speculative_config
+        if speculative_config is not None and executor.speculative_tokens != speculative_config.num_speculative_tokens:
+            raise InvalidInput(f"speculative_config.num_speculative_tokens is {speculative_config.num_speculative_tokens} "
+                               f"but the model's verify calls take {executor.speculative_tokens} proposals; compile "
+                               f"it with the same generation.speculative_config.")
         self.request_timeout_s = request_timeout_s
         # Sequences in submission order: with one timeout for all, the first is the first to expire.
         self._deadlines: deque[Sequence] = deque()
@@ -216,7 +223,10 @@ class Engine(Streams):
                 self.prefix.copy(seq.slot, slot)
             self.scheduler.move(seq, slot)
         running = self.scheduler.decoding()
-        if running:
+        proposals = self._propose(running) if running and self.speculation is not None else None
+        if proposals is not None and any(proposals):
+            self._speculate(running, proposals)
+        elif running:
             steps = self._steps(running)
             started = time.perf_counter()
             out, shape = self.executor.decode([s.output[-1] for s in running], [s.position for s in running],
@@ -275,6 +285,56 @@ class Engine(Streams):
                                                  f"{self.request_timeout_s:g}s after it arrived (request_timeout_s); "
                                                  f"ask for fewer tokens or retry later", timed_out=True)
 
+    def _propose(self, running: list[Sequence]) -> list[list[int]]:
+        """Each running sequence's proposals this round (none for one that cannot take them, or has no room)."""
+        config, limit = self.speculation, self.executor.max_model_len
+        proposals = []
+        for seq in running:
+            room = min(config.num_speculative_tokens, limit - 1 - seq.position)
+            if seq.params.max_tokens is not None:  # a round adds up to one more than it proposes
+                room = min(room, seq.params.max_tokens - len(seq.output) - 1)
+            if room <= 0 or not speculative.speculable(seq.params, len(seq.output)):
+                proposals.append([])
+                continue
+            proposals.append(speculative.ngram_proposals(seq.prompt + seq.output, room, config.prompt_lookup_min,
+                                                         config.prompt_lookup_max))
+        return proposals
+
+    def _speculate(self, running: list[Sequence], proposals: list[list[int]]) -> None:
+        """One verify call for every running sequence: its last token and proposals; each takes what it accepts."""
+        started = time.perf_counter()
+        out, shape = self.executor.verify([[s.output[-1], *p] for s, p in zip(running, proposals)],
+                                          [s.position for s in running], [s.slot for s in running])
+        self.metrics.observe(self.metrics.step(shape), time.perf_counter() - started)
+        greedy = out.greedy
+        host = [i for i, s in enumerate(running) if not _plain_greedy(s)]
+        logits = out.logits if host else None
+        for i, (seq, proposed) in enumerate(zip(running, proposals)):
+            if not proposed:  # one token, from the first position, as a decode step gives it
+                if logits is None or _plain_greedy(seq):
+                    self._append(seq, Sampled(int(greedy[i][0])))
+                else:
+                    self._choose_from(seq, logits[i][0])
+                continue
+            if seq.params.greedy:
+                taken = speculative.accept_greedy(proposed, greedy[i])
+            else:
+                taken = speculative.accept_sampled(proposed, logits[i], seq.params, seq.generator)
+            self.metrics.speculated(proposed, taken)
+            for token in taken:
+                self._append(seq, Sampled(token))
+                if seq.finish_reason is not None:
+                    break
+
+    def _choose_from(self, seq: Sequence, row) -> None:
+        """One sequence's next token from its logits on the host (sampling, penalties, logprobs, a grammar)."""
+        sampled = sample_row(row, seq.params, seq.prompt, seq.output, seq.generator, self.eos_token_ids,
+                             seq.constraint)
+        if seq.constraint is not None and not seq.constraint.accept(sampled.token):
+            self._finish(seq, "error", error=f"token {sampled.token} left the structured output's grammar")
+            return
+        self._append(seq, sampled)
+
     def _steps(self, running: list[Sequence]) -> int:
         """Greedy steps of this decode call: ``decode_steps`` when every running sequence is plain
         greedy, has room for them, and no prompt could be prefilled meanwhile; else 1."""
@@ -293,14 +353,8 @@ class Engine(Streams):
             for seq, token in zip(seqs, out.greedy):
                 self._append(seq, Sampled(token))
             return
-        logits = out.logits
-        for seq, row in zip(seqs, logits):
-            sampled = sample_row(row, seq.params, seq.prompt, seq.output, seq.generator, self.eos_token_ids,
-                                 seq.constraint)
-            if seq.constraint is not None and not seq.constraint.accept(sampled.token):
-                self._finish(seq, "error", error=f"token {sampled.token} left the structured output's grammar")
-                continue
-            self._append(seq, sampled)
+        for seq, row in zip(seqs, out.logits):
+            self._choose_from(seq, row)
 
     def _append(self, seq: Sequence, sampled: Sampled) -> None:
         now = time.perf_counter()

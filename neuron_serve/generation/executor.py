@@ -27,6 +27,7 @@ class Executor(abc.ABC):
     decode_steps: int
     tensor_parallel_size: int
     prefix_caching: bool
+    speculative_tokens: int
 
     @abc.abstractmethod
     def start(self) -> None:
@@ -48,6 +49,11 @@ class Executor(abc.ABC):
     def decode(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
                steps: int = 1) -> tuple[StepOutput, Shape]:
         """One token (or ``steps`` greedy ones) for each running sequence; outputs in the order given."""
+
+    @abc.abstractmethod
+    def verify(self, rows: Sequence[Sequence[int]], positions: Sequence[int], slots: Sequence[int]) \
+            -> tuple[StepOutput, Shape]:
+        """Each running sequence's last token and its proposals in one call; every position's output."""
 
     @abc.abstractmethod
     def move(self, src: int, dst: int) -> None:
@@ -74,6 +80,7 @@ class CoreGroupExecutor(Executor):
         self.decode_steps = model.decode_steps
         self.tensor_parallel_size = model.tensor_parallel_size
         self.prefix_caching = model.buckets.prefix_caching
+        self.speculative_tokens = model.buckets.speculative_tokens
 
     def start(self) -> None:
         if self.device is not None:
@@ -94,6 +101,10 @@ class CoreGroupExecutor(Executor):
     def decode(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
                steps: int = 1) -> tuple[StepOutput, Shape]:
         return self.model.decode(tokens, positions, slots, steps)
+
+    def verify(self, rows: Sequence[Sequence[int]], positions: Sequence[int], slots: Sequence[int]) \
+            -> tuple[StepOutput, Shape]:
+        return self.model.verify(rows, positions, slots)
 
     def move(self, src: int, dst: int) -> None:
         self.model.move(src, dst)

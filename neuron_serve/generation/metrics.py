@@ -27,6 +27,10 @@ class EngineMetrics:
         self.generation_tokens = metrics.GENERATION_TOKENS.labels(**labels)
         self.prefix_queries = metrics.PREFIX_CACHE_QUERIES.labels(**labels)
         self.prefix_hits = metrics.PREFIX_CACHE_HITS.labels(**labels)
+        self.drafts = metrics.SPEC_DRAFTS.labels(**labels)
+        self.draft_tokens = metrics.SPEC_DRAFT_TOKENS.labels(**labels)
+        self.accepted_tokens = metrics.SPEC_ACCEPTED_TOKENS.labels(**labels)
+        self._accepted_at: dict[int, Any] = {}
         self.running = metrics.REQUESTS_RUNNING.labels(**labels)
         self.waiting = metrics.REQUESTS_WAITING.labels(**labels)
         self.usage = metrics.KV_SLOTS_USAGE.labels(**labels)
@@ -66,6 +70,19 @@ class EngineMetrics:
             counter.inc(amount)
         for gauge, value in gauges.items():
             gauge.set(value)
+
+    def speculated(self, proposed: list[int], taken: list[int]) -> None:
+        """One sequence's round: its proposals, and the tokens it took (the accepted ones, then one of the model's)."""
+        accepted = len(taken) - 1  # a round takes its accepted proposals and one token more
+        self.count(self.drafts)
+        self.count(self.draft_tokens, len(proposed))
+        self.count(self.accepted_tokens, accepted)
+        for position in range(len(proposed)):  # vLLM's accepted_tokens_per_pos: every position counted, at 0 too
+            child = self._accepted_at.get(position)
+            if child is None:
+                child = self._accepted_at[position] = metrics.SPEC_ACCEPTED_PER_POSITION.labels(
+                    **self.labels, position=str(position))
+            self.count(child, 1 if position < accepted else 0)
 
     def step(self, shape: Shape) -> Any:
         if shape.label not in self._steps:

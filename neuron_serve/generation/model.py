@@ -44,7 +44,7 @@ NO_CPU_PARTITIONS = ("Generation runs every operator on the NeuronCore, where th
 class Shape:
     """One compiled generation model: ``rows`` sequences of ``tokens`` tokens, attending over ``context`` positions."""
 
-    kind: str  # "prefill", "decode" or "extend" (prefill after a cached prefix)
+    kind: str  # "prefill", "decode", "extend" (prefill after a cached prefix) or "verify" (speculative proposals)
     rows: int
     tokens: int
     context: int
@@ -57,6 +57,8 @@ class Shape:
             return f"prefill_{self.tokens}"
         if self.kind == "extend":
             return f"extend_{self.tokens}x{self.context}"
+        if self.kind == "verify":
+            return f"verify_{self.rows}x{self.context}_tokens{self.tokens}"
         return f"decode_{self.rows}x{self.context}" + (f"_steps{self.steps}" if self.steps > 1 else "")
 
 
@@ -68,6 +70,8 @@ def shapes_of(buckets: GenerationBuckets) -> list[Shape]:
     if buckets.decode_steps > 1:
         shapes += [Shape("decode", rows, 1, context, buckets.decode_steps) for rows, context in decode]
     shapes += [Shape("extend", 1, tokens, context) for tokens, context in buckets.extend]
+    if buckets.speculative_tokens:
+        shapes += [Shape("verify", rows, buckets.speculative_tokens + 1, context) for rows, context in decode]
     return shapes
 
 
@@ -273,6 +277,29 @@ class GenerationModel:
                                            target=target, compiler_args=compiler_args)
         return bucket
 
+    def verify(self, rows: Sequence[Sequence[int]], positions: Sequence[int], slots: Sequence[int]) \
+            -> tuple["StepOutput", Shape]:
+        """Each running sequence's last token and its proposals (``rows[i]``, at most k + 1 tokens, from
+        ``positions[i]`` on) in one call; the output of every position: greedy (rows, k + 1), logits (rows, k + 1,
+        vocab). A row's padding repeats its last token at its position, writing what that token writes; a free
+        slot's row writes token 0 at the last position only."""
+        width = self.buckets.speculative_tokens + 1
+        ends = [p + len(r) for r, p in zip(rows, positions)]
+        shape = self.decode_shape(max(slots) + 1, max(ends), 1)
+        shape = Shape("verify", shape.rows, width, shape.context)
+        tokens_t = torch.zeros(shape.rows, width, dtype=torch.long)
+        positions_t = torch.full((shape.rows, width), self.max_model_len - 1, dtype=torch.long)
+        for slot, row, start in zip(slots, rows, positions):
+            n = len(row)
+            tokens_t[slot, :n] = torch.as_tensor(row, dtype=torch.long)
+            tokens_t[slot, n:] = row[-1]
+            positions_t[slot, :n] = torch.arange(start, start + n)
+            positions_t[slot, n:] = start + n - 1
+        index = torch.as_tensor(slots, dtype=torch.long)
+        last = torch.zeros(shape.rows, 1, dtype=torch.long)
+        rows_t = torch.arange(shape.rows, dtype=torch.long)
+        return self._run(shape, tokens_t, positions_t, rows_t, last).rows(index), shape
+
     def decode(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
                steps: int = 1) -> tuple["StepOutput", Shape]:
         """One token for each running sequence (its last token, at its position, in its slot).
@@ -330,14 +357,17 @@ def compile_generation(lm: torch.nn.Module, buckets: GenerationBuckets, *, targe
     shared = [torch.zeros_like(t) for t in cache.caches()]
     del cache
 
-    def func(context: int | None, steps: int, extend: bool = False) -> tuple[SlotLM, dict]:
-        model = SlotLM(lm, buckets.max_num_seqs, buckets.max_model_len, context, steps, extend=extend).eval()
+    def func(context: int | None, steps: int, extend: bool = False, verify: bool = False) -> tuple[SlotLM, dict]:
+        model = SlotLM(lm, buckets.max_num_seqs, buckets.max_model_len, context, steps, every_position=verify,
+                       extend=extend).eval()
         return model, model.aliases()
 
     def kernel(inputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
         tokens, positions = inputs[0], inputs[1]
         kind = "prefill" if tokens.shape[1] > 1 else "decode"
-        if kind == "prefill" and int(positions[:, 0].max()) > 0:
+        if kind == "prefill" and tokens.shape[0] > 1:
+            kind = "verify"  # several rows of several tokens: proposals
+        elif kind == "prefill" and int(positions[:, 0].max()) > 0:
             kind = "extend"  # after a cached prefix
         context = int(positions.max()) + 1
         for i, shape in enumerate(shapes):  # one token per call: the engine runs multi-step shapes itself
@@ -348,7 +378,8 @@ def compile_generation(lm: torch.nn.Module, buckets: GenerationBuckets, *, targe
 
     config = BucketModelConfig(lambda: kernel, shared_state_buffer=shared,
                                func_kwargs=[{"context": s.context if s.kind != "prefill" else None, "steps": s.steps,
-                                             "extend": s.kind == "extend"} for s in shapes])
+                                             "extend": s.kind == "extend", "verify": s.kind == "verify"}
+                                            for s in shapes])
     name = type(lm).__name__
     try:
         with grouped_for_compile(lm), spmd.sharded(plan), \

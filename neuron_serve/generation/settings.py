@@ -40,6 +40,33 @@ class FieldError(ValueError):
         self.message = message
 
 
+MAX_SPECULATIVE_TOKENS = 8
+
+
+class SpeculativeConfig(BaseModel):
+    """vLLM's ``speculative_config``: proposals verified by the model, several tokens a call."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["ngram"] = Field(
+        "ngram", description="ngram: proposals copied from the sequence's own earlier tokens (prompt lookup), no "
+                             "draft model")
+    num_speculative_tokens: int = Field(
+        ..., ge=1, le=MAX_SPECULATIVE_TOKENS,
+        description="k: tokens proposed per round; the model verifies them and adds one in one compiled call")
+    prompt_lookup_max: int = Field(
+        4, ge=1, description="ngram: the longest suffix of the sequence looked up among its earlier tokens")
+    prompt_lookup_min: int = Field(
+        1, ge=1, description="ngram: the shortest suffix looked up (no proposal below it)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "SpeculativeConfig":
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise FieldError("prompt_lookup_min", f"{self.prompt_lookup_min} is more than prompt_lookup_max "
+                                                  f"({self.prompt_lookup_max}); lower it to at most that")
+        return self
+
+
 class GenerationSettings(BaseModel):
     """task: generate: the KV cache's slots and length, the compiled buckets and the engine's queue.
 
@@ -90,6 +117,12 @@ class GenerationSettings(BaseModel):
                     "the rest, and finished sequences' slots keep their cache until a new sequence needs the slot "
                     "(least recently used first); compiles an extend model per (prefill bucket x decode context "
                     "bucket) with the prefill bucket at most the context")
+    speculative_config: SpeculativeConfig | None = Field(
+        default=None,
+        description="speculative decoding (vLLM's keys): each round, num_speculative_tokens proposals per running "
+                    "sequence are verified by the model in one compiled call (greedy acceptance keeps exactly the "
+                    "greedy output; sampled rows use rejection sampling, so their distribution is the model's); "
+                    "compiles a verify model per decode bucket")
     tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
         default=None,
         description="how the model writes a tool call, for OpenAI's tool_choice \"auto\" (vLLM's --tool-call-parser "
@@ -140,6 +173,8 @@ class GenerationSettings(BaseModel):
                                        decode_rows=self.decode_batch_buckets,
                                        decode_context=self.decode_context_buckets if lengths else None,
                                        decode_steps=self.decode_steps, prefix_caching=self.enable_prefix_caching,
+                                       speculative_tokens=self.speculative_config.num_speculative_tokens
+                                       if self.speculative_config is not None else 0,
                                        field_prefix=field_prefix)
 
 

@@ -19,6 +19,8 @@ batching needs each sequence at its own slot and position.
   attention reads the first C positions of slots 0..rows-1, a static slice of the
   cache (no gather). Rows whose slot is free carry token 0 at the last position, which
   writes only there, in that free slot, where no cached prefix is ever kept.
+- verify (``context=C, every_position=True``): decode of T tokens a row, each row's last
+  token and its proposals, with the logits and argmax at every one.
 - extend (``context=C, extend=True``): one row of T tokens written into its own slot at
   their positions (after a prefix already in the slot, as prefix caching reuses one);
   attention reads the first C positions of that slot (a gather of one slot), so the
@@ -115,7 +117,8 @@ class SlotLM(torch.nn.Module):
         self.context = context
         self.extend = extend  # with context: the rows' own slots, after what they hold (see the module docstring)
         self.steps = steps
-        # Prefill only: output 0 is the logits at every prompt position (1, T, vocab), for prompt logprobs.
+        # Output 0 is the logits at every position: (1, T, vocab) of a prefill, for prompt logprobs; (rows, T,
+        # vocab) of a decode of T tokens a row, verifying speculative proposals (output 1 then every argmax).
         self.every_position = every_position
         self.kwarg = _cache_kwarg(lm)
         shape = cache_shape(lm.config, slots, positions)
@@ -136,6 +139,9 @@ class SlotLM(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, last: torch.Tensor):
         caches = self.caches()
+        if self.every_position and self.context is not None:  # verify: every token's logits and argmax
+            logits, caches = self._step(tokens, positions, slots, None, caches)  # (rows, T, vocab)
+            return (logits, logits.argmax(-1), *caches)
         if self.every_position:
             logits, caches = self._step(tokens, positions, slots, None, caches)  # (rows, T, vocab)
             at_last = logits.gather(1, last[:, :, None].expand(-1, -1, logits.shape[-1]))[:, 0]

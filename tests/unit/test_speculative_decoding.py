@@ -1,0 +1,127 @@
+"""Speculative decoding (n-gram proposals): greedy output is exactly the model's, sampled output keeps its
+distribution, and the metrics count what was proposed and accepted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from prometheus_client import REGISTRY
+
+import generation_models as gm
+from neuron_serve.errors import ConfigError
+from neuron_serve.config import parse_config
+from neuron_serve.generation import SamplingParams, engine_for
+from neuron_serve.generation.speculative import accept_greedy, accept_sampled, ngram_proposals
+
+K = 3
+SHAPES = {"max_num_seqs": 4, "max_model_len": 96, "prefill_buckets": [16, 48, 96], "decode_batch_buckets": [1, 4],
+          "decode_context_buckets": [48, 96], "decode_steps": 2,
+          "speculative_config": {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3}}
+
+
+@pytest.fixture(scope="module")
+def speculating():
+    lm = gm.build("llama")
+    tokenizer = gm.byte_tokenizer()
+    engine = engine_for(lm, name="speculative", tokenizer=tokenizer, **SHAPES)
+    yield lm, engine, tokenizer
+    engine.close()
+
+
+def counted(name: str) -> float:
+    return REGISTRY.get_sample_value(f"neuron_serve_spec_decode_num_{name}_total",
+                                     {"model_name": "speculative", "replica": "0"}) or 0.0
+
+
+def repetitive(seed: int, length: int) -> list[int]:
+    """A prompt that repeats a short random phrase, so earlier n-grams recur."""
+    phrase = torch.randint(1, gm.VOCAB, (5,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return (phrase * (length // 5 + 1))[:length]
+
+
+def test_greedy_output_is_the_models_with_proposals_accepted_and_rejected(speculating):
+    lm, engine, _ = speculating
+    prompts = [repetitive(i, n) for i, n in enumerate((12, 30, 7, 41, 20))]
+    new = [40, 25, 33, 18, 44]
+    drafted, accepted = counted("draft_tokens"), counted("accepted_tokens")
+    done = engine.generate_batch(prompts, [SamplingParams(max_tokens=n, temperature=0) for n in new])
+    assert [c.tokens for c in done] == [gm.eager_greedy(lm, p, n) for p, n in zip(prompts, new)]
+    drafted, accepted = counted("draft_tokens") - drafted, counted("accepted_tokens") - accepted
+    assert 0 < accepted < drafted  # proposals were taken, and some were not
+    per_position = [REGISTRY.get_sample_value("neuron_serve_spec_decode_num_accepted_tokens_per_pos_total", {
+        "model_name": "speculative", "replica": "0", "position": str(i)}) for i in range(K)]
+    assert per_position[0] >= per_position[1] >= per_position[2] and per_position[K - 1] > 0  # all k accepted
+
+
+def test_sequences_end_mid_round_on_stop_tokens_stop_strings_and_max_tokens(speculating):
+    lm, engine, tokenizer = speculating
+    prompt = repetitive(7, 25)
+    want = gm.eager_greedy(lm, prompt, 30)
+    stop_at = want[9]
+    by_token = engine.generate_batch([prompt], [SamplingParams(max_tokens=30, temperature=0,
+                                                               stop_token_ids=(stop_at,))])[0]
+    assert by_token.tokens == want[:want.index(stop_at) + 1] and by_token.finish_reason == "stop"
+    text = tokenizer.decode(want)
+    stop = text[len(tokenizer.decode(want[:12])):][:2]
+    by_text = engine.generate_batch([prompt], [SamplingParams(max_tokens=30, temperature=0, stop=(stop,))])[0]
+    assert by_text.finish_reason == "stop" and by_text.text == text[:text.index(stop)]
+    for n in (1, 2, 5):
+        short = engine.generate_batch([prompt], [SamplingParams(max_tokens=n, temperature=0)])[0]
+        assert short.tokens == want[:n] and short.finish_reason == "length"
+
+
+def test_sampled_rows_and_host_rows_share_the_verify_call(speculating):
+    lm, engine, _ = speculating
+    prompts = [repetitive(20 + i, 30) for i in range(3)]
+    params = [SamplingParams(max_tokens=20, temperature=0.8, seed=5), SamplingParams(max_tokens=20, temperature=0),
+              SamplingParams(max_tokens=20, temperature=0, logprobs=2)]  # logprobs: no proposals for that row
+    first = engine.generate_batch(prompts, params)
+    again = engine.generate_batch(prompts, params)
+    assert [c.tokens for c in first] == [c.tokens for c in again]  # a seeded sample is reproducible
+    assert first[1].tokens == gm.eager_greedy(lm, prompts[1], 20) == gm.eager_greedy(lm, prompts[1], 20)
+    assert first[2].tokens == gm.eager_greedy(lm, prompts[2], 20) and len(first[2].logprobs) == 20
+
+
+def test_rejection_sampling_keeps_the_models_distribution():
+    # Each taken token must follow the model's distribution whatever was proposed. 40,000 rounds over a
+    # vocabulary of 6 with a chi-square test at alpha 0.001 (critical value 20.52 at 5 degrees of freedom):
+    # a shift of 0.02 in one token's probability gives a statistic near 40 at this size, so the test
+    # detects it with power above 0.99, and a correct sampler fails it once in a thousand runs.
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3], [0.1, 0.2, 2.5, 0.0, 1.0, -0.5]])
+    params = SamplingParams(temperature=0.9)
+    generator = torch.Generator().manual_seed(0)
+    rounds = 40_000
+    first, second = torch.zeros(6), torch.zeros(6)
+    for _ in range(rounds):
+        taken = accept_sampled([0], logits, params, generator)  # propose the model's likeliest token
+        first[taken[0]] += 1
+        if len(taken) == 2:
+            second[taken[1]] += 1
+    for counts, row in ((first, logits[0]), (second, logits[1])):
+        expected = torch.softmax(row / 0.9, -1) * counts.sum()
+        chi2 = float(((counts - expected) ** 2 / expected).sum())
+        assert chi2 < 20.52, (counts, expected)
+
+
+def test_greedy_acceptance_and_ngram_lookup():
+    assert accept_greedy([4, 5, 6], [4, 5, 9, 1]) == [4, 5, 9]
+    assert accept_greedy([4, 5, 6], [4, 5, 6, 1]) == [4, 5, 6, 1]
+    assert accept_greedy([7], [3, 1]) == [3]
+    assert ngram_proposals([1, 2, 3, 9, 1, 2, 3, 8, 1, 2], 3, 1, 3) == [3, 8, 1]  # the latest earlier match
+    assert ngram_proposals([1, 2, 3, 4], 3, 1, 3) == []
+    assert ngram_proposals([5, 6, 5], 4, 1, 2) == [6, 5]
+
+
+def test_bad_speculative_settings_name_their_field():
+    base = {"name": "m", "task": "generate", "model": {"pretrained": "d"}}
+    for given, expected in [
+        ({"num_speculative_tokens": 0}, "generation.speculative_config.num_speculative_tokens: Input should be "
+                                        "greater than or equal to 1"),
+        ({"num_speculative_tokens": 2, "method": "eagle"}, "generation.speculative_config.method: Input should be "
+                                                           "'ngram'"),
+        ({"num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 2},
+         "generation.speculative_config.prompt_lookup_min: 5 is more than prompt_lookup_max (2)"),
+    ]:
+        with pytest.raises(ConfigError) as caught:
+            parse_config({**base, "generation": {"speculative_config": given}})
+        assert expected in str(caught.value)
