@@ -18,7 +18,9 @@ one server at a time) adds generate_http.md and generate_http.json; tensor paral
 (bench/tensor_parallel.py: a 110M-parameter Llama at TP 1, TP 2 and DP 2) adds
 tensor_parallel.md and tensor_parallel.json; guidellm (bench/guidellm.py: vLLM's load generator
 against the LLM example served, exiting non-zero on any errored request) adds guidellm.md and
-guidellm.json.
+guidellm.json; prefix caching (bench/prefix_caching.py: time to first token of prompts sharing
+a 300-token prefix, served with and without caching) adds prefix_caching.md and
+prefix_caching.json.
 """
 
 from __future__ import annotations
@@ -226,6 +228,11 @@ def run_generate_http(quick: bool, out: Path, log) -> str | None:
                        "servers in turn, neuron-serve compiles first)", 5400)
 
 
+def run_prefix_caching(quick: bool, out: Path, log) -> str | None:
+    """bench/prefix_caching.py (it serves the same model without and with caching, in turn)."""
+    return _run_module("prefix_caching", quick, out, log, "prefix caching (two servers in turn)", 2400)
+
+
 def run_guidellm(quick: bool, out: Path, log) -> str | None:
     """bench/guidellm.py (it serves the LLM example itself): its Markdown table, errors counted in it."""
     return _run_module("guidellm", quick, out, log, "guidellm against the LLM example (neuron-serve compiles first)",
@@ -267,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     generation_http = None if args.no_generate_http else run_generate_http(args.quick, out, log)
     tensor_parallel = None if args.no_tensor_parallel else run_tensor_parallel(args.quick, out, log)
     openai_fields = None if args.no_generate else run_openai_fields(args.quick, out, log)
+    prefix_caching = None if args.no_generate else run_prefix_caching(args.quick, out, log)
     guidellm = None if args.no_guidellm else run_guidellm(args.quick, out, log)
 
     targets = report.target_rows(rows)
@@ -295,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         sections += ["", tensor_parallel.strip()]
     if openai_fields:
         sections += ["", openai_fields.strip()]
+    if prefix_caching:
+        sections += ["", prefix_caching.strip()]
     if guidellm:
         sections += ["", guidellm.strip()]
     markdown = "\n".join(sections) + "\n"

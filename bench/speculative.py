@@ -1,0 +1,174 @@
+"""What n-gram speculative decoding does to time per output token, served over HTTP.
+
+    python -m bench.speculative [--quick] [--out DIR]    # also a part of python -m bench
+
+The generation benchmark's Llama (4 layers, hidden 256, vocabulary 2048; random weights,
+bench/generate.py) with a tokenizer of its vocabulary, served by ``neuron-serve deploy``
+twice, one server at a time: without ``generation.speculative_config`` and with
+``{method: ngram, num_speculative_tokens: 4}``, every other setting the same.
+
+Workload: repetitive prompts (a random phrase of 6 tokens repeated to 60 tokens), greedy,
+``ignore_eos``, 96 new tokens. A random model's greedy output falls into loops of its own,
+which n-gram lookup then proposes; the acceptance rate is reported from the server's
+metrics. Figures:
+
+- a lone stream: time per output token, p50 over the requests ((last chunk - first chunk)
+  / (tokens - 1)). Target with speculation: at most 0.7x without;
+- 32 streams at once: output tokens/s (reported beside no speculation; it may be lower).
+
+Writes speculative.md (printed too) and speculative.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from . import servers
+from .generate_http import OpenAIServer, run_point
+from .prefix_caching import write_model
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+PORT = 18840
+K = 4
+NEW_TOKENS = 96
+TARGET = 0.7
+GENERATION = {"max_num_seqs": 32, "max_model_len": 512, "prefill_buckets": [32, 128, 512],
+              "decode_batch_buckets": [1, 8, 32], "decode_context_buckets": [128, 512]}
+
+
+def prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        phrase = [rng.randrange(1, vocab) for _ in range(6)]
+        out.append((phrase * 10)[:60])
+    return out
+
+
+def stream_tpot(prompt: list[int]) -> tuple[float, int]:
+    """(time per output token, tokens) of one streamed request on its own connection."""
+    body = json.dumps({"model": "llm", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+    connection = http.client.HTTPConnection("127.0.0.1", PORT, timeout=300)
+    connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    answer = connection.getresponse()
+    if answer.status != 200:
+        raise RuntimeError(f"HTTP {answer.status}: {answer.read()[:200]!r}")
+    stamps, tokens = [], 0
+    for line in answer:
+        if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+            continue
+        event = json.loads(line[5:])
+        if event.get("choices"):
+            stamps.append(time.perf_counter())
+        if event.get("usage"):
+            tokens = event["usage"]["completion_tokens"]
+    connection.close()
+    return (stamps[-1] - stamps[0]) / (tokens - 1), tokens
+
+
+def metric(name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{PORT}/metrics", timeout=30).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def measure(speculate: bool, lone: list[list[int]], many: list[list[int]], folder: Path, log) -> dict:
+    import yaml  # noqa: PLC0415
+
+    generation = dict(GENERATION)
+    if speculate:
+        generation["speculative_config"] = {"method": "ngram", "num_speculative_tokens": K}
+    key = "speculative" if speculate else "plain"
+    path = folder / f"llm-{key}.yaml"
+    path.write_text(yaml.safe_dump({"name": "llm", "task": "generate", "model": {"pretrained": str(folder / "llm")},
+                                    "generation": generation}))
+    cli = str(Path(sys.executable).with_name("neuron-serve"))
+    spec = servers.ServerSpec(f"neuron-serve-{key}", "neuron-serve",
+                              [cli, "deploy", str(path), "--host", "127.0.0.1", "--port", str(PORT), "--no-grpc"],
+                              PORT, startup_s=2400, replica_marker="ray::ServeReplica:",
+                              ready_line=servers.READY_LINE)
+    server = OpenAIServer(spec, folder / "logs")
+    probe = json.dumps({"model": "llm", "prompt": [1, 2, 3], "max_tokens": 2}).encode()
+    try:
+        ready = server.wait_ready({"llm": (probe, {"Content-Type": "application/json"})})
+        log(f"  {'with' if speculate else 'without'} speculation: ready in {ready:.0f}s")
+        stream_tpot(lone[0])  # warm-up: the buckets' first calls
+        drafted, accepted = metric("neuron_serve_spec_decode_num_draft_tokens_total"), \
+            metric("neuron_serve_spec_decode_num_accepted_tokens_total")
+        tpots = [stream_tpot(p)[0] for p in lone]
+        drafted = metric("neuron_serve_spec_decode_num_draft_tokens_total") - drafted
+        accepted = metric("neuron_serve_spec_decode_num_accepted_tokens_total") - accepted
+        bodies = [{"model": "llm", "prompt": p, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
+                   "stream": True, "stream_options": {"include_usage": True}} for p in many]
+        results, wall = asyncio.run(run_point(f"http://127.0.0.1:{PORT}/v1/completions", bodies, 32))
+        errors = [r["error"] for r in results if r["error"]]
+        if errors:
+            raise RuntimeError(f"32 streams: {len(errors)} errors, the first: {errors[0]}")
+        figures = {"tpot_p50_s": statistics.median(tpots), "tpot_s": tpots,
+                   "tokens_per_s_32": sum(r["tokens"] for r in results) / wall,
+                   "acceptance": accepted / drafted if drafted else None}
+        log(f"    lone TPOT p50 {figures['tpot_p50_s'] * 1e3:.2f} ms; 32 streams {figures['tokens_per_s_32']:.0f} "
+            f"tok/s" + (f"; {accepted:.0f} of {drafted:.0f} proposals accepted" if drafted else ""))
+    finally:
+        server.stop()
+    return figures
+
+
+def report(result: dict) -> str:
+    plain, spec = result["without"], result["with"]
+    ratio = spec["tpot_p50_s"] / plain["tpot_p50_s"]
+    verdict = "met" if ratio <= TARGET else "not met"
+    throughput = spec["tokens_per_s_32"] / plain["tokens_per_s_32"]
+    return "\n".join([
+        f"## Speculative decoding, n-gram, k = {K} (served over HTTP)", "",
+        f"Repetitive prompts, greedy, {NEW_TOKENS} new tokens; {spec['acceptance'] or 0:.0%} of proposals accepted.",
+        "", "| figure | without | with | ratio |", "|---|---:|---:|---:|",
+        f"| lone stream, TPOT p50 | {plain['tpot_p50_s'] * 1e3:.2f} ms | {spec['tpot_p50_s'] * 1e3:.2f} ms | "
+        f"{ratio:.2f}x (target <= {TARGET}: {verdict}) |",
+        f"| 32 streams, output tokens/s | {plain['tokens_per_s_32']:.0f} | {spec['tokens_per_s_32']:.0f} | "
+        f"{throughput:.2f}x |", ""])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.speculative", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="4 lone streams and 32 at once instead of 8 and 64")
+    parser.add_argument("--out", type=Path, help="results directory (default bench/results/<timestamp>)")
+    args = parser.parse_args(argv)
+    out = args.out or RESULTS / time.strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+
+    def log(message: str) -> None:
+        print(message, flush=True)
+
+    from bench.generate import VOCAB  # noqa: PLC0415
+
+    lone = prompts(4 if args.quick else 8, VOCAB, seed=1)
+    many = prompts(32 if args.quick else 64, VOCAB, seed=2)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        write_model(folder)
+        result = {"without": measure(False, lone, many, folder, log), "with": measure(True, lone, many, folder, log)}
+    text = report(result)
+    (out / "speculative.md").write_text(text)
+    (out / "speculative.json").write_text(json.dumps(result, indent=2))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
