@@ -20,7 +20,8 @@ tensor_parallel.md and tensor_parallel.json; guidellm (bench/guidellm.py: vLLM's
 against the LLM example served, exiting non-zero on any errored request) adds guidellm.md and
 guidellm.json; prefix caching (bench/prefix_caching.py: time to first token of prompts sharing
 a 300-token prefix, served with and without caching) adds prefix_caching.md and
-prefix_caching.json.
+prefix_caching.json; speculative decoding (bench/speculative.py: n-gram proposals on a
+repetitive workload, served with and without) adds speculative.md and speculative.json.
 """
 
 from __future__ import annotations
@@ -233,6 +234,11 @@ def run_prefix_caching(quick: bool, out: Path, log) -> str | None:
     return _run_module("prefix_caching", quick, out, log, "prefix caching (two servers in turn)", 2400)
 
 
+def run_speculative(quick: bool, out: Path, log) -> str | None:
+    """bench/speculative.py (it serves the same model without and with n-gram speculation, in turn)."""
+    return _run_module("speculative", quick, out, log, "speculative decoding (two servers in turn)", 2400)
+
+
 def run_guidellm(quick: bool, out: Path, log) -> str | None:
     """bench/guidellm.py (it serves the LLM example itself): its Markdown table, errors counted in it."""
     return _run_module("guidellm", quick, out, log, "guidellm against the LLM example (neuron-serve compiles first)",
@@ -275,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     tensor_parallel = None if args.no_tensor_parallel else run_tensor_parallel(args.quick, out, log)
     openai_fields = None if args.no_generate else run_openai_fields(args.quick, out, log)
     prefix_caching = None if args.no_generate else run_prefix_caching(args.quick, out, log)
+    speculation = None if args.no_generate else run_speculative(args.quick, out, log)
     guidellm = None if args.no_guidellm else run_guidellm(args.quick, out, log)
 
     targets = report.target_rows(rows)
@@ -305,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         sections += ["", openai_fields.strip()]
     if prefix_caching:
         sections += ["", prefix_caching.strip()]
+    if speculation:
+        sections += ["", speculation.strip()]
     if guidellm:
         sections += ["", guidellm.strip()]
     markdown = "\n".join(sections) + "\n"
