@@ -68,7 +68,26 @@ def main(sampled_params: dict) -> None:
                 result["artifact_equal"] = _artifact_round_trip(engine, want)
         finally:
             engine.close()
+    result["cached_speculative_equal"] = _cached_and_speculative()
     print(json.dumps(result))
+
+
+def _cached_and_speculative() -> list[bool]:
+    """Llama at TP 2 with prefix caching and n-gram speculation: prompts sharing a repetitive prefix, each run
+    twice (the second from the cache), greedy output compared with transformers'."""
+    lm = gm.build("llama")
+    engine = engine_for(lm, **SHAPES, tensor_parallel_size=2, enable_prefix_caching=True,
+                        speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    prefix = [5, 9, 14, 5, 9, 14, 5, 9, 14, 5, 9, 14, 5, 9, 14, 5, 9]
+    shared = [prefix + [3, 7], prefix + [21], prefix + [3, 7, 30, 2]]
+    equal = []
+    try:
+        for _ in range(2):
+            done = engine.generate_batch(shared, [SamplingParams(max_tokens=16, temperature=0)] * 3, timeout=300)
+            equal += [d.tokens == gm.eager_greedy(lm, p, 16) for d, p in zip(done, shared)]
+    finally:
+        engine.close()
+    return equal
 
 
 if __name__ == "__main__":

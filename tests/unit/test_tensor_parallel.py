@@ -45,6 +45,10 @@ def test_greedy_at_tp2_equals_transformers_with_sequences_joining_and_leaving(at
     assert at_tp2["equal"][arch] == [True] * 5
 
 
+def test_prefix_caching_and_speculation_at_tp2_keep_greedy_output(at_tp2):
+    assert at_tp2["cached_speculative_equal"] == [True] * 6
+
+
 def test_a_tensor_parallel_artifact_loads_over_its_group_and_answers_the_same(at_tp2):
     assert at_tp2["artifact_equal"] == [True] * 5
 
