@@ -35,15 +35,20 @@ from .sampling import SamplingParams, _truncate
 
 
 def ngram_proposals(tokens: Sequence[int], k: int, lookup_min: int, lookup_max: int) -> list[int]:
-    """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix of ``tokens`` (of
-    ``lookup_max`` down to ``lookup_min`` tokens) found earlier; none when no suffix repeats."""
+    """Up to ``k`` tokens that followed an earlier occurrence of the longest suffix of ``tokens`` (of
+    ``lookup_max`` down to ``lookup_min`` tokens) found earlier; none when no suffix repeats.
+
+    Of several occurrences, the latest one followed by k known tokens: in a loop of period
+    shorter than k the latest occurrence is followed by less than a period of tokens, an
+    earlier one by the whole k."""
     array = np.asarray(tokens, dtype=np.int64)
     length = len(array)
     for n in range(min(lookup_max, length - 1), lookup_min - 1, -1):
         windows = np.lib.stride_tricks.sliding_window_view(array[:length - 1], n)  # not the suffix itself
         hits = np.flatnonzero((windows == array[length - n:]).all(axis=1))
         if len(hits):
-            start = int(hits[-1]) + n
+            full = hits[hits + n + k <= length]
+            start = int(full[-1] if len(full) else hits[0]) + n
             return array[start:start + k].tolist()
     return []
 

@@ -108,8 +108,9 @@ def test_greedy_acceptance_and_ngram_lookup():
     assert accept_greedy([4, 5, 6], [4, 5, 6, 1]) == [4, 5, 6, 1]
     assert accept_greedy([7], [3, 1]) == [3]
     assert ngram_proposals([1, 2, 3, 9, 1, 2, 3, 8, 1, 2], 3, 1, 3) == [3, 8, 1]  # the latest earlier match
+    assert ngram_proposals([4, 7, 4, 7, 4, 7, 4], 3, 1, 2) == [7, 4, 7]  # one followed by k tokens, in a loop
     assert ngram_proposals([1, 2, 3, 4], 3, 1, 3) == []
-    assert ngram_proposals([5, 6, 5], 4, 1, 2) == [6, 5]
+    assert ngram_proposals([5, 6, 5], 4, 1, 2) == [6, 5]  # no occurrence has k after it: the one with most
 
 
 def test_bad_speculative_settings_name_their_field():
