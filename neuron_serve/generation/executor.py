@@ -86,8 +86,9 @@ class CoreGroupExecutor(Executor):
         if self.device is not None:
             use_device(self.device)
         # Compile the slot move now, not in the middle of the first step that needs one
-        # (slot 0 over itself: the cache is empty and stays so).
+        # (slot 0 over itself: the cache is empty and stays so), and give every bucket its first call.
         self.model.move(0, 0)
+        self.model.warm_up()
 
     def prefill(self, prompt: Sequence[int], slot: int) -> tuple[StepOutput, Shape]:
         return self.model.prefill(prompt, slot)
