@@ -71,19 +71,23 @@ def workloads(rounds: int, misses: int, vocab: int) -> dict[str, list[list[int]]
     return {"shared_prefix": shared, "no_hits": [tokens(PREFIX + SUFFIX) for _ in range(misses)]}
 
 
-def measure(caching: bool, prompts: dict[str, list[list[int]]], folder: Path, log) -> dict:
+def serve(folder: Path, key: str, generation: dict, port: int) -> OpenAIServer:
+    """``neuron-serve deploy`` of the model in ``folder`` as "llm" with ``generation``, started (not yet ready)."""
     import yaml  # noqa: PLC0415
 
-    config = {"name": "llm", "task": "generate", "model": {"pretrained": str(folder / "llm")},
-              "generation": {**GENERATION, "enable_prefix_caching": caching}}
-    path = folder / f"llm-{'cached' if caching else 'plain'}.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path = folder / f"llm-{key}.yaml"
+    path.write_text(yaml.safe_dump({"name": "llm", "task": "generate", "model": {"pretrained": str(folder / "llm")},
+                                    "generation": generation}))
     cli = str(Path(sys.executable).with_name("neuron-serve"))
-    spec = servers.ServerSpec(f"neuron-serve-{'cached' if caching else 'plain'}", "neuron-serve",
-                              [cli, "deploy", str(path), "--host", "127.0.0.1", "--port", str(PORT), "--no-grpc"],
-                              PORT, startup_s=2400, replica_marker="ray::ServeReplica:",
+    spec = servers.ServerSpec(f"neuron-serve-{key}", "neuron-serve",
+                              [cli, "deploy", str(path), "--host", "127.0.0.1", "--port", str(port), "--no-grpc"],
+                              port, startup_s=2400, replica_marker="ray::ServeReplica:",
                               ready_line=servers.READY_LINE)
-    server = OpenAIServer(spec, folder / "logs")
+    return OpenAIServer(spec, folder / "logs")
+
+
+def measure(caching: bool, prompts: dict[str, list[list[int]]], folder: Path, log) -> dict:
+    server = serve(folder, "cached" if caching else "plain", {**GENERATION, "enable_prefix_caching": caching}, PORT)
 
     def body(prompt: list[int]) -> bytes:
         return json.dumps({"model": "llm", "prompt": prompt, "max_tokens": 1, "temperature": 0,

@@ -34,9 +34,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from . import servers
-from .generate_http import OpenAIServer, run_point
-from .prefix_caching import write_model
+from .generate_http import run_point
+from .prefix_caching import serve, write_model
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
@@ -87,21 +86,10 @@ def metric(name: str) -> float:
 
 
 def measure(speculate: bool, lone: list[list[int]], many: list[list[int]], folder: Path, log) -> dict:
-    import yaml  # noqa: PLC0415
-
     generation = dict(GENERATION)
     if speculate:
         generation["speculative_config"] = {"method": "ngram", "num_speculative_tokens": K}
-    key = "speculative" if speculate else "plain"
-    path = folder / f"llm-{key}.yaml"
-    path.write_text(yaml.safe_dump({"name": "llm", "task": "generate", "model": {"pretrained": str(folder / "llm")},
-                                    "generation": generation}))
-    cli = str(Path(sys.executable).with_name("neuron-serve"))
-    spec = servers.ServerSpec(f"neuron-serve-{key}", "neuron-serve",
-                              [cli, "deploy", str(path), "--host", "127.0.0.1", "--port", str(PORT), "--no-grpc"],
-                              PORT, startup_s=2400, replica_marker="ray::ServeReplica:",
-                              ready_line=servers.READY_LINE)
-    server = OpenAIServer(spec, folder / "logs")
+    server = serve(folder, "speculative" if speculate else "plain", generation, PORT)
     probe = json.dumps({"model": "llm", "prompt": [1, 2, 3], "max_tokens": 2}).encode()
     try:
         ready = server.wait_ready({"llm": (probe, {"Content-Type": "application/json"})})
