@@ -120,7 +120,8 @@ def test_a_generate_model_yaml_parses_with_defaults():
     assert given.generation.model_dump() == {
         "max_num_seqs": 8, "max_model_len": None, "prefill_buckets": None, "decode_batch_buckets": None,
         "decode_context_buckets": None, "decode_steps": 1, "tensor_parallel_size": 1, "max_num_batched_tokens": None,
-        "max_waiting": 256, "enable_prefix_caching": False, "tool_call_parser": None, "request_timeout_s": None}
+        "max_waiting": 256, "enable_prefix_caching": False, "speculative_config": None, "tool_call_parser": None,
+        "request_timeout_s": None}
     assert parse_config(with_(GENERATE, model={"factory": "pkg.lm:build", "kwargs": {"size": 2}})).model.kwargs
     assert parse_config(INFER).task == "infer"
 
@@ -136,7 +137,7 @@ def test_settings_to_buckets_defaults():
     assert buckets.describe() == {
         "max_num_seqs": 8, "max_model_len": 2048, "prefill_buckets": [32, 64, 128, 256, 512, 1024, 2048],
         "decode_batch_buckets": [1, 4, 8], "decode_context_buckets": [128, 256, 512, 1024, 2048], "decode_steps": 1,
-        "enable_prefix_caching": False}
+        "enable_prefix_caching": False, "speculative_tokens": 0}
     short = GenerationSettings(max_num_seqs=2).to_buckets(Positions(64))
     assert (short.max_model_len, short.prefill, short.decode_rows, short.decode_context) == (64, [32, 64], [1, 2], [64])
     given = GenerationSettings(**SMALL).to_buckets(Positions(64))
@@ -144,6 +145,9 @@ def test_settings_to_buckets_defaults():
     cached = GenerationSettings(max_num_seqs=2, prefill_buckets=[16, 64], decode_context_buckets=[32, 64],
                                 enable_prefix_caching=True).to_buckets(Positions(64))
     assert cached.extend == [(16, 32), (16, 64), (64, 64)] and cached.count == 2 + 2 * 2 + 3
+    speculating = GenerationSettings(max_num_seqs=2, decode_context_buckets=[32, 64], speculative_config={
+        "num_speculative_tokens": 3}).to_buckets(Positions(64))
+    assert speculating.speculative_tokens == 3 and speculating.count == 2 + 2 * 2 + 2 * 2  # a verify per decode
 
 
 def test_settings_to_buckets_refusals_name_the_field():
