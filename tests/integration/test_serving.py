@@ -4,6 +4,7 @@ import json
 import os
 import re
 import sys
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -160,8 +161,16 @@ def test_metrics_count_requests_and_cores_share_the_work(server):
 
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(send, range(sent)))
-    after = http(server, "GET", "/metrics")[1].decode()
-    ok_after = sum(v for l, v in _series(after, "neuron_serve_requests_total") if l["model"] == "mlp" and l["code"] == "200")
+    # A request is counted once its answer has gone out, so the last few may be counted a moment
+    # after their clients have them: read until every one is (or the deadline passes).
+    deadline = time.monotonic() + 10
+    while True:
+        after = http(server, "GET", "/metrics")[1].decode()
+        ok_after = sum(v for l, v in _series(after, "neuron_serve_requests_total")
+                       if l["model"] == "mlp" and l["code"] == "200")
+        if ok_after - ok_before >= sent or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert ok_after - ok_before == sent
     chunks = {l["core"]: v - chunks_before.get(l["core"], 0) for l, v in _series(after, "neuron_serve_core_chunks_total") if l["model"] == "mlp"}
     sizes = {int(l["batch_size"]): v - sizes_before.get(int(l["batch_size"]), 0)
