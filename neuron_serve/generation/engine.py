@@ -78,7 +78,7 @@ class Engine(Streams):
         executor = self.executor
         budget = max_num_batched_tokens or default_budget(executor.max_model_len)
         # Decode calls park their free rows in a slot's last decode_steps positions: no cached block reaches them.
-        self.prefix = PrefixCache(executor.slots, executor.max_model_len - executor.decode_steps) \
+        self.prefix = PrefixCache(executor.max_model_len - executor.decode_steps) \
             if executor.prefix_caching else None
         self.scheduler = Scheduler(executor.slots, budget, self.prefix)
         # Speculative decoding (a settings.SpeculativeConfig): its verify models must have been compiled for k.

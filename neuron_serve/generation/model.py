@@ -181,9 +181,9 @@ class GenerationModel:
                                weight_bytes=self.weight_bytes, source=self._source)
 
     def warm_up(self) -> None:
-        """Run every compiled model once, then empty the cache: a bucket's first call pays for loading its
-        executable and its buffers (1.1 s for the first call of an engine, 20% more on each bucket's first
-        call, on XLA:CPU), which a request should never wait for."""
+        """Run every compiled model once, then empty the cache: a bucket's first call costs more than the next
+        ones (a 300-token prompt and 20 decode steps: 20.8 against 16.1 ms on XLA:CPU), which a request should
+        never wait for."""
         for shape, bucket in zip(self.shapes, self.compiled.buckets):
             outputs = bucket.run_flat(list(_example(shape)))
             outputs[1].cpu()  # the greedy tokens: the call has run

@@ -42,7 +42,7 @@ class PrefixCache:
     their free rows at the positions after it.
     """
 
-    def __init__(self, slots: int, limit: int, block: int = BLOCK) -> None:
+    def __init__(self, limit: int, block: int = BLOCK) -> None:
         self.block = block
         self.limit = limit
         self.tokens: dict[int, list[int]] = {}  # slot -> the tokens its cache holds (whole blocks)
@@ -50,7 +50,6 @@ class PrefixCache:
         self._index: dict[int, set[int]] = {}  # block hash -> slots holding it
         self._used: dict[int, int] = {}  # slot -> when it was last written or hit
         self._clock = itertools.count()
-        self.slots = slots
 
     def match(self, prompt: Sequence[int], prefer: Sequence[int] = ()) -> tuple[int | None, int]:
         """(slot, tokens) of the longest cached prefix of ``prompt`` (None, 0 without one); a prompt held whole
@@ -124,7 +123,3 @@ class PrefixCache:
         if empty:
             return min(empty)
         return min(free, key=lambda slot: self._used.get(slot, -1))
-
-    @property
-    def cached_slots(self) -> int:
-        return len(self.tokens)

@@ -77,7 +77,7 @@ async def openai_answer(plane: GenerationPlane, kind: Literal["completions", "ch
         if kind == "chat":
             tool = openai.tools(request, plane.tool_call_parser)
             for i, given in enumerate(tool.tools if tool.mode != "none" else ()):
-                check(plane, given.parameters, f"tools[{i}].function.parameters")
+                check(plane, Constraint("json_schema", given.parameters, f"tools[{i}].function.parameters"))
             prompts = [plane.chat(openai.chat_messages(request), tools=request.tools if tool.tools else None)]
         else:
             given = openai.completion_prompts(request)
@@ -110,11 +110,8 @@ async def openai_answer(plane: GenerationPlane, kind: Literal["completions", "ch
     return _json(200, encoder.whole([p for batch in pieces for p in batch]))
 
 
-def check(plane: GenerationPlane, constraint, field: str | None = None) -> None:
-    """A constraint (or a bare JSON schema, with the ``field`` it came from) compiled here, so one the grammar
-    library refuses is the request's 400 naming that field."""
-    if field is not None:
-        constraint = Constraint("json_schema", constraint, field)
+def check(plane: GenerationPlane, constraint: Constraint) -> None:
+    """``constraint`` compiled here, so one the grammar library refuses is the request's 400 naming its field."""
     try:
         plane.check_constraint(constraint)
     except InvalidInput as exc:

@@ -101,7 +101,7 @@ def test_a_seeded_sample_is_the_same_with_its_prefix_cached(cached):
 
 
 def test_the_bookkeeping_matches_whole_blocks_checked_token_for_token():
-    cache = PrefixCache(slots=3, limit=64, block=4)
+    cache = PrefixCache(limit=64, block=4)
     cache.hold(0, list(range(10)))  # two whole blocks kept: 0..7
     assert cache.tokens[0] == list(range(8)) and len(block_hashes(range(10), 4)) == 2
     assert cache.match(list(range(6)) + [99, 98]) == (0, 4)
