@@ -100,8 +100,15 @@ class Engine(Streams):
         self._aborts: set[str] = set()
         self._pending: list[tuple[Sequence, TokenEvent]] = []  # events not yet handed to their sinks
         self._structured: Grammars | None = None
+        # Ready means ready: the constructor returns once the thread has prepared its cores (the slot move's
+        # compile, every bucket's first call), about a second the first request would otherwise wait for.
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
         self._thread.start()
+        self._started.wait()
+        if self._start_error is not None:
+            raise self._start_error
 
     # -- the API ------------------------------------------------------------------------
 
@@ -180,7 +187,13 @@ class Engine(Streams):
     # -- the loop -------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        self.executor.start()
+        try:
+            self.executor.start()
+        except BaseException as exc:  # noqa: BLE001 - raised again by the constructor, on its thread
+            self._start_error = exc
+            return
+        finally:
+            self._started.set()
         while True:
             if self.scheduler.idle:  # no model call is coming to carry them
                 take_meanwhile()  # left set when a failed step never launched its call
