@@ -55,7 +55,8 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
                max_num_batched_tokens: int | None = None,
                max_waiting: int = 256, request_timeout_s: float | None = None, tokenizer: Any = None,
                target: str = "neuron", name: str = "model", tensor_parallel_size: int = 1,
-               enable_prefix_caching: bool = False, speculative_config: Any = None) -> Engine:
+               enable_prefix_caching: bool = False, speculative_config: Any = None,
+               draft: torch.nn.Module | None = None) -> Engine:
     """Compile ``lm`` for generation and start an engine over it (see :class:`Engine`).
 
     The arguments are model.yaml's ``generation`` fields; a KV cache that does not fit
@@ -70,7 +71,7 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
     from .model import compile_generation  # noqa: PLC0415
     from .settings import SpeculativeConfig  # noqa: PLC0415
 
-    if isinstance(speculative_config, dict):  # model.yaml's keys
+    if isinstance(speculative_config, dict):  # model.yaml's keys; ``draft``: the draft model, given as a module
         speculative_config = SpeculativeConfig(**speculative_config)
     buckets = GenerationBuckets.build(max_num_seqs, max_model_len, prefill=prefill_buckets,
                                       decode_rows=decode_batch_buckets, decode_context=decode_context_buckets,
@@ -80,6 +81,15 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
     tensor_parallel.check(lm.config, tensor_parallel_size, field="tensor_parallel_size")
     check_cache_fits(lm, buckets, field_prefix="", tensor_parallel_size=tensor_parallel_size)
     model = compile_generation(lm, buckets, target=target, tensor_parallel_size=tensor_parallel_size)
+    if draft is not None:
+        from ..errors import InvalidInput  # noqa: PLC0415
+        from .build import check_draft  # noqa: PLC0415
+
+        if speculative_config is None:
+            raise InvalidInput("draft needs speculative_config (its num_speculative_tokens, k)")
+        check_draft(lm, draft, enable_prefix_caching, field="draft")
+        model.draft = compile_generation(draft.eval(), buckets.for_draft(), target=target,
+                                         tensor_parallel_size=tensor_parallel_size)
     return Engine(model, eos_token_ids=eos_token_ids(lm), tokenizer=tokenizer,
                   max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,
                   request_timeout_s=request_timeout_s, name=name, speculative_config=speculative_config)

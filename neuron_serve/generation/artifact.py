@@ -15,7 +15,7 @@ from typing import Any
 
 from .. import artifact
 from ..compile import sharding as spmd
-from ..errors import ArtifactError
+from ..errors import ArtifactError, ConfigError
 from ..model import CompiledModel
 from .buckets import GenerationBuckets
 from .model import GenerationModel
@@ -26,6 +26,9 @@ TOKENIZER_DIR = "tokenizer"
 def save_generation(model: GenerationModel, path: str | Path, *, eos_token_ids: list[int], tokenizer: Any = None,
                     config: dict | None = None, source: str | None = None) -> Path:
     """Write ``model`` to directory ``path``; ``config`` is the model.yaml that serves it from there."""
+    if model.draft is not None:
+        raise ConfigError("generation.speculative_config.model: neuron-serve build does not write a draft model into "
+                          "the artifact; serve the model.yaml itself, or build with method ngram.")
     model.reset()  # the cache is saved empty: slots hold nothing across a restart
     # The engine picks buckets itself, so the models are stored without the bucket kernel (Python code).
     stored = CompiledModel(list(model.compiled.buckets))

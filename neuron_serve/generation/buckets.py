@@ -110,6 +110,12 @@ class GenerationBuckets:
             return []
         return [(tokens, context) for context in self.decode_context for tokens in self.prefill if tokens <= context]
 
+    def for_draft(self) -> "GenerationBuckets":
+        """A speculative draft's buckets: the same prefill and decode shapes, each decode also compiled as k + 1
+        greedy steps (k proposals, and the last one fed too, so the draft's cache holds every accepted token)."""
+        return GenerationBuckets(self.max_num_seqs, self.max_model_len, self.prefill, self.decode_rows,
+                                 self.decode_context, self.speculative_tokens + 1)
+
     def describe(self) -> dict:
         return {"max_num_seqs": self.max_num_seqs, "max_model_len": self.max_model_len,
                 "prefill_buckets": self.prefill, "decode_batch_buckets": self.decode_rows,

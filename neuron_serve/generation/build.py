@@ -50,16 +50,16 @@ def load_lm(config: ModelConfig, base_dir: str | Path | None = None) -> torch.nn
     return lm.eval()
 
 
-def _pretrained(directory: str) -> torch.nn.Module:
+def _pretrained(directory: str, field: str = "model.pretrained") -> torch.nn.Module:
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
     if not Path(directory).is_dir():
-        raise ConfigError(f"model.pretrained: {directory} is not a directory; give a directory written by "
+        raise ConfigError(f"{field}: {directory} is not a directory; give a directory written by "
                           f"save_pretrained (relative to the model.yaml's folder).")
     try:
         lm = AutoModelForCausalLM.from_pretrained(directory, attn_implementation=ATTENTION, local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError(f"model.pretrained: cannot load {directory} as a transformers causal LM "
+        raise ConfigError(f"{field}: cannot load {directory} as a transformers causal LM "
                           f"({_first_line(exc)}); give a directory written by a causal LM's save_pretrained.") from None
     return lm.eval()
 
@@ -139,9 +139,33 @@ def compile_from_config(config: ModelConfig, base_dir: str | Path | None = None)
     tp = settings.tensor_parallel_size
     tensor_parallel.check(lm.config, tp)  # before anything compiles
     check_cache_fits(lm, buckets, tensor_parallel_size=tp)
+    draft = None
+    spec = settings.speculative_config
+    if spec is not None and spec.method == "draft_model":
+        draft = _pretrained(_under(base_dir, spec.model), DRAFT_FIELD)
+        check_draft(lm, draft, settings.enable_prefix_caching)
+        tensor_parallel.check(draft.config, tp, field=DRAFT_FIELD)
     model = compile_generation(lm, buckets, target=config.target, compiler_args=config.compiler_args,
                                tensor_parallel_size=tp)
+    if draft is not None:
+        model.draft = compile_generation(draft, buckets.for_draft(), target=config.target,
+                                         compiler_args=config.compiler_args, tensor_parallel_size=tp)
     return model, eos_token_ids(lm), tokenizer
+
+
+DRAFT_FIELD = "generation.speculative_config.model"
+
+
+def check_draft(lm: torch.nn.Module, draft: torch.nn.Module, prefix_caching: bool = False,
+                field: str = DRAFT_FIELD) -> None:
+    """Refuse a draft that cannot propose for ``lm``: another vocabulary, or beside prefix caching."""
+    ours, theirs = (int(m.get_output_embeddings().weight.shape[0]) for m in (lm, draft))
+    if ours != theirs:
+        raise ConfigError(f"{field}: the draft's vocabulary has {theirs} tokens and the model's {ours}; a draft must "
+                          f"share the model's tokenizer and vocabulary.")
+    if prefix_caching:
+        raise ConfigError("generation.enable_prefix_caching: not with a draft model (the draft's cache would need the "
+                          "same reuse); use speculative_config method ngram, or turn prefix caching off.")
 
 
 def _from_artifact(config: ModelConfig, base_dir: str | Path | None) -> tuple[GenerationModel, list[int], Any]:
@@ -177,6 +201,9 @@ def build_engine(config: ModelConfig, base_dir: str | Path | None = None, *, rep
         raise ConfigError(f"task: {config.name} is a task: {config.task} model; build_engine serves task: generate.")
     settings = config.generation or GenerationSettings()
     if config.model.artifact is not None:
+        if settings.speculative_config is not None and settings.speculative_config.method == "draft_model":
+            raise ConfigError("generation.speculative_config.model: an artifact holds no draft model; serve the "
+                              "model.yaml it was built from, or use method ngram.")
         model, eos, tokenizer = _from_artifact(config, base_dir)
     else:
         model, eos, tokenizer = compile_from_config(config, base_dir)

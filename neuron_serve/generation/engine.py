@@ -237,7 +237,9 @@ class Engine(Streams):
             self.scheduler.move(seq, slot)
         running = self.scheduler.decoding()
         proposals = self._propose(running) if running and self.speculation is not None else None
-        if proposals is not None and any(proposals):
+        if proposals is not None and (any(proposals) or self.executor.has_draft):
+            # With a draft, every round verifies: the draft fed each sequence's last token, and only a round
+            # that takes what the draft fed keeps the draft's cache whole.
             self._speculate(running, proposals)
         elif running:
             steps = self._steps(running)
@@ -301,16 +303,27 @@ class Engine(Streams):
     def _propose(self, running: list[Sequence]) -> list[list[int]]:
         """Each running sequence's proposals this round (none for one that cannot take them, or has no room)."""
         config, limit = self.speculation, self.executor.max_model_len
+        k = config.num_speculative_tokens
+        drafted = None
+        if self.executor.has_draft:
+            # The draft runs k + 1 greedy steps for every running sequence (its k proposals, and the last one fed
+            # too); with no room for them, one step, which feeds the last token and proposes nothing.
+            steps = k + 1 if max(s.position for s in running) + k + 1 <= limit else 1
+            drafted = self.executor.draft([s.output[-1] for s in running], [s.position for s in running],
+                                          [s.slot for s in running], steps)
+            k = min(k, steps - 1)
         proposals = []
-        for seq in running:
-            room = min(config.num_speculative_tokens, limit - 1 - seq.position)
+        for i, seq in enumerate(running):
+            room = min(k, limit - 1 - seq.position)
             if seq.params.max_tokens is not None:  # a round adds up to one more than it proposes
                 room = min(room, seq.params.max_tokens - len(seq.output) - 1)
             if room <= 0 or not speculative.speculable(seq.params, len(seq.output)):
                 proposals.append([])
-                continue
-            proposals.append(speculative.ngram_proposals(seq.prompt + seq.output, room, config.prompt_lookup_min,
-                                                         config.prompt_lookup_max))
+            elif drafted is not None:
+                proposals.append(list(drafted[i][:room]))
+            else:
+                proposals.append(speculative.ngram_proposals(seq.prompt + seq.output, room, config.prompt_lookup_min,
+                                                             config.prompt_lookup_max))
         return proposals
 
     def _speculate(self, running: list[Sequence], proposals: list[list[int]]) -> None:

@@ -28,6 +28,7 @@ class Executor(abc.ABC):
     tensor_parallel_size: int
     prefix_caching: bool
     speculative_tokens: int
+    has_draft: bool
 
     @abc.abstractmethod
     def start(self) -> None:
@@ -56,6 +57,12 @@ class Executor(abc.ABC):
         """Each running sequence's last token and its proposals in one call; every position's output."""
 
     @abc.abstractmethod
+    def draft(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+              steps: int) -> list[list[int]]:
+        """A speculative draft's greedy tokens for each running sequence (``steps`` of them, its last token fed at
+        its position first); the draft's cache takes what it fed."""
+
+    @abc.abstractmethod
     def move(self, src: int, dst: int) -> None:
         """Copy cache slot ``src`` over slot ``dst``, on the cores."""
 
@@ -81,6 +88,7 @@ class CoreGroupExecutor(Executor):
         self.tensor_parallel_size = model.tensor_parallel_size
         self.prefix_caching = model.buckets.prefix_caching
         self.speculative_tokens = model.buckets.speculative_tokens
+        self.has_draft = model.draft is not None
 
     def start(self) -> None:
         if self.device is not None:
@@ -91,12 +99,16 @@ class CoreGroupExecutor(Executor):
         self.model.warm_up()
 
     def prefill(self, prompt: Sequence[int], slot: int) -> tuple[StepOutput, Shape]:
+        if self.model.draft is not None:  # the draft's cache holds every prompt too
+            self.model.draft.prefill(prompt, slot)
         return self.model.prefill(prompt, slot)
 
     def extend(self, prompt: Sequence[int], slot: int, cached: int) -> tuple[StepOutput, Shape]:
         return self.model.extend(prompt, slot, cached)
 
     def prefill_scored(self, prompt: Sequence[int], slot: int) -> tuple[StepOutput, Shape, Any]:
+        if self.model.draft is not None:
+            self.model.draft.prefill(prompt, slot)
         return self.model.prefill_scored(prompt, slot)
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
@@ -107,8 +119,16 @@ class CoreGroupExecutor(Executor):
             -> tuple[StepOutput, Shape]:
         return self.model.verify(rows, positions, slots)
 
+    def draft(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+              steps: int) -> list[list[int]]:
+        out, _ = self.model.draft.decode(tokens, positions, slots, steps)
+        greedy = out.greedy
+        return greedy if steps > 1 else [[token] for token in greedy]
+
     def move(self, src: int, dst: int) -> None:
         self.model.move(src, dst)
+        if self.model.draft is not None:
+            self.model.draft.move(src, dst)
 
     def rows_bucket(self, rows: int) -> int:
         return self.model.rows_bucket(rows)

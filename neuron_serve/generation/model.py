@@ -134,6 +134,7 @@ class GenerationModel:
         self.sharding = sharding
         self.weight_bytes = weight_bytes
         self._index = {s: i for i, s in enumerate(self.shapes)}
+        self.draft: GenerationModel | None = None  # a speculative draft's compiled models, beside these
         for bucket in compiled.buckets:
             _keep_logits_on_core(bucket)
         self._split_cache()
@@ -177,8 +178,10 @@ class GenerationModel:
         cache = DeviceState([f"shared_state_buffer[{i}]" for i in range(len(states))],
                             [torch.zeros_like(t, device="cpu") for t in states], device)
         buckets = [_bucket_on(b, device, cache) for b in self.compiled.buckets]
-        return GenerationModel(CompiledModel(buckets, kernel=self.compiled.kernel), self.buckets, self.vocab_size,
+        copy = GenerationModel(CompiledModel(buckets, kernel=self.compiled.kernel), self.buckets, self.vocab_size,
                                weight_bytes=self.weight_bytes, source=self._source)
+        copy.draft = self.draft.load_to(device) if self.draft is not None else None
+        return copy
 
     def warm_up(self) -> None:
         """Run every compiled model once, then empty the cache: a bucket's first call costs more than the next
@@ -188,6 +191,9 @@ class GenerationModel:
             outputs = bucket.run_flat(list(_example(shape)))
             outputs[1].cpu()  # the greedy tokens: the call has run
         self.reset()
+        if self.draft is not None:
+            self.draft.move(0, 0)
+            self.draft.warm_up()
 
     def reset(self) -> None:
         """Empty the cache (every slot), on the core."""

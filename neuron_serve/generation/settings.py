@@ -48,9 +48,13 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    method: Literal["ngram"] = Field(
-        "ngram", description="ngram: proposals copied from the sequence's own earlier tokens (prompt lookup), no "
-                             "draft model")
+    method: Literal["ngram", "draft_model"] | None = Field(
+        None, description="ngram: proposals copied from the sequence's own earlier tokens (prompt lookup), no draft "
+                          "model; draft_model: proposals from a small causal LM (model), its k steps in one compiled "
+                          "call; default: draft_model when model is given, else ngram")
+    model: str | None = Field(
+        None, description="draft_model: the draft causal LM's save_pretrained directory (relative to the model.yaml's "
+                          "folder), with the model's tokenizer and vocabulary")
     num_speculative_tokens: int = Field(
         ..., ge=1, le=MAX_SPECULATIVE_TOKENS,
         description="k: tokens proposed per round; the model verifies them and adds one in one compiled call")
@@ -61,6 +65,12 @@ class SpeculativeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "SpeculativeConfig":
+        if self.method is None:
+            object.__setattr__(self, "method", "draft_model" if self.model is not None else "ngram")
+        if self.method == "draft_model" and self.model is None:
+            raise FieldError("model", "method draft_model needs the draft's directory; give model: <directory>")
+        if self.method == "ngram" and self.model is not None:
+            raise FieldError("model", "applies to method draft_model; remove it or set method: draft_model")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise FieldError("prompt_lookup_min", f"{self.prompt_lookup_min} is more than prompt_lookup_max "
                                                   f"({self.prompt_lookup_max}); lower it to at most that")

@@ -124,7 +124,51 @@ def test_bad_speculative_settings_name_their_field():
                                                            "'ngram'"),
         ({"num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 2},
          "generation.speculative_config.prompt_lookup_min: 5 is more than prompt_lookup_max (2)"),
+        ({"num_speculative_tokens": 2, "method": "draft_model"},
+         "generation.speculative_config.model: method draft_model needs the draft's directory"),
+        ({"num_speculative_tokens": 2, "method": "ngram", "model": "draft"},
+         "generation.speculative_config.model: applies to method draft_model"),
     ]:
         with pytest.raises(ConfigError) as caught:
             parse_config({**base, "generation": {"speculative_config": given}})
         assert expected in str(caught.value)
+    assert parse_config({**base, "generation": {"speculative_config": {
+        "num_speculative_tokens": 2, "model": "draft"}}}).generation.speculative_config.method == "draft_model"
+
+
+def test_a_draft_of_another_vocabulary_or_beside_prefix_caching_is_refused():
+    from neuron_serve.generation.build import check_draft  # noqa: PLC0415
+
+    lm = gm.build("llama")
+    with pytest.raises(ConfigError) as other:
+        check_draft(lm, gm.build("llama", vocab_size=300))
+    assert str(other.value) == ("generation.speculative_config.model: the draft's vocabulary has 300 tokens and the "
+                                "model's 256; a draft must share the model's tokenizer and vocabulary.")
+    with pytest.raises(ConfigError) as cached:
+        check_draft(lm, gm.build("llama"), prefix_caching=True)
+    assert str(cached.value).startswith("generation.enable_prefix_caching: not with a draft model")
+
+
+DRAFT_SHAPES = {k: v for k, v in SHAPES.items() if k not in ("speculative_config", "decode_steps")}
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["draft-is-the-model", "draft-disagrees"])
+def test_a_draft_models_proposals_keep_greedy_output(same):
+    lm = gm.build("llama")
+    draft = gm.build("llama") if same else gm.build("qwen2", seed=3)  # the same weights, or other ones
+    engine = engine_for(lm, name=f"draft-{same}", draft=draft, speculative_config={"num_speculative_tokens": K},
+                        **DRAFT_SHAPES)
+    try:
+        prompts = [repetitive(30 + i, n) for i, n in enumerate((9, 22, 15))]
+        new = [30, 17, 41]
+        done = engine.generate_batch(prompts, [SamplingParams(max_tokens=n, temperature=0) for n in new])
+        assert [c.tokens for c in done] == [gm.eager_greedy(lm, p, n) for p, n in zip(prompts, new)]
+        labels = {"model_name": f"draft-{same}", "replica": "0"}
+        drafted = REGISTRY.get_sample_value("neuron_serve_spec_decode_num_draft_tokens_total", labels)
+        accepted = REGISTRY.get_sample_value("neuron_serve_spec_decode_num_accepted_tokens_total", labels)
+        if same:
+            assert accepted == drafted > 0  # the model agrees with itself on every proposal
+        else:
+            assert accepted < drafted / 2
+    finally:
+        engine.close()
