@@ -49,6 +49,41 @@ GENERATION = {"max_num_seqs": 32, "max_model_len": 512, "prefill_buckets": [32, 
               "decode_batch_buckets": [1, 8, 32], "decode_context_buckets": [128, 512]}
 
 
+DAMPING = 0.05  # how little the target's layers after the first add to its residual stream
+
+
+def write_draft_pair(folder: Path) -> None:
+    """A target and a draft that agree often, in ``folder``/llm and ``folder``/draft.
+
+    Random weights agree rarely, so the pair is built: the target is the benchmark's
+    4-layer Llama with the output projections of its layers 2 to 4 (attention's o_proj,
+    the MLP's down_proj) scaled by DAMPING, so they add little to the residual stream; the
+    draft is a 1-layer Llama holding the target's embedding, first layer, final norm and
+    LM head. The draft then computes most of what the target computes, in a quarter of
+    its layers, and its greedy choice is usually the target's."""
+    import torch  # noqa: PLC0415
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+
+    from bench.generate import build_lm  # noqa: PLC0415
+    from bench.openai_fields import _tokenizer  # noqa: PLC0415
+
+    target = build_lm()
+    with torch.no_grad():
+        for layer in target.model.layers[1:]:
+            layer.self_attn.o_proj.weight.mul_(DAMPING)
+            layer.mlp.down_proj.weight.mul_(DAMPING)
+    config = LlamaConfig(**{**target.config.to_dict(), "num_hidden_layers": 1})
+    draft = LlamaForCausalLM(config).eval()
+    state = {k: v for k, v in target.state_dict().items() if not k.startswith("model.layers.")
+             or k.startswith("model.layers.0.")}
+    draft.load_state_dict(state)
+    tokenizer = _tokenizer(target.config.vocab_size)
+    for name, model in (("llm", target), ("draft", draft)):
+        model.generation_config.eos_token_id = None
+        model.save_pretrained(folder / name)
+        tokenizer.save_pretrained(folder / name)
+
+
 def prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     out = []
