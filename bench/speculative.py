@@ -120,10 +120,12 @@ def metric(name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
-def measure(speculate: bool, lone: list[list[int]], many: list[list[int]], folder: Path, log) -> dict:
+def measure(speculate: bool, lone: list[list[int]], many: list[list[int]], folder: Path, log,
+            draft: bool = False) -> dict:
     generation = dict(GENERATION)
     if speculate:
-        generation["speculative_config"] = {"method": "ngram", "num_speculative_tokens": K}
+        generation["speculative_config"] = {"model": str(folder / "draft"), "num_speculative_tokens": K} if draft \
+            else {"method": "ngram", "num_speculative_tokens": K}
     server = serve(folder, "speculative" if speculate else "plain", generation, PORT)
     probe = json.dumps({"model": "llm", "prompt": [1, 2, 3], "max_tokens": 2}).encode()
     try:
@@ -171,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="4 lone streams and 32 at once instead of 8 and 64")
     parser.add_argument("--out", type=Path, help="results directory (default bench/results/<timestamp>)")
+    parser.add_argument("--draft", action="store_true", help="a draft model (write_draft_pair) on random prompts, "
+                                                              "in place of n-gram proposals on repetitive ones")
     args = parser.parse_args(argv)
     out = args.out or RESULTS / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
@@ -184,8 +188,15 @@ def main(argv: list[str] | None = None) -> int:
     many = prompts(32 if args.quick else 64, VOCAB, seed=2)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        write_model(folder)
-        result = {"without": measure(False, lone, many, folder, log), "with": measure(True, lone, many, folder, log)}
+        if args.draft:  # random prompts: what the draft proposes is all the help there is
+            write_draft_pair(folder)
+            rng = random.Random(3)
+            lone = [[rng.randrange(1, VOCAB) for _ in range(60)] for _ in lone]
+            many = [[rng.randrange(1, VOCAB) for _ in range(60)] for _ in many]
+        else:
+            write_model(folder)
+        result = {"without": measure(False, lone, many, folder, log),
+                  "with": measure(True, lone, many, folder, log, draft=args.draft)}
     text = report(result)
     (out / "speculative.md").write_text(text)
     (out / "speculative.json").write_text(json.dumps(result, indent=2))
