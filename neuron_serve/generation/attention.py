@@ -8,6 +8,13 @@ group of query heads by its one key/value head instead: the same products, no co
 It is registered with transformers' ``AttentionInterface`` and used only for the
 compile, and only for architectures whose eager attention is exactly this computation
 (scaled scores, an additive mask, softmax in float32, no soft-capping or sinks).
+
+A prefill's attention is causal over the prompt's own keys, so half of its scores are
+masked out. Given ``prefill_blocks`` n, its query rows go in n blocks, block i against
+the keys of blocks 0..i only: the scores it skips are all masked, so the output is the
+same with (n + 1) / 2n of the products. On one XLA:CPU thread a 480-token prompt of a
+4-layer Qwen2 (512 bucket) took 11.7 ms where it took 14.3 (8 blocks: no better; a
+128 bucket: no gain).
 """
 
 from __future__ import annotations
@@ -20,18 +27,34 @@ import torch
 NAME = "neuron_serve_grouped"
 # Model types whose eager attention is Llama's (``eager_attention_forward``), kwargs aside.
 SAME_AS_LLAMA = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+PREFILL_BLOCKS, BLOCKED_FROM = 4, 256  # a prefill of at least BLOCKED_FROM tokens attends in PREFILL_BLOCKS blocks
 
 
 def grouped_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
-                      **kwargs) -> tuple[torch.Tensor, None]:
+                      prefill_blocks: int = 0, **kwargs) -> tuple[torch.Tensor, None]:
     """Llama's eager attention with the query heads of a key/value head folded into its rows.
 
     query (batch, heads, q, head_dim); key, value (batch, kv_heads, k, head_dim); mask
     (batch, 1, q, k), additive. Returns (batch, q, heads, head_dim) and no weights.
+    ``prefill_blocks``: the keys are the queries' own positions under a causal mask; see
+    the module docstring.
     """
     if dropout:  # generation compiles in eval mode, where transformers passes 0
         raise ValueError(f"grouped_attention runs in eval mode only; got dropout={dropout}")
+    q, k = query.shape[2], key.shape[2]
+    if prefill_blocks > 1 and q == k and q >= BLOCKED_FROM:
+        size, outs = q // prefill_blocks, []
+        for i in range(prefill_blocks):
+            start, end = i * size, (q if i == prefill_blocks - 1 else (i + 1) * size)
+            mask = None if attention_mask is None else attention_mask[:, :, start:end, :end]
+            outs.append(_grouped(query[:, :, start:end], key[:, :, :end], value[:, :, :end], mask, scaling))
+        return torch.cat(outs, dim=1), None
+    return _grouped(query, key, value, attention_mask, scaling), None
+
+
+def _grouped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+             scaling: float) -> torch.Tensor:
     batch, heads, q, head_dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
@@ -44,15 +67,17 @@ def grouped_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             batch, kv_heads, group * q, k)
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     out = torch.matmul(weights, value).reshape(batch, heads, q, head_dim)
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous()
 
 
 def applies(lm: torch.nn.Module) -> bool:
-    """Whether ``lm`` shares key/value heads and its eager attention is Llama's."""
-    config = lm.config
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return getattr(config, "model_type", None) in SAME_AS_LLAMA and kv_heads < heads
+    """Whether ``lm``'s eager attention is Llama's (with as many key/value heads as query heads, or fewer)."""
+    return getattr(lm.config, "model_type", None) in SAME_AS_LLAMA
+
+
+def in_use(lm: torch.nn.Module) -> bool:
+    """Whether ``lm`` attends with :func:`grouped_attention` (within :func:`grouped_for_compile`)."""
+    return getattr(lm.config, "_attn_implementation", None) == NAME
 
 
 @contextmanager

@@ -4,7 +4,8 @@ Prefill models are compiled per prompt-length bucket, decode models per (running
 sequences x context length) bucket, as vLLM on Neuron and NxD Inference bucket
 context encoding and token generation. Defaults follow from ``max_num_seqs`` and
 ``max_model_len``: prompt lengths and contexts double from 32 and 128 up to
-``max_model_len``; running-sequence counts are the powers of 4 below ``max_num_seqs``
+``max_model_len``, prompt lengths from 256 on with a bucket half way between each
+(384, 768, ...); running-sequence counts are the powers of 4 below ``max_num_seqs``
 and ``max_num_seqs`` itself (as compiled batch sizes are).
 
 With ``decode_steps`` K above 1, every decode bucket is also compiled as K greedy steps
@@ -30,6 +31,10 @@ from ..errors import ConfigError
 
 FIRST_PREFILL_BUCKET = 32
 FIRST_CONTEXT_BUCKET = 128
+# From here on a prefill's time grows with its padded length (below it a call's fixed cost
+# dominates): a 310-token prompt took 8.9 ms in the 512 bucket, 7.0 in a 384 one, where
+# eager transformers' forward of it takes 8.6 ms.
+FINER_PREFILL_FROM = 256
 MAX_DECODE_STEPS = 16
 
 
@@ -40,6 +45,17 @@ def doubling(first: int, last: int) -> list[int]:
         sizes.append(size)
         size *= 2
     return [*sizes, last]
+
+
+def prefill_sizes(last: int) -> list[int]:
+    """Prompt-length buckets: doubling from 32, and from 256 on 1.5x between each doubling, so a long
+    prompt pads by at most a third, not by as much again."""
+    sizes = []
+    for size in doubling(FIRST_PREFILL_BUCKET, last):
+        if sizes and sizes[-1] >= FINER_PREFILL_FROM and sizes[-1] * 3 // 2 < size:
+            sizes.append(sizes[-1] * 3 // 2)
+        sizes.append(size)
+    return sizes
 
 
 def powers_of_four(last: int) -> list[int]:
@@ -78,7 +94,7 @@ class GenerationBuckets:
             raise ConfigError(f"{field_prefix}decode_steps: must be 1 (one token per call) to {MAX_DECODE_STEPS}, "
                               f"got {decode_steps}.")
         lists = {
-            "prefill_buckets": (prefill, doubling(FIRST_PREFILL_BUCKET, max_model_len), max_model_len),
+            "prefill_buckets": (prefill, prefill_sizes(max_model_len), max_model_len),
             "decode_batch_buckets": (decode_rows, powers_of_four(max_num_seqs), max_num_seqs),
             "decode_context_buckets": (decode_context, doubling(FIRST_CONTEXT_BUCKET, max_model_len), max_model_len),
         }

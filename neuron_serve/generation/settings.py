@@ -81,7 +81,8 @@ class GenerationSettings(BaseModel):
     """task: generate: the KV cache's slots and length, the compiled buckets and the engine's queue.
 
     Bucket lists not given default as in neuron_serve.generation.buckets: prompt lengths and
-    contexts double from 32 and 128 up to max_model_len, running-sequence counts are the powers
+    contexts double from 32 and 128 up to max_model_len (prompt lengths from 256 on with a
+    bucket half way between each: 384, 768, ...), running-sequence counts are the powers
     of 4 below max_num_seqs and max_num_seqs itself."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -34,7 +34,45 @@ def test_grouped_attention_equals_transformers_eager_attention(q):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
-def test_it_applies_to_grouped_query_llama_family_models_only():
+@pytest.mark.parametrize(("tokens", "kv_heads"), [(256, 2), (300, 2), (300, 8)])
+def test_a_prefill_in_causal_blocks_equals_transformers_eager_attention(tokens, kv_heads):
+    # 300 is not a multiple of the 4 blocks: the last block takes the rest. 8 key/value heads: no grouping.
+    generator = torch.Generator().manual_seed(1)
+    batch, heads, head_dim = 1, 8, 16
+    query = torch.randn(batch, heads, tokens, head_dim, generator=generator)
+    key = torch.randn(batch, kv_heads, tokens, head_dim, generator=generator)
+    value = torch.randn(batch, kv_heads, tokens, head_dim, generator=generator)
+    visible = torch.arange(tokens)[None, :] <= torch.arange(tokens)[:, None]
+    mask = torch.where(visible, 0.0, torch.finfo(torch.float32).min)[None, None]
+    module = _Module(heads // kv_heads).eval()
+    want, _ = eager_attention_forward(module, query, key, value, mask, scaling=head_dim ** -0.5)
+    got, _ = attention.grouped_attention(module, query, key, value, mask, scaling=head_dim ** -0.5,
+                                         prefill_blocks=attention.PREFILL_BLOCKS)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_long_compiled_prefill_attends_in_blocks_and_gives_transformers_logits(monkeypatch):
+    blocks, grouped = [], attention.grouped_attention
+
+    def counted(*args, **kwargs):
+        blocks.append((args[1].shape[2], kwargs.get("prefill_blocks", 0)))
+        return grouped(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "grouped_attention", counted)
+    lm = gm.build("llama", max_position_embeddings=320)
+    model = compile_generation(lm, GenerationBuckets.build(1, 320, prefill=[64, 320], decode_rows=[1],
+                                                           decode_context=[320]))
+    # The 320-token prefill attends in blocks; the 64-token one and the decode as they were.
+    assert set(blocks) == {(320, attention.PREFILL_BLOCKS), (64, attention.PREFILL_BLOCKS), (1, 0)}
+    prompt = torch.randint(1, gm.VOCAB, (290,), generator=torch.Generator().manual_seed(2)).tolist()
+    out, shape = model.prefill(prompt, 0)
+    assert shape.tokens == 320
+    with torch.no_grad():
+        want = lm(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(out.logits[0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_it_applies_to_llama_family_models_only():
     assert [arch for arch in sorted(gm.CONFIGS) if attention.applies(gm.build(arch))] == ["llama", "mistral", "qwen2", "qwen3"]
 
 

@@ -135,7 +135,7 @@ class Positions:
 def test_settings_to_buckets_defaults():
     buckets = GenerationSettings().to_buckets(Positions(4096))
     assert buckets.describe() == {
-        "max_num_seqs": 8, "max_model_len": 2048, "prefill_buckets": [32, 64, 128, 256, 512, 1024, 2048],
+        "max_num_seqs": 8, "max_model_len": 2048, "prefill_buckets": [32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048],
         "decode_batch_buckets": [1, 4, 8], "decode_context_buckets": [128, 256, 512, 1024, 2048], "decode_steps": 1,
         "enable_prefix_caching": False, "speculative_tokens": 0}
     short = GenerationSettings(max_num_seqs=2).to_buckets(Positions(64))
