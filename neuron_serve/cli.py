@@ -142,6 +142,11 @@ def _build_generation(args: argparse.Namespace, config, served: dict, out: Path)
     started = time.perf_counter()
     model, eos, tokenizer = compile_from_config(config, Path(args.config).resolve().parent)
     served.pop("tokenizer", None)  # the artifact carries its own copy
+    speculative = served.get("generation", {}).get("speculative_config") or {}
+    if speculative.get("model") is not None:  # and its draft, compiled, in a folder of its own
+        from .generation.artifact import DRAFT_DIR  # noqa: PLC0415
+
+        speculative["model"] = DRAFT_DIR
     save_generation(model, out, eos_token_ids=eos, tokenizer=tokenizer, config=served, source=str(args.config))
     print(f"built {config.name} ({len(model.shapes)} compiled models) in {time.perf_counter() - started:.1f}s -> "
           f"{out} (serve it: neuron-serve deploy {out})", file=sys.stderr)

@@ -3,6 +3,7 @@
 Each prefill and decode model is captured as it is compiled (the causal LM around its slot
 cache, at its bucket's shapes) and analyzed for the model.yaml's target: which operators
 the core runs, and which it cannot (with their call sites), which generation refuses.
+A speculative draft model's are reported after the model's, labelled ``draft_``.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import torch
 from ..analyze.capture import CapturedGraph, capture
 from ..analyze.placement import GraphAnalysis, analyze_graph
 from ..analyze.report import build_report
-from ..config import ModelConfig
+from ..config import ModelConfig, _under
 from ..targets import get_target
 from . import tensor_parallel
-from .build import load_lm
+from .build import DRAFT_FIELD, _pretrained, load_lm
 from .buckets import kv_cache_bytes
 from .model import _example, shapes_of
 from .settings import GenerationSettings
@@ -56,16 +57,22 @@ def forms(config: ModelConfig, base_dir: str | Path | None = None) -> Iterator[F
     settings = config.generation or GenerationSettings()
     buckets = settings.to_buckets(lm.config)
     split = split_of(lm, buckets, settings.tensor_parallel_size)
-    shapes = shapes_of(buckets)
+    models = [(lm, buckets, "", split)]
+    spec = settings.speculative_config
+    if spec is not None and spec.method == "draft_model":
+        draft = _pretrained(_under(base_dir, spec.model), DRAFT_FIELD)
+        models.append((draft, buckets.for_draft(), "draft_", split_of(draft, buckets, settings.tensor_parallel_size)))
+    every = [(model, buckets, prefix + shape.label, shape, split)
+             for model, buckets, prefix, split in models for shape in shapes_of(buckets)]
     target = get_target(config.target)
-    for index, shape in enumerate(shapes, 1):
+    for index, (causal_lm, buckets, label, shape, split) in enumerate(every, 1):
         context = shape.context if shape.kind != "prefill" else None
-        model = SlotLM(lm, buckets.max_num_seqs, buckets.max_model_len, context,
+        model = SlotLM(causal_lm, buckets.max_num_seqs, buckets.max_model_len, context, steps=shape.steps,
                        every_position=shape.kind == "verify", extend=shape.kind == "extend").eval()
         captured = capture(model, _example(shape))
         analysis = analyze_graph(captured, target)
-        print(f"analyzed {shape.label} ({index}/{len(shapes)})", file=sys.stderr, flush=True)
-        yield Form(shape.label, model, captured, analysis, split)
+        print(f"analyzed {label} ({index}/{len(every)})", file=sys.stderr, flush=True)
+        yield Form(label, model, captured, analysis, split)
 
 
 def analyze_generation(config: ModelConfig, base_dir: str | Path | None = None) -> dict:

@@ -4,7 +4,8 @@ The artifact is a neuron-serve artifact (see neuron_serve.artifact) of every pre
 decode model, sharing one state (the cache, saved empty), plus in its manifest the
 buckets, vocabulary size and EOS ids the engine needs, and for a tensor-parallel model
 its split (loaded again over a group of as many cores), and the tokenizer's files under
-``tokenizer/``. Loading compiles the models again for the core (through the compile
+``tokenizer/``. A speculative draft model is an artifact of the same kind in ``draft/``,
+which the artifact's model.yaml names as its ``speculative_config.model``. Loading compiles the models again for the core (through the compile
 cache) without the transformers model or its Python code.
 """
 
@@ -15,36 +16,37 @@ from typing import Any
 
 from .. import artifact
 from ..compile import sharding as spmd
-from ..errors import ArtifactError, ConfigError
+from ..errors import ArtifactError
 from ..model import CompiledModel
 from .buckets import GenerationBuckets
 from .model import GenerationModel
 
 TOKENIZER_DIR = "tokenizer"
+DRAFT_DIR = "draft"
 
 
 def save_generation(model: GenerationModel, path: str | Path, *, eos_token_ids: list[int], tokenizer: Any = None,
                     config: dict | None = None, source: str | None = None) -> Path:
     """Write ``model`` to directory ``path``; ``config`` is the model.yaml that serves it from there."""
-    if model.draft is not None:
-        raise ConfigError("generation.speculative_config.model: neuron-serve build does not write a draft model into "
-                          "the artifact; serve the model.yaml itself, or build with method ngram.")
     model.reset()  # the cache is saved empty: slots hold nothing across a restart
     # The engine picks buckets itself, so the models are stored without the bucket kernel (Python code).
     stored = CompiledModel(list(model.compiled.buckets))
     extra = {"generation": {**model.buckets.describe(), "vocab_size": model.vocab_size,
                             "eos_token_ids": list(eos_token_ids), "tokenizer": tokenizer is not None,
-                            "weight_bytes": model.weight_bytes}}
+                            "weight_bytes": model.weight_bytes,
+                            "draft": DRAFT_DIR if model.draft is not None else None}}
     if model.sharding is not None:  # loaded again over a group of as many cores, split the same way
         plan = model.sharding
         extra["generation"]["sharding"] = {"devices": plan.devices, "state": plan.state,
                                            "weights": {name: list(spec) for name, spec in plan.weights.items()}}
 
-    def add_tokenizer(root: Path) -> None:
+    def add_files(root: Path) -> None:
         if tokenizer is not None:
             tokenizer.save_pretrained(str(root / TOKENIZER_DIR))
+        if model.draft is not None:  # hashed with the rest: the outer manifest covers every file below it
+            save_generation(model.draft, root / DRAFT_DIR, eos_token_ids=[], source=source)
 
-    return artifact.save(stored, path, config=config, source=source, extra=extra, add_files=add_tokenizer)
+    return artifact.save(stored, path, config=config, source=source, extra=extra, add_files=add_files)
 
 
 def load_generation(path: str | Path) -> tuple[GenerationModel, list[int], str | None]:
@@ -68,4 +70,6 @@ def load_generation(path: str | Path) -> tuple[GenerationModel, list[int], str |
                                 described.get("speculative_tokens", 0))
     tokenizer = str(root / TOKENIZER_DIR) if described["tokenizer"] else None
     model = GenerationModel(compiled, buckets, described["vocab_size"], plan, described.get("weight_bytes"))
+    if described.get("draft"):
+        model.draft = load_generation(root / described["draft"])[0]
     return model, described["eos_token_ids"], tokenizer

@@ -169,10 +169,22 @@ def check_draft(lm: torch.nn.Module, draft: torch.nn.Module, prefix_caching: boo
 
 
 def _from_artifact(config: ModelConfig, base_dir: str | Path | None) -> tuple[GenerationModel, list[int], Any]:
-    from .artifact import load_generation  # noqa: PLC0415
+    from .artifact import DRAFT_DIR, load_generation  # noqa: PLC0415
 
     path = _under(base_dir, config.model.artifact)
     model, eos, tokenizer_dir = load_generation(path)
+    spec = config.generation.speculative_config if config.generation else None
+    if spec is not None and spec.method == "draft_model":
+        if model.draft is None:
+            raise ArtifactError(f"generation.speculative_config.model: {path} was built without a draft model; "
+                                f"rebuild it from a model.yaml with this speculative_config, or use method ngram.")
+        named, carried = Path(_under(base_dir, spec.model)).resolve(), (Path(path) / DRAFT_DIR).resolve()
+        if named != carried:
+            raise ArtifactError(f"generation.speculative_config.model: {path} carries its draft, compiled, in "
+                                f"{carried}; name that folder, not {named} (or rebuild the artifact with this draft).")
+    elif model.draft is not None:
+        raise ArtifactError(f"generation.speculative_config: {path} was built with a draft model; serve it with the "
+                            f"speculative_config it was built with (the artifact's own model.yaml), or rebuild it.")
     given = config.generation.model_dump(exclude_unset=True) if config.generation else {}
     built = {**model.buckets.describe(), "tensor_parallel_size": model.tensor_parallel_size}
     differ = sorted(k for k in built if k in given and given[k] != built[k])
@@ -201,9 +213,6 @@ def build_engine(config: ModelConfig, base_dir: str | Path | None = None, *, rep
         raise ConfigError(f"task: {config.name} is a task: {config.task} model; build_engine serves task: generate.")
     settings = config.generation or GenerationSettings()
     if config.model.artifact is not None:
-        if settings.speculative_config is not None and settings.speculative_config.method == "draft_model":
-            raise ConfigError("generation.speculative_config.model: an artifact holds no draft model; serve the "
-                              "model.yaml it was built from, or use method ngram.")
         model, eos, tokenizer = _from_artifact(config, base_dir)
     else:
         model, eos, tokenizer = compile_from_config(config, base_dir)

@@ -172,3 +172,68 @@ def test_build_of_a_tensor_parallel_model_records_its_split(tmp_path):
     assert split["weights"]["lm.model.layers.0.self_attn.o_proj.weight"] == [None, "tp"]
     served = (tmp_path / "built" / "model.yaml").read_text()
     assert "tensor_parallel_size: 2" in served and "cores_per_replica: 2" in served
+
+
+SPECULATIVE_YAML = """\
+name: spec-llm
+task: generate
+model:
+  pretrained: target
+generation:
+  max_num_seqs: 2
+  max_model_len: 32
+  prefill_buckets: [32]
+  decode_batch_buckets: [2]
+  decode_context_buckets: [32]
+  decode_steps: 2
+  speculative_config:
+    model: draft-lm
+    num_speculative_tokens: 2
+"""
+
+
+def test_analyze_and_build_carry_every_model_family_and_the_draft(tmp_path):
+    from prometheus_client import REGISTRY  # noqa: PLC0415
+
+    target = gm.build("llama")
+    target.save_pretrained(tmp_path / "target")
+    target.save_pretrained(tmp_path / "draft-lm")  # a draft that agrees: every proposal is accepted
+    (tmp_path / "spec.yaml").write_text(SPECULATIVE_YAML)
+    done = _cli("analyze", tmp_path / "spec.yaml")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    # The verify model, the multi-step decode, and the draft's own (its decode runs k + 1 steps a call).
+    assert list(report) == ["prefill_32", "decode_2x32", "decode_2x32_steps2", "verify_2x32_tokens3",
+                            "draft_prefill_32", "draft_decode_2x32", "draft_decode_2x32_steps3"]
+    writes = {label: form["supported_operators"]["aten"]["aten::index_put"] for label, form in report.items()}
+    assert writes["decode_2x32"] == 4 and writes["decode_2x32_steps2"] == 8 and writes["draft_decode_2x32_steps3"] == 12
+
+    out = tmp_path / "built"
+    built = _cli("build", tmp_path / "spec.yaml", "-o", out)
+    assert built.returncode == 0, built.stderr
+    assert (out / "draft" / "manifest.json").is_file()
+    config, folder = load_deployment(out)
+    assert config.generation.speculative_config.model == "draft"
+    engine = build_engine(config, folder)
+    try:
+        prompt = [5, 9, 200, 17, 3]
+        done = engine.generate_batch([prompt], SamplingParams(max_tokens=10, temperature=0), timeout=120)
+        assert done[0].tokens == gm.eager_greedy(target, prompt, 10)
+        drafted = REGISTRY.get_sample_value("neuron_serve_spec_decode_num_draft_tokens_total",
+                                            {"model_name": "spec-llm", "replica": "0"})
+        assert drafted > 0
+    finally:
+        engine.close()
+    # The artifact's draft is its own: another folder, or none asked for, is refused by field.
+    for generation, message in [
+            ("  speculative_config: {model: draft-lm, num_speculative_tokens: 2}\n",
+             rf"^generation\.speculative_config\.model: {out} carries its draft, compiled, in {out / 'draft'}; name "
+             rf"that folder, not {tmp_path / 'draft-lm'} \(or rebuild the artifact with this draft\)\.$"),
+            ("  max_num_seqs: 2\n",
+             rf"^generation\.speculative_config: {out} was built with a draft model; serve it with the "
+             r"speculative_config it was built with \(the artifact's own model.yaml\), or rebuild it\.$")]:
+        other = tmp_path / "other.yaml"
+        other.write_text(f"name: spec-llm\ntask: generate\nmodel:\n  artifact: built\ngeneration:\n{generation}")
+        changed, folder = load_deployment(other)
+        with pytest.raises(ArtifactError, match=message):
+            build_engine(changed, folder)
