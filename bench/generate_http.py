@@ -73,7 +73,8 @@ REQUEST_TIMEOUT_S = 600
 
 # -- the workload --
 
-def make_workload(tokenizer, count: int, seed: int = 0) -> list[dict]:
+def make_workload(tokenizer, count: int, seed: int = 0, prompt_tokens: tuple[int, int] = PROMPT_TOKENS,
+                  new_tokens: tuple[int, int] = NEW_TOKENS) -> list[dict]:
     """``count`` requests: text prompts of an exact token length under ``tokenizer``, and max_tokens."""
     rng = random.Random(seed)
     special = set(tokenizer.all_special_ids)
@@ -81,7 +82,7 @@ def make_workload(tokenizer, count: int, seed: int = 0) -> list[dict]:
              and (t := tokenizer.decode([i])).strip() and t.isascii() and t.isprintable()]
     requests = []
     for _ in range(count):
-        n, new = rng.randint(*PROMPT_TOKENS), rng.randint(*NEW_TOKENS)
+        n, new = rng.randint(*prompt_tokens), rng.randint(*new_tokens)
         ids = [rng.choice(words) for _ in range(n)]
         for _ in range(20):  # decode and encode again until the text is n tokens
             text = tokenizer.decode(ids)

@@ -21,7 +21,9 @@ against the LLM example served, exiting non-zero on any errored request) adds gu
 guidellm.json; prefix caching (bench/prefix_caching.py: time to first token of prompts sharing
 a 300-token prefix, served with and without caching) adds prefix_caching.md and
 prefix_caching.json; speculative decoding (bench/speculative.py: n-gram proposals on a
-repetitive workload, served with and without) adds speculative.md and speculative.json.
+repetitive workload, served with and without) adds speculative.md and speculative.json; long
+prompts (bench/prefill.py: a prefill against eager transformers' forward in process, and time
+to first token at one stream served beside transformers serve) adds prefill.md and prefill.json.
 """
 
 from __future__ import annotations
@@ -239,6 +241,11 @@ def run_speculative(quick: bool, out: Path, log) -> str | None:
     return _run_module("speculative", quick, out, log, "speculative decoding (two servers in turn)", 2400)
 
 
+def run_prefill(quick: bool, out: Path, log) -> str | None:
+    """bench/prefill.py (in process, then neuron-serve and transformers serve in turn)."""
+    return _run_module("prefill", quick, out, log, "long prompts' time to first token (two servers in turn)", 2400)
+
+
 def run_guidellm(quick: bool, out: Path, log) -> str | None:
     """bench/guidellm.py (it serves the LLM example itself): its Markdown table, errors counted in it."""
     return _run_module("guidellm", quick, out, log, "guidellm against the LLM example (neuron-serve compiles first)",
@@ -282,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     openai_fields = None if args.no_generate else run_openai_fields(args.quick, out, log)
     prefix_caching = None if args.no_generate else run_prefix_caching(args.quick, out, log)
     speculation = None if args.no_generate else run_speculative(args.quick, out, log)
+    prefill = None if args.no_generate else run_prefill(args.quick, out, log)
     guidellm = None if args.no_guidellm else run_guidellm(args.quick, out, log)
 
     targets = report.target_rows(rows)
@@ -314,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         sections += ["", prefix_caching.strip()]
     if speculation:
         sections += ["", speculation.strip()]
+    if prefill:
+        sections += ["", prefill.strip()]
     if guidellm:
         sections += ["", guidellm.strip()]
     markdown = "\n".join(sections) + "\n"
