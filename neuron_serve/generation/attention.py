@@ -12,9 +12,12 @@ compile, and only for architectures whose eager attention is exactly this comput
 A prefill's attention is causal over the prompt's own keys, so half of its scores are
 masked out. Given ``prefill_blocks`` n, its query rows go in n blocks, block i against
 the keys of blocks 0..i only: the scores it skips are all masked, so the output is the
-same with (n + 1) / 2n of the products. On one XLA:CPU thread a 480-token prompt of a
-4-layer Qwen2 (512 bucket) took 11.7 ms where it took 14.3 (8 blocks: no better; a
-128 bucket: no gain).
+same with (n + 1) / 2n of the products. This is for a core that computes one operation
+at a time (a NeuronCore, or an emulated one on one XLA:CPU thread): there a 480-token
+prompt of a 4-layer Qwen2 (512 bucket) took 12.0 ms where it took 14.0, a 310-token one
+8.3 where 9.8 (8 blocks: no better; a 128 bucket: no gain). Where XLA:CPU splits each
+operation over 2 threads, the smaller products lost (9.1 to 9.5 ms, 6.0 to 7.0), so
+there a prefill attends whole.
 """
 
 from __future__ import annotations
@@ -73,6 +76,13 @@ def _grouped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attent
 def applies(lm: torch.nn.Module) -> bool:
     """Whether ``lm``'s eager attention is Llama's (with as many key/value heads as query heads, or fewer)."""
     return getattr(lm.config, "model_type", None) in SAME_AS_LLAMA
+
+
+def prefill_blocks() -> int:
+    """The blocks a prefill attends in on this process's cores (see the module docstring); 0: whole."""
+    from ..targets.pjrt import computes_in_sequence  # noqa: PLC0415
+
+    return PREFILL_BLOCKS if computes_in_sequence() else 0
 
 
 def in_use(lm: torch.nn.Module) -> bool:

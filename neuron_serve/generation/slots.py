@@ -173,7 +173,7 @@ class SlotLM(torch.nn.Module):
         mask = torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
         cache = SlotCache(caches[0::2], caches[1::2], slots, positions, self.context, by_slot=self.extend)
         # A prefill attends causally to its own keys only: skip the masked blocks (attention.py).
-        blocks = {"prefill_blocks": attention.PREFILL_BLOCKS} \
+        blocks = {"prefill_blocks": attention.prefill_blocks()} \
             if self.context is None and attention.in_use(self.lm) else {}
         out = self.lm(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
                       logits_to_keep=0 if last is None else last, **{self.kwarg: cache}, **blocks)

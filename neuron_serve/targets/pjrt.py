@@ -15,6 +15,7 @@ from typing import Any
 logger = logging.getLogger("neuron_serve")
 
 DEFAULT_EMULATED_CORES = 1
+_pool_threads: int | None = None  # XLA:CPU's compute threads, when start_emulated_cores_on_threads chose them
 
 
 def neuron_devices_present() -> bool:
@@ -58,7 +59,9 @@ def start_emulated_cores_on_threads(threads: int) -> bool:
     allowed = sorted(os.sched_getaffinity(0))
     if not emulated() or threads >= len(allowed) or torch_xla._XLAC._xla_runtime_is_initialized():
         return False
+    global _pool_threads
     os.sched_setaffinity(0, allowed[:threads])
+    _pool_threads = threads
     try:
         torch_xla.device(0)  # creates the PJRT client, and with it XLA:CPU's pools
     finally:
@@ -68,6 +71,16 @@ def start_emulated_cores_on_threads(threads: int) -> bool:
             except OSError:  # a thread that ended meanwhile
                 pass
     return True
+
+
+def computes_in_sequence() -> bool:
+    """Whether each core computes one operation at a time, on one thread: a NeuronCore does; an emulated
+    core does when XLA:CPU's pool has no more threads than there are cores (the replica's engine process),
+    not when one process's cores share every CPU of the host (``engine_for`` in a script)."""
+    if not emulated():
+        return True
+    threads = _pool_threads or len(os.sched_getaffinity(0))
+    return threads <= int(os.environ.get("CPU_NUM_DEVICES", DEFAULT_EMULATED_CORES))
 
 
 def use_device(device: Any) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import eager_attention_forward
@@ -10,6 +12,7 @@ import generation_models as gm
 from neuron_serve.generation import attention
 from neuron_serve.generation.buckets import GenerationBuckets
 from neuron_serve.generation.model import compile_generation
+from neuron_serve.targets import pjrt
 
 
 class _Module(torch.nn.Module):
@@ -52,6 +55,9 @@ def test_a_prefill_in_causal_blocks_equals_transformers_eager_attention(tokens, 
 
 
 def test_a_long_compiled_prefill_attends_in_blocks_and_gives_transformers_logits(monkeypatch):
+    # As in a replica's engine process: one XLA:CPU thread per core.
+    monkeypatch.setattr(pjrt, "_pool_threads", int(os.environ.get("CPU_NUM_DEVICES", "1")))
+    assert attention.prefill_blocks() == attention.PREFILL_BLOCKS
     blocks, grouped = [], attention.grouped_attention
 
     def counted(*args, **kwargs):
@@ -95,3 +101,8 @@ def test_grouped_attention_refuses_dropout():
     query, key = torch.zeros(1, 4, 1, 8), torch.zeros(1, 2, 3, 8)
     with pytest.raises(ValueError, match="eval mode only; got dropout=0.1"):
         attention.grouped_attention(_Module(2), query, key, key, None, scaling=1.0, dropout=0.1)
+
+
+def test_cores_sharing_every_cpu_attend_whole(monkeypatch):
+    monkeypatch.setattr(pjrt, "_pool_threads", int(os.environ.get("CPU_NUM_DEVICES", "1")) + 1)
+    assert attention.prefill_blocks() == 0
