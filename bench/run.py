@@ -237,8 +237,9 @@ def run_prefix_caching(quick: bool, out: Path, log) -> str | None:
 
 
 def run_speculative(quick: bool, out: Path, log) -> str | None:
-    """bench/speculative.py (it serves the same model without and with n-gram speculation, in turn)."""
-    return _run_module("speculative", quick, out, log, "speculative decoding (two servers in turn)", 2400)
+    """bench/speculative.py (n-gram, then a draft model: each serves its model without and with, in turn)."""
+    return _run_module("speculative", quick, out, log, "speculative decoding (n-gram, then a draft model: two servers "
+                       "each, in turn)", 3600)
 
 
 def run_prefill(quick: bool, out: Path, log) -> str | None:
