@@ -44,8 +44,10 @@ $(KSERVE_STAMP): $(KSERVE_REQS)
 kserve-client: $(KSERVE_STAMP)
 
 # The LLM example's model directory is made from local text first (llm-example).
+# exec: the server is make's own child, with no shell between, so the SIGTERM that make passes
+# on when it is stopped reaches it (make does not pass SIGINT on: Ctrl-C reaches both from the terminal).
 serve: $(STAMP) $(if $(findstring deployments/llm.yaml,$(EXAMPLE)),deployments/llm/config.json)
-	$(BIN)/neuron-serve deploy $(EXAMPLE)
+	exec $(BIN)/neuron-serve deploy $(EXAMPLE)
 
 # The LLM example's model and tokenizer (deployments/llm.yaml), made from local text.
 deployments/llm/config.json: deployments/example_models/make_llm.py | $(STAMP)
