@@ -15,7 +15,7 @@ KSERVE_VENV  := .venv-kserve
 KSERVE_STAMP := $(KSERVE_VENV)/.installed
 KSERVE_REQS  := tests/integration/kserve-requirements.txt
 
-.PHONY: install serve analyze test test-system-packages kserve-client bench bench-quick bench-latency bench-generate-http bench-guidellm soak llm-example docs
+.PHONY: install serve schema analyze test test-system-packages kserve-client bench bench-quick bench-latency bench-generate-http bench-guidellm soak llm-example docs
 
 # Serving needs only the base dependencies; the tests add their own extra.
 $(STAMP): pyproject.toml
@@ -54,6 +54,11 @@ deployments/llm/config.json: deployments/example_models/make_llm.py | $(STAMP)
 	$(BIN)/python deployments/example_models/make_llm.py deployments/llm
 
 llm-example: deployments/llm/config.json
+
+# model.schema.json from neuron_serve/config.py, and the model.yaml reference's table from it.
+schema: $(STAMP)
+	$(BIN)/python -c "import json; from neuron_serve.config import json_schema; print(json.dumps(json_schema(), indent=2))" > model.schema.json
+	$(BIN)/python docs/hooks.py
 
 # The documentation site (mkdocs.yml, docs/) on http://$(DOCS_ADDRESS), rebuilt as files change.
 docs: $(DOCS_STAMP)

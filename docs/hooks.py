@@ -1,8 +1,10 @@
 """MkDocs hooks: the pages written from the code, so they cannot drift from it.
 
-- ``<!-- model-yaml-reference -->`` (docs/reference/model-yaml.md) becomes a table of every
-  model.yaml field, from ``model.schema.json``: the JSON schema of neuron_serve/config.py's
-  pydantic models, which tests/unit/test_model_schema.py keeps equal to ``json_schema()``.
+- docs/reference/model-yaml.md holds a table of every model.yaml field, written into the
+  file (so the repository shows it too) from ``model.schema.json`` by ``python docs/hooks.py``
+  (``make schema`` regenerates both): the JSON schema of neuron_serve/config.py's pydantic
+  models, which tests/unit/test_model_schema.py keeps equal to ``json_schema()``, and the
+  table to the schema.
 - ``<!-- readme -->`` (docs/index.md) becomes README.md, its links into docs/ made relative
   to the site, so the front page and the README are one text.
 - ``<!-- python-api -->`` (docs/reference/api.md) becomes one mkdocstrings entry per public
@@ -21,7 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = ROOT / "model.schema.json"
 PACKAGE_INIT = ROOT / "neuron_serve" / "__init__.py"
-MODEL_YAML_MARKER = "<!-- model-yaml-reference -->"
+MODEL_YAML_PAGE = ROOT / "docs" / "reference" / "model-yaml.md"
+MODEL_YAML_BEGIN = "<!-- model-yaml-reference: written from model.schema.json by `make schema`; do not edit -->"
+MODEL_YAML_END = "<!-- end of model-yaml-reference -->"
 API_MARKER = "<!-- python-api -->"
 README_MARKER = "<!-- readme -->"
 
@@ -29,14 +33,19 @@ README_MARKER = "<!-- readme -->"
 def on_page_markdown(markdown: str, page, config, files) -> str:
     if README_MARKER in markdown:
         markdown = markdown.replace(README_MARKER, (ROOT / "README.md").read_text().replace("](docs/", "]("))
-    if MODEL_YAML_MARKER in markdown:
-        markdown = markdown.replace(MODEL_YAML_MARKER, model_yaml_reference(json.loads(SCHEMA.read_text())))
     if API_MARKER in markdown:
         markdown = markdown.replace(API_MARKER, api_entries(public_names(PACKAGE_INIT.read_text())))
     return markdown
 
 
 # -- model.yaml ----------------------------------------------------------------------------
+
+def with_reference(page: str, schema: dict) -> str:
+    """``page`` (model-yaml.md) with the table between its markers written from ``schema``."""
+    head, rest = page.split(MODEL_YAML_BEGIN, 1)
+    _, tail = rest.split(MODEL_YAML_END, 1)
+    return f"{head}{MODEL_YAML_BEGIN}\n\n{model_yaml_reference(schema).strip()}\n\n{MODEL_YAML_END}{tail}"
+
 
 def _ref_name(ref: str) -> str:
     return ref.rsplit("/", 1)[-1]
@@ -158,3 +167,7 @@ def api_entries(names: list[tuple[str, str]]) -> str:
                 "      show_root_heading: false",
                 "      show_root_toc_entry: false", ""]
     return "\n".join(out)
+
+
+if __name__ == "__main__":  # write the model.yaml reference into its page
+    MODEL_YAML_PAGE.write_text(with_reference(MODEL_YAML_PAGE.read_text(), json.loads(SCHEMA.read_text())))
