@@ -21,7 +21,7 @@ import pytest
 import torch
 from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc
 
-from neuron_serve.serve.oip_schema import MAX_ID_CHARS
+from neuron_serve.serve.protocols.oip_rest_schema import MAX_ID_CHARS
 
 sys.path.insert(0, str(Path(__file__).parent / "models"))
 import faulty  # noqa: E402

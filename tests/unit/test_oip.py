@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from tritonclient.utils import triton_to_np_dtype
 
 from neuron_serve.errors import ConfigError, InvalidInput, NeuronServeError
-from neuron_serve.serve import oip
-from neuron_serve.serve.oip import (
+from neuron_serve.serve.protocols import oip_rest
+from neuron_serve.serve.protocols.oip_rest import (
     DATATYPE_TO_TORCH,
     TORCH_TO_DATATYPE,
     InferInput,
@@ -24,7 +24,7 @@ from neuron_serve.serve.oip import (
     encode_infer_response,
     parse_infer_request,
 )
-from neuron_serve.serve.oip_types import datatype_itemsize
+from neuron_serve.serve.protocols.infer import datatype_itemsize
 
 DATATYPES = ["BOOL", "UINT8", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32", "FP64", "BF16"]
 HLEN = "Inference-Header-Content-Length"
@@ -342,8 +342,8 @@ def test_shape_over_max_elements_is_refused_before_allocation(monkeypatch):
     def no_tensor(*args, **kwargs):
         raise AssertionError("a tensor was built for a refused input")
 
-    monkeypatch.setattr(oip, "tensor_from_bytes", no_tensor)
-    monkeypatch.setattr(oip, "tensor_from_json", no_tensor)
+    monkeypatch.setattr(oip_rest, "tensor_from_bytes", no_tensor)
+    monkeypatch.setattr(oip_rest, "tensor_from_json", no_tensor)
     doc = {
         "inputs": [
             {
