@@ -308,6 +308,11 @@ def connect(address: str | None) -> bool:
         # shipper) takes the CPU from requests in flight. A cluster joined with --address
         # keeps its own setting.
         os.environ.setdefault(ray_constants.RAY_WORKER_NICENESS, "0")
+        # Ray starts its cluster with token authentication and warns that it chose that by
+        # default; a normal start prints no warning. (Setting RAY_AUTH_MODE here instead
+        # comes too late: Ray has read it at import, and its workers then fail to connect.)
+        logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
+            lambda record: not record.getMessage().startswith("Token authentication is enabled for this Ray cluster"))
         runtime_env = {"env_vars": {metrics.MULTIPROC_ENV: os.environ[metrics.MULTIPROC_ENV]}}
         if hook := ingress.worker_setup_hook():  # inherited by Serve's HAProxyManager actor
             runtime_env["worker_process_setup_hook"] = hook
