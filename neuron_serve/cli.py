@@ -158,7 +158,7 @@ def _deploy(args: argparse.Namespace) -> int:
 
     # Before Ray is imported: Ray Serve reads its ingress settings at import.
     chosen = ingress.configure(args.ingress, reserved_ports={p for p in (args.port, args.grpc_port) if p})
-    from .serve import auth, deployment, failure, grpc_port, haproxy_template, lifecycle  # noqa: PLC0415 - Ray is only needed to serve
+    from .serve import auth, cluster, deployment, failure, grpc_port, haproxy_template, lifecycle  # noqa: PLC0415 - Ray is only needed to serve
 
     configs = [load_deployment(path) for path in args.configs]
     if args.weights:
@@ -187,10 +187,10 @@ def _deploy(args: argparse.Namespace) -> int:
     grpc = None if args.no_grpc else grpc_port.options([c for c, _ in configs], host, args.grpc_port)
     if grpc and chosen == "haproxy":  # read by the HAProxy of a Ray started here (haproxy_template)
         os.environ[haproxy_template.GRPC_FRONT_ENV] = f"{grpc['host']}:{grpc['port']}"
-    started_here = deployment.connect(args.address)
+    started_here = cluster.connect(args.address)
     if grpc:
         grpc["front"] = grpc_port.front(started_here, chosen)
-    life = lifecycle.Lifecycle(deployment, drain_s=deployment.DRAIN_S)
+    life = lifecycle.Lifecycle(deployment, cluster, drain_s=deployment.DRAIN_S)
     if started_here:
         life.install()  # from here on a signal stops the start-up too
     try:
@@ -216,7 +216,7 @@ def _deploy(args: argparse.Namespace) -> int:
     if any(c.task == "generate" for c, _ in configs):
         print(f"OpenAI API on http://{host}:{port}/v1", file=sys.stderr)
     print(f"serving {', '.join(names)} on http://{host}:{port}/v2 (metrics: /metrics; ingress: {chosen}; "
-          f"Ray at {deployment.ray_address()})", file=sys.stderr, flush=True)
+          f"Ray at {cluster.ray_address()})", file=sys.stderr, flush=True)
     if started_here:
         # This process owns the Ray instance: serve until stopped, then drain.
         return life.serve_forever()
@@ -224,17 +224,17 @@ def _deploy(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from .serve import deployment  # noqa: PLC0415
+    from .serve import cluster, deployment  # noqa: PLC0415
 
-    deployment.connect(args.address or "auto")
+    cluster.connect(args.address or "auto")
     print(json.dumps(deployment.status(), indent=2))
     return 0
 
 
 def _shutdown(args: argparse.Namespace) -> int:
-    from .serve import deployment  # noqa: PLC0415
+    from .serve import cluster, deployment  # noqa: PLC0415
 
-    deployment.connect(args.address or "auto")
+    cluster.connect(args.address or "auto")
     deployment.shutdown(args.names or None)
     return 0
 

@@ -1,4 +1,4 @@
-"""Ray Serve deployments: where neuron-serve starts, joins and deploys to Ray.
+"""Ray Serve deployments: the replicas, and deploying and stopping models and the server app.
 
 Each model is its own Serve application at ``/v2/models/{name}`` (so requests go
 straight to its replicas); the ``neuron-serve`` application at ``/`` serves health,
@@ -12,13 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import subprocess
-import tempfile
 import time
 
 import ray
 from ray import serve
-from ray._private import ray_constants
 from ray.experimental import internal_kv
 
 from .. import metrics
@@ -28,15 +25,16 @@ from ..targets.pjrt import neuron_devices_present
 from ..errors import ConfigError
 from .dataplane import ModelDataPlane
 from . import auth, dataplane, failure, generate_deployment, grpc_port, grpc_service, ingress
+from . import cluster
+from .cluster import head_processes
 from .http import model_app, server_app
 
 logger = logging.getLogger("neuron_serve")
 
-SERVER_APP = grpc_port.NAMESPACE
+SERVER_APP = cluster.SERVER_APP
 NEURON_CORES = "neuron_cores"  # the Ray resource each replica asks for on Neuron clusters
 STATUS_TTL_S = 1.0
 HAPROXY_ADMIN_KEY = "haproxy-admin-socket"
-METRICS_DIR_KEY = "metrics-dir"
 # How long a stopping replica waits for the requests it holds (Serve's graceful shutdown).
 DRAIN_S = 30
 ONGOING_PER_CAPACITY = 8
@@ -269,59 +267,6 @@ def model_application(config: ModelConfig, base_dir: str | None, grpc: dict | No
     return ModelServer.options(**options).bind(config.model_dump(), base_dir, grpc)
 
 
-def _token_auth_if_available() -> None:
-    """Send Ray's cluster token when joining by address, as Ray does for "auto".
-
-    A local cluster started by ``ray.init()`` (as `neuron-serve deploy` does) requires
-    Ray's token (~/.ray/auth_token) since Ray 2.5x, but Ray only sends it by itself when
-    it finds the cluster with ``address="auto"``, so `status`/`shutdown --address`
-    would be refused. An explicit RAY_AUTH_MODE is respected.
-    """
-    try:  # the function Ray itself runs for address="auto"; absent in older Rays
-        from ray._private.authentication.authentication_token_setup import (  # noqa: PLC0415
-            maybe_enable_token_auth_if_token_available,
-        )
-    except ImportError:
-        return
-    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
-
-
-def connect(address: str | None) -> bool:
-    """Join the Ray cluster at ``address`` (or RAY_ADDRESS); else start one here.
-
-    Returns True when this process started Ray (and so must stay up to serve).
-    """
-    address = address or os.environ.get("RAY_ADDRESS")
-    if not ray.is_initialized():
-        if address:
-            _token_auth_if_available()
-            ray.init(address=address, namespace=SERVER_APP, logging_level=logging.WARNING)
-            # A model (re)deployed into a running server writes its metrics where the
-            # server app reads them: the directory the `deploy` that started it chose.
-            recorded = internal_kv._internal_kv_get(METRICS_DIR_KEY, namespace=SERVER_APP)  # noqa: SLF001
-            if recorded:
-                os.environ[metrics.MULTIPROC_ENV] = recorded.decode()
-            return False
-        os.environ[metrics.MULTIPROC_ENV] = tempfile.mkdtemp(prefix="neuron-serve-metrics-")
-        # Ray starts workers at niceness 15 so a laptop's other work comes first; here the
-        # replicas are the work, and at 15 any other process (a load generator, a log
-        # shipper) takes the CPU from requests in flight. A cluster joined with --address
-        # keeps its own setting.
-        os.environ.setdefault(ray_constants.RAY_WORKER_NICENESS, "0")
-        # Ray starts its cluster with token authentication and warns that it chose that by
-        # default; a normal start prints no warning. (Setting RAY_AUTH_MODE here instead
-        # comes too late: Ray has read it at import, and its workers then fail to connect.)
-        logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
-            lambda record: not record.getMessage().startswith("Token authentication is enabled for this Ray cluster"))
-        runtime_env = {"env_vars": {metrics.MULTIPROC_ENV: os.environ[metrics.MULTIPROC_ENV]}}
-        if hook := ingress.worker_setup_hook():  # inherited by Serve's HAProxyManager actor
-            runtime_env["worker_process_setup_hook"] = hook
-        ray.init(namespace=SERVER_APP, logging_level=logging.WARNING, runtime_env=runtime_env)
-        internal_kv._internal_kv_put(METRICS_DIR_KEY, os.environ[metrics.MULTIPROC_ENV], namespace=SERVER_APP)  # noqa: SLF001
-        return True
-    return False
-
-
 def deploy(configs: list[tuple[ModelConfig, str | None]], host: str, port: int, timeout_s: float = 1800,
            grpc: dict | None = None) -> dict[str, str]:
     """Deploy every model and the server app (with the gRPC service when ``grpc`` says
@@ -397,11 +342,6 @@ def server_application(configs: list[ModelConfig], grpc: dict | None = None):
     return Server.options(ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}}).bind(grpc)
 
 
-def ray_address() -> str:
-    """The address of the Ray cluster this process is connected to (for --address)."""
-    return ray.get_runtime_context().gcs_address
-
-
 def status() -> dict[str, dict]:
     apps = serve.status().applications
     return {name: {"status": str(app.status), "message": app.message} for name, app in apps.items()}
@@ -459,28 +399,6 @@ def _haproxy(step, progress) -> bool:
     except OSError as exc:  # HAProxy is gone already: nothing to drain there
         progress(f"HAProxy's admin socket did not answer ({exc})")
         return False
-
-
-def stop_ray() -> None:
-    """Stop the Ray instance this process started (or leave the one it joined)."""
-    ray.shutdown()
-
-
-def head_processes() -> list[tuple[str, subprocess.Popen]]:
-    """The GCS and raylet of the Ray instance this process started (none when it joined one)."""
-    node = ray._private.worker._global_node  # noqa: SLF001 - Ray keeps its node processes only here
-    if node is None or not node.head:
-        return []
-    wanted = (ray_constants.PROCESS_TYPE_GCS_SERVER, ray_constants.PROCESS_TYPE_RAYLET)
-    return [(kind, info.process) for kind in wanted for info in node.all_processes.get(kind, [])]
-
-
-def kill_head() -> None:
-    """Kill the processes of the Ray instance this process started, without asking the
-    GCS anything: it may be gone, and every call to it would wait for it (60 s)."""
-    node = ray._private.worker._global_node  # noqa: SLF001
-    if node is not None and node.head:
-        node.kill_all_processes(check_alive=False, allow_graceful=False, wait=False)
 
 
 # Builders for Serve config files (KubeRay RayService `import_path`s), which run the

@@ -38,13 +38,14 @@ def _say(message: str) -> None:
 class Lifecycle:
     """Signals and head watching for one `deploy` process; see the module docstring.
 
-    ``deployment`` is `neuron_serve.serve.deployment` (passed in, so that this module
-    never imports Ray). Install it before deploying, so a signal during start-up stops
+    ``deployment`` is `neuron_serve.serve.deployment` and ``cluster``
+    `neuron_serve.serve.cluster` (passed in, so that this module never imports Ray). Install it before deploying, so a signal during start-up stops
     the start-up too (`Interrupted`).
     """
 
-    def __init__(self, deployment: ModuleType, drain_s: float) -> None:
+    def __init__(self, deployment: ModuleType, cluster: ModuleType, drain_s: float) -> None:
         self.deployment = deployment
+        self.cluster = cluster
         self.drain_s = drain_s
         self.stop = threading.Event()
         self.signal_name: str | None = None
@@ -90,12 +91,12 @@ class Lifecycle:
         self.stop.set()  # the head watcher keeps watching: a head that dies now ends the wait
         _say(f"shutting down ({why}): draining in-flight requests, then stopping Ray Serve and Ray "
              f"(at most {limit:.0f} s)")
-        heads = self.deployment.head_processes()  # kept: Ray forgets them once it stops
+        heads = self.cluster.head_processes()  # kept: Ray forgets them once it stops
         try:
             self.deployment.shutdown(progress=self._progress)
             self._progress("stopping Ray")
             self.stopping_ray = True  # its processes end now, as they should
-            self.deployment.stop_ray()
+            self.cluster.stop_ray()
         except Exception as exc:
             # Raised out of here, the error would reach Ray's excepthook, which reports it
             # to the GCS: a GCS that a supervisor's signal to the whole group just ended
@@ -130,7 +131,7 @@ class Lifecycle:
         self._abort(EXIT_STOP_TIMEOUT)
 
     def _watch_head(self) -> None:
-        processes = self.deployment.head_processes()
+        processes = self.cluster.head_processes()
         while not self.stopping_ray:
             for kind, process in processes:
                 code = process.poll()
@@ -154,7 +155,7 @@ class Lifecycle:
 
     def _abort(self, code: int) -> NoReturn:
         try:
-            self.deployment.kill_head()
+            self.cluster.kill_head()
         finally:
             sys.stderr.flush()
             # os._exit: Ray's atexit hook would wait for the GCS that is gone.
