@@ -83,7 +83,7 @@ def in_process(calls: int) -> list[dict]:
     from neuron_serve.compile.subgraph import CompiledSubgraph  # noqa: PLC0415
     from neuron_serve.config import load_config  # noqa: PLC0415
     from neuron_serve.serve.protocols import oip_rest  # noqa: PLC0415
-    from neuron_serve.serve.dataplane import ModelDataPlane  # noqa: PLC0415
+    from neuron_serve.serve.infer.plane import ModelDataPlane  # noqa: PLC0415
 
     config = load_config(CONFIG)
     model = build(config, CONFIG.parent)

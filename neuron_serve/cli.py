@@ -154,11 +154,13 @@ def _build_generation(args: argparse.Namespace, config, served: dict, out: Path)
 
 
 def _deploy(args: argparse.Namespace) -> int:
-    from .serve import ingress  # noqa: PLC0415
+    from .serve.ray import ingress  # noqa: PLC0415
 
     # Before Ray is imported: Ray Serve reads its ingress settings at import.
     chosen = ingress.configure(args.ingress, reserved_ports={p for p in (args.port, args.grpc_port) if p})
-    from .serve import auth, cluster, deployment, failure, grpc_port, haproxy_template, lifecycle  # noqa: PLC0415 - Ray is only needed to serve
+    from .serve.http import auth  # noqa: PLC0415 - Ray is only needed to serve
+    from .serve.ray import cluster, deployment, failure, haproxy_template, lifecycle  # noqa: PLC0415 - Ray is only needed to serve
+    from .serve.grpc import port as grpc_port  # noqa: PLC0415 - Ray is only needed to serve
 
     configs = [load_deployment(path) for path in args.configs]
     if args.weights:
@@ -224,7 +226,7 @@ def _deploy(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from .serve import cluster, deployment  # noqa: PLC0415
+    from .serve.ray import cluster, deployment  # noqa: PLC0415
 
     cluster.connect(args.address or "auto")
     print(json.dumps(deployment.status(), indent=2))
@@ -232,7 +234,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _shutdown(args: argparse.Namespace) -> int:
-    from .serve import cluster, deployment  # noqa: PLC0415
+    from .serve.ray import cluster, deployment  # noqa: PLC0415
 
     cluster.connect(args.address or "auto")
     deployment.shutdown(args.names or None)

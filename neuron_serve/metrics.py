@@ -134,7 +134,7 @@ LAST_INFERENCE = Gauge(
 # Prometheus exporter (neuron-monitor-prometheus.py), so Neuron dashboards and the
 # CloudWatch agent read them; ``runtime_tag`` is the replica's process id, as
 # neuron-monitor tags runtimes, and ``emulated`` says whether the cores are XLA:CPU.
-# Sampled by neuron_serve.serve.neuron_monitor every NEURON_MONITOR_PERIOD_S seconds.
+# Sampled by neuron_serve.serve.infer.neuron_monitor every NEURON_MONITOR_PERIOD_S seconds.
 NEURON_LABELS = ["model", "replica", "runtime_tag", "emulated"]
 NEURONCORE_UTILIZATION = Gauge(
     "neuroncore_utilization_ratio", "NeuronCore utilization ratio (busy time over wall time in the last period)",

@@ -1,1 +1,1 @@
-"""Serving layers: protocol codecs, data plane, HTTP routes."""
+"""Serving: protocol codecs (protocols/), the infer and generate planes, HTTP and gRPC, and Ray (ray/)."""

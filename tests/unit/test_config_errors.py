@@ -6,7 +6,7 @@ import pytest
 
 from neuron_serve.config import AUTH_TOKEN_ENV, load_config, parse_config
 from neuron_serve.errors import ConfigError
-from neuron_serve.serve.auth import authorized, resolve_token
+from neuron_serve.serve.http.auth import authorized, resolve_token
 
 VALID = {
     "name": "mlp",

@@ -9,9 +9,10 @@ import pytest
 import generation_models as gm
 from neuron_serve.config import parse_config
 from neuron_serve.generation import engine_for
-from neuron_serve.serve import auth, generate_plane
-from neuron_serve.serve.generate_http import generate_app
-from neuron_serve.serve.generate_plane import GenerationPlane
+from neuron_serve.serve.http import auth
+from neuron_serve.serve.generate import plane as generate_plane
+from neuron_serve.serve.generate.http import generate_app
+from neuron_serve.serve.generate.plane import GenerationPlane
 
 TOKEN = "generate-test-token-0123456789"
 

@@ -20,7 +20,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from jinja2 import Environment
 from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc
 
-from neuron_serve.serve import auth, grpc_service, haproxy_template, ingress
+from neuron_serve.serve.http import auth
+from neuron_serve.serve.grpc import service as grpc_service
+from neuron_serve.serve.ray import haproxy_template, ingress
 
 TOKEN = "front-test-token-0123456789"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)

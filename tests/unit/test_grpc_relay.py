@@ -9,7 +9,8 @@ import grpc
 import pytest
 from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc
 
-from neuron_serve.serve import auth, grpc_service
+from neuron_serve.serve.http import auth
+from neuron_serve.serve.grpc import service as grpc_service
 
 TOKEN = "relay-test-token-0123456789"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)

@@ -386,7 +386,7 @@ def test_probes_hit_the_v2_health_endpoints_on_the_http_port(values, http_port):
         "readinessProbe": "/v2/health/ready",
     }
     # ...and they are routes the server really serves (the integration tests call them).
-    from neuron_serve.serve.http import server_app
+    from neuron_serve.serve.http.app import server_app
 
     async def no_models():
         return {}
@@ -810,7 +810,7 @@ def test_grpc_probes_ask_the_health_service():
                         "readinessProbe": (8001, "ready")}
     assert "httpGet" not in container["readinessProbe"]
     # ...answered by the server's grpc.health.v1 service (tests/integration/test_grpc.py calls it).
-    from neuron_serve.serve.grpc_service import HealthServicer
+    from neuron_serve.serve.grpc.service import HealthServicer
 
     assert {"ready", "live"} <= set(HealthServicer.LIVE + HealthServicer.READY)
 

@@ -11,12 +11,23 @@ PACKAGE = Path(__file__).resolve().parents[2] / "neuron_serve"
 COMPILER = ("neuron_serve.api", "neuron_serve.build", "neuron_serve.artifact", "neuron_serve.analyze",
             "neuron_serve.partition.plan", "neuron_serve.compile", "neuron_serve.report")
 
+INFER, GENERATE, GRPC, RAY = (f"neuron_serve.serve.{p}" for p in ("infer", "generate", "grpc", "ray"))
+SERVER_APP = "neuron_serve.serve.http.app"
+
 # module (or package) -> what it must not import
 RULES = {
     "neuron_serve.model": COMPILER + ("neuron_serve.runtime", "neuron_serve.serve"),
     "neuron_serve.runtime": COMPILER + ("neuron_serve.serve",),
-    "neuron_serve.serve.dataplane": COMPILER,
-    "neuron_serve.serve.http": COMPILER,
+    "neuron_serve.serve.infer": COMPILER + (GENERATE, GRPC, RAY, SERVER_APP),
+    "neuron_serve.serve.http": COMPILER + (RAY,),
+    # Below the planes: what every app shares.
+    "neuron_serve.serve.http.base": (INFER, GENERATE, GRPC, RAY),
+    "neuron_serve.serve.http.auth": (INFER, GENERATE, GRPC, RAY),
+    "neuron_serve.serve.http.disconnect": (INFER, GENERATE, GRPC, RAY),
+    "neuron_serve.serve.http.openai_routes": (INFER, GENERATE, GRPC, RAY),
+    # The codecs know no transport, plane nor orchestration.
+    "neuron_serve.serve.protocols": ("neuron_serve.serve.http", INFER, GENERATE, GRPC, RAY),
+    "neuron_serve.serve.grpc": COMPILER + (RAY, SERVER_APP),
     "neuron_serve.targets": COMPILER + ("neuron_serve.runtime", "neuron_serve.serve"),
     "neuron_serve.analyze": ("neuron_serve.api", "neuron_serve.build", "neuron_serve.partition",
                              "neuron_serve.report", "neuron_serve.runtime", "neuron_serve.serve"),
@@ -28,8 +39,8 @@ RULES = {
                                                     "neuron_serve.generation.model", "neuron_serve.serve"),
     "neuron_serve.generation.process": COMPILER + ("neuron_serve.generation.engine", "neuron_serve.generation.executor",
                                                    "neuron_serve.generation.model", "neuron_serve.serve"),
-    "neuron_serve.serve.generate_plane": COMPILER + ("neuron_serve.generation.engine",
-                                                     "neuron_serve.generation.executor", "neuron_serve.generation.model"),
+    "neuron_serve.serve.generate": COMPILER + ("neuron_serve.generation.engine", "neuron_serve.generation.executor",
+                                               "neuron_serve.generation.model", INFER, GRPC, RAY, SERVER_APP),
 }
 
 
@@ -74,6 +85,54 @@ def test_modules_import_only_downward(scope):
     assert broken == []
 
 
+def _module_graph() -> dict[str, set[str]]:
+    """Each module of the package -> the package's modules it imports (anywhere in it, functions too)."""
+    modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        for imported in _imports(path):
+            # "a.b.c.name" names a module or something in one: the longest module prefix is the edge
+            while imported and imported not in modules:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name and not modules[imported].name == "__init__.py":
+                edges.add(imported)
+        graph[name] = edges
+    return graph
+
+
+def test_no_module_imports_its_own_caller():
+    """No import cycles, counting imports inside functions (a hidden import is still a cycle)."""
+    graph = _module_graph()
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    assert cycles == []
+
+
 def test_nothing_but_the_cli_imports_the_report():
     importers = sorted({
         _module_name(path) for path in PACKAGE.rglob("*.py")
@@ -84,7 +143,7 @@ def test_nothing_but_the_cli_imports_the_report():
 
 
 def test_serving_a_built_model_loads_no_compiler_module():
-    code = ("import sys, neuron_serve.serve.http, neuron_serve.serve.dataplane, neuron_serve.runtime.runner; "
+    code = ("import sys, neuron_serve.serve.http.app, neuron_serve.serve.infer.http, neuron_serve.serve.infer.plane, neuron_serve.runtime.runner; "
             "print(sorted(m for m in sys.modules if m.startswith('neuron_serve')))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert [m for m in eval(loaded) if any(_under(m, c) for c in COMPILER)] == []
@@ -92,8 +151,8 @@ def test_serving_a_built_model_loads_no_compiler_module():
 
 def test_the_replicas_generate_path_loads_no_compiler_module_nor_torch_xla():
     """The replica talks to its engine processes through the protocol; the compile stack lives there."""
-    code = ("import sys, neuron_serve.generation.process, neuron_serve.serve.generate_plane, "
-            "neuron_serve.serve.generate_answers; "
+    code = ("import sys, neuron_serve.generation.process, neuron_serve.serve.generate.plane, "
+            "neuron_serve.serve.generate.answers; "
             "print(sorted(m for m in sys.modules if m.startswith(('neuron_serve', 'torch_xla', 'transformers'))))")
     loaded = eval(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert [m for m in loaded if any(_under(m, c) for c in COMPILER) or m.startswith(("torch_xla", "transformers"))

@@ -1,4 +1,4 @@
-"""Choosing the Ray Serve ingress before Ray starts (neuron_serve.serve.ingress)."""
+"""Choosing the Ray Serve ingress before Ray starts (neuron_serve.serve.ray.ingress)."""
 
 import socket
 import subprocess
@@ -7,11 +7,12 @@ import sys
 import pytest
 
 from neuron_serve.errors import ConfigError
-from neuron_serve.serve import ingress, ports
+from neuron_serve.serve.ray import ingress
+from neuron_serve.serve import ports
 
 SNIPPET = """
 import os
-from neuron_serve.serve import ingress
+from neuron_serve.serve.ray import ingress
 chosen = ingress.configure({kind!r})
 print(chosen, os.environ.get("RAY_SERVE_ENABLE_HA_PROXY"), os.environ.get("RAY_SERVE_THROUGHPUT_OPTIMIZED"))
 """
@@ -41,7 +42,7 @@ def test_unknown_ingress_names_the_choices():
 
 def test_haproxy_gets_its_own_stats_and_metrics_ports():
     # Two deployments on one machine must not both bind HAProxy's default 8404 and 9101.
-    snippet = ("import os\nfrom neuron_serve.serve import ingress\ningress.configure('haproxy')\n"
+    snippet = ("import os\nfrom neuron_serve.serve.ray import ingress\ningress.configure('haproxy')\n"
                "print(os.environ['RAY_SERVE_HAPROXY_STATS_PORT'], os.environ['RAY_SERVE_HAPROXY_METRICS_PORT'])")
     if not ingress.haproxy_binary():
         pytest.skip("no HAProxy binary here")
@@ -54,7 +55,7 @@ def test_haproxy_ports_avoid_the_deploys_own_ports():
     # ports are drawn; in a band of four ports with two reserved, HAProxy gets the other two.
     low = _free_run(4)
     band = (low, low + 4)
-    snippet = ("import os\nfrom neuron_serve.serve import ingress, ports\n"
+    snippet = ("import os\nfrom neuron_serve.serve import ports\nfrom neuron_serve.serve.ray import ingress\n"
                f"ports.BAND = {band}\ningress.configure('haproxy', reserved_ports={{{low}, {low + 1}}})\n"
                "print(os.environ['RAY_SERVE_HAPROXY_STATS_PORT'], os.environ['RAY_SERVE_HAPROXY_METRICS_PORT'])")
     if not ingress.haproxy_binary():
@@ -156,7 +157,7 @@ def test_the_template_hook_turns_serves_always_into_safe_and_routes_openai_and_g
     code = (
         "from ray.serve._private import haproxy_templates as t\n"
         "assert 'http-reuse always' in t.HAPROXY_CONFIG_TEMPLATE\n"
-        "from neuron_serve.serve import haproxy_template as h\n"
+        "from neuron_serve.serve.ray import haproxy_template as h\n"
         "h.patch()\n"
         "h.patch()\n"
         "from ray.serve._private import haproxy\n"
@@ -179,7 +180,7 @@ def test_openai_routes_go_to_the_one_generate_model(deployments, rewritten):
 
     from jinja2 import Environment
 
-    from neuron_serve.serve import haproxy_template
+    from neuron_serve.serve.ray import haproxy_template
 
     backends = [SimpleNamespace(ingress_deployment_name=d, path_prefix=f"/v2/models/{name}")
                 for d, name in zip(deployments, "ab")]

@@ -10,7 +10,7 @@ import torch
 from neuron_serve import metrics
 from neuron_serve.build import build
 from neuron_serve.config import build_model, parse_config
-from neuron_serve.serve.dataplane import ModelDataPlane
+from neuron_serve.serve.infer.plane import ModelDataPlane
 
 HERE = Path(__file__).resolve().parent
 

@@ -8,7 +8,7 @@ import torch
 
 from neuron_serve import metrics
 from neuron_serve.errors import InvalidInput
-from neuron_serve.serve.dataplane import ModelDataPlane
+from neuron_serve.serve.infer.plane import ModelDataPlane
 
 TOLERANCE = 1e-5
 

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 from tritonclient.grpc import service_pb2 as pb
 
-from neuron_serve.serve import grpc_service
-from neuron_serve.serve.dataplane import ModelDataPlane
+from neuron_serve.serve.grpc import service as grpc_service
+from neuron_serve.serve.infer.plane import ModelDataPlane
 from neuron_serve.serve.protocols import oip_rest
 
 TOLERANCE = 1e-5

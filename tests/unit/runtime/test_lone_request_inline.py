@@ -11,8 +11,8 @@ import torch
 
 from neuron_serve.runtime import runner as runner_module
 from neuron_serve.runtime.runner import ModelRunner
-from neuron_serve.serve import dataplane as dataplane_module
-from neuron_serve.serve.dataplane import ModelDataPlane
+from neuron_serve.serve.infer import plane as dataplane_module
+from neuron_serve.serve.infer.plane import ModelDataPlane
 
 TOLERANCE = 1e-5
 LOOP = "MainThread"  # asyncio.run runs the loop on the test's own thread

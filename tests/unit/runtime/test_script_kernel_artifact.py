@@ -16,7 +16,7 @@ import neuron_serve
 from neuron_serve.build import build
 from neuron_serve.config import parse_config
 from neuron_serve.runtime.runner import ModelRunner
-from neuron_serve.serve.dataplane import ModelDataPlane
+from neuron_serve.serve.infer.plane import ModelDataPlane
 
 TOLERANCE = 1e-5
 

@@ -19,8 +19,8 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..config import AUTH_TOKEN_ENV, MIN_TOKEN_LENGTH, ModelConfig
-from ..errors import ConfigError
+from ...config import AUTH_TOKEN_ENV, MIN_TOKEN_LENGTH, ModelConfig
+from ...errors import ConfigError
 
 OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
 CHALLENGE = {"WWW-Authenticate": 'Bearer realm="neuron-serve"'}

@@ -18,16 +18,20 @@ import ray
 from ray import serve
 from ray.experimental import internal_kv
 
-from .. import metrics
-from ..compile.cache import CACHE_ENV
-from ..config import ModelConfig, parse_config
-from ..targets.pjrt import neuron_devices_present
-from ..errors import ConfigError
-from .dataplane import ModelDataPlane
-from . import auth, dataplane, failure, generate_deployment, grpc_port, grpc_service, ingress
+from ... import metrics
+from ...compile.cache import CACHE_ENV
+from ...config import ModelConfig, parse_config
+from ...targets.pjrt import neuron_devices_present
+from ...errors import ConfigError
+from ..infer.plane import ModelDataPlane
+from ..http import auth
+from ..infer import plane as dataplane
+from . import failure, generate_deployment, ingress
+from ..grpc import port as grpc_port, service as grpc_service
 from . import cluster
 from .cluster import head_processes
-from .http import model_app, server_app
+from ..http.app import server_app
+from ..infer.http import model_app
 
 logger = logging.getLogger("neuron_serve")
 
@@ -103,7 +107,7 @@ class ModelServer:
 
 
 def _build_plane(config: ModelConfig, base_dir: str | None, replica: str) -> ModelDataPlane:
-    from ..build import build  # noqa: PLC0415 - the compiler is loaded by replicas only
+    from ...build import build  # noqa: PLC0415 - the compiler is loaded by replicas only
 
     return ModelDataPlane(config, build(config, base_dir), replica)
 
@@ -406,18 +410,18 @@ def _haproxy(step, progress) -> bool:
 
 
 def build_model_app(args: dict):
-    """``neuron_serve.serve.deployment:build_model_app`` with ``{"config": "model.yaml"}``."""
-    from ..config import load_deployment  # noqa: PLC0415
+    """``neuron_serve.serve.ray.deployment:build_model_app`` with ``{"config": "model.yaml"}``."""
+    from ...config import load_deployment  # noqa: PLC0415
 
     return model_application(*load_deployment(args["config"]))
 
 
 def build_server_app(args: dict | None = None):
-    """``neuron_serve.serve.deployment:build_server_app``: health, metadata, metrics.
+    """``neuron_serve.serve.ray.deployment:build_server_app``: health, metadata, metrics.
 
     ``{"configs": ["a/model.yaml", ...]}`` names the models served beside it, whose
     bearer token the server app then requires too (as `neuron-serve deploy` does).
     """
-    from ..config import load_deployment  # noqa: PLC0415
+    from ...config import load_deployment  # noqa: PLC0415
 
     return server_application([load_deployment(path)[0] for path in (args or {}).get("configs", [])])

@@ -26,8 +26,8 @@ import time
 from collections.abc import Collection
 from pathlib import Path
 
-from ..errors import ConfigError
-from .ports import free_port  # HAProxy binds 0.0.0.0: free on every interface
+from ...errors import ConfigError
+from ..ports import free_port  # HAProxy binds 0.0.0.0: free on every interface
 
 INGRESS_CHOICES = ("auto", "haproxy", "proxy")
 HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}

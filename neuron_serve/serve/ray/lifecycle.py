@@ -38,8 +38,8 @@ def _say(message: str) -> None:
 class Lifecycle:
     """Signals and head watching for one `deploy` process; see the module docstring.
 
-    ``deployment`` is `neuron_serve.serve.deployment` and ``cluster``
-    `neuron_serve.serve.cluster` (passed in, so that this module never imports Ray). Install it before deploying, so a signal during start-up stops
+    ``deployment`` is `neuron_serve.serve.ray.deployment` and ``cluster``
+    `neuron_serve.serve.ray.cluster` (passed in, so that this module never imports Ray). Install it before deploying, so a signal during start-up stops
     the start-up too (`Interrupted`).
     """
 

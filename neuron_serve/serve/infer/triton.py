@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client import multiprocess
 
-from .. import metrics
-from ..config import ModelConfig
+from ... import metrics
+from ...config import ModelConfig
 
 EXTENSIONS = ["binary_tensor_data", "generate", "model_configuration", "statistics"]
 DURATION_STATS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")

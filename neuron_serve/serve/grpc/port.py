@@ -18,7 +18,7 @@ from typing import Any
 import ray
 from ray.experimental import internal_kv
 
-from ..config import ModelConfig
+from ...config import ModelConfig
 
 NAMESPACE = "neuron-serve"  # the deployment's Ray namespace (deployment.SERVER_APP)
 LISTENING_KEY = "grpc-server-app-listening"
@@ -45,7 +45,7 @@ async def start_for_replica(options: dict, model_states, call_model, model: str 
     """Start this replica's share of the gRPC service: (its server, its relay or None, the key to
     unregister). Behind HAProxy, a listener HAProxy sends calls to (``model``'s, or with None the
     server app's); else ``model``'s calls on the shared port, with a private port for relays."""
-    from . import grpc_service  # noqa: PLC0415
+    from . import service as grpc_service  # noqa: PLC0415
 
     if options.get("front"):
         server, port = await grpc_service.start_behind_haproxy(options["max_message_bytes"], model_states,

@@ -18,17 +18,17 @@ from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 
-from .. import metrics
-from ..version import __version__
-from ..config import ModelConfig
-from ..errors import InvalidInput, NeuronServeError
-from ..model import CompiledModel
-from ..runtime.batcher import DynamicBatcher
-from ..runtime.runner import ModelRunner
-from ..targets.pjrt import emulated
-from .protocols import oip_rest
-from .protocols.infer import TORCH_TO_DATATYPE, InferRequest, InferResponse, TensorSpec, check_inputs, select_outputs
-from . import triton_ext
+from ... import metrics
+from ...version import __version__
+from ...config import ModelConfig
+from ...errors import InvalidInput, NeuronServeError
+from ...model import CompiledModel
+from ...runtime.batcher import DynamicBatcher
+from ...runtime.runner import ModelRunner
+from ...targets.pjrt import emulated
+from ..protocols import oip_rest
+from ..protocols.infer import TORCH_TO_DATATYPE, InferRequest, InferResponse, TensorSpec, check_inputs, select_outputs
+from . import triton as triton_ext
 from .neuron_monitor import CoreMonitor
 
 logger = logging.getLogger("neuron_serve")

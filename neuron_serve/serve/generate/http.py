@@ -12,13 +12,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..errors import ModelNotReady
-from . import generate_plane
-from .disconnect import ClientGone, unless_disconnected
-from .generate_answers import Answer, infer_refused, openai_answer, generate_answer, openai_error
-from .generate_plane import GenerationPlane
-from .http import model_base_app, read_body
-from .protocols import openai
+from ...errors import ModelNotReady
+from . import plane as generate_plane
+from ..http.disconnect import ClientGone, unless_disconnected
+from .answers import Answer, infer_refused, openai_answer, generate_answer, openai_error
+from .plane import GenerationPlane
+from ..http.base import model_base_app, read_body
+from ..protocols import openai
 
 
 def to_response(answer: Answer) -> Response:

@@ -42,11 +42,12 @@ from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import model_config_pb2, service_pb2 as pb, service_pb2_grpc
 
-from .. import __version__, metrics
-from ..errors import ModelNotFound, ModelNotReady, NeuronServeError
-from . import auth, triton_ext
-from .grpc_h1 import GrpcOverH1
-from .protocols import oip_grpc
+from ... import __version__, metrics
+from ...errors import ModelNotFound, ModelNotReady, NeuronServeError
+from ..http import auth
+from ..infer import triton as triton_ext
+from .h1 import GrpcOverH1
+from ..protocols import oip_grpc
 
 SERVED_VERSION = "1"  # the one version of each model (dataplane's metadata lists it)
 

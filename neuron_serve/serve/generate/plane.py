@@ -16,16 +16,16 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
-from .. import metrics
-from ..config import ModelConfig
-from ..errors import InvalidInput, ModelNotReady, NeuronServeError, RequestTimeout
-from ..generation.protocol import Streams, TokenEvent
-from ..generation.sampling import SamplingParams
-from ..generation.settings import GenerationSettings
-from ..generation.text import IncrementalText
-from ..targets.pjrt import emulated
-from ..version import __version__
-from ..generation.mailbox import Mailbox
+from ... import metrics
+from ...config import ModelConfig
+from ...errors import InvalidInput, ModelNotReady, NeuronServeError, RequestTimeout
+from ...generation.protocol import Streams, TokenEvent
+from ...generation.sampling import SamplingParams
+from ...generation.settings import GenerationSettings
+from ...generation.text import IncrementalText
+from ...targets.pjrt import emulated
+from ...version import __version__
+from ...generation.mailbox import Mailbox
 
 logger = logging.getLogger("neuron_serve")
 
@@ -174,7 +174,7 @@ class GenerationPlane:
     def check_constraint(self, constraint: Any) -> None:
         """Compile a structured-output constraint here too, so one the library refuses is the request's 400 (the
         engine compiles it again, in its process)."""
-        from ..generation.structured import Grammars  # noqa: PLC0415 - only structured requests need xgrammar
+        from ...generation.structured import Grammars  # noqa: PLC0415 - only structured requests need xgrammar
 
         tokenizer = self._need_tokenizer("a structured output")
         if self._grammars is None:

@@ -16,8 +16,9 @@ import ray
 from ray._private import ray_constants
 from ray.experimental import internal_kv
 
-from .. import metrics
-from . import grpc_port, ingress
+from ... import metrics
+from ..grpc import port as grpc_port
+from . import ingress
 
 SERVER_APP = grpc_port.NAMESPACE
 METRICS_DIR_KEY = "metrics-dir"

@@ -16,8 +16,9 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from .base import read_body
 from .disconnect import ClientGone, unless_disconnected
-from .protocols import openai
+from ..protocols import openai
 
 States = Callable[[], Awaitable[dict[str, str]]]
 
@@ -52,7 +53,6 @@ def install(app: FastAPI, model_states: States, generate_states: States,
             describe: Callable[[str], Awaitable[dict]] | None = None) -> None:
     """Add ``GET /v1/models`` and the two generation routes to the server app; ``describe(name)`` gives a
     model's fields beyond its id."""
-    from .http import read_body  # noqa: PLC0415 - http installs these routes
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

@@ -132,7 +132,7 @@ def _grpc_front(_config: Any) -> GrpcFront | None:
     where = os.environ.get(GRPC_FRONT_ENV)
     if not where:
         return None
-    from . import grpc_port  # noqa: PLC0415 - Ray is loaded in the process that renders
+    from ..grpc import port as grpc_port  # noqa: PLC0415 - Ray is loaded in the process that renders
 
     host, _, port = where.rpartition(":")
     return GrpcFront(host, int(port), grpc_port.h1_ports())
@@ -147,7 +147,7 @@ def patched(template: str) -> str:
         if section not in template:
             if anchor not in template:
                 raise RuntimeError(f"Ray Serve's HAProxy template has changed: no {what}; update "
-                                   f"neuron_serve/serve/haproxy_template.py")
+                                   f"neuron_serve/serve/ray/haproxy_template.py")
             template = template.replace(anchor, section + anchor, 1)
     return template
 

@@ -15,12 +15,12 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Literal
 
-from ..errors import InvalidInput, NeuronServeError
-from ..generation.sampling import SamplingParams
-from ..generation.structured import Constraint
-from .generate_plane import GenerationPlane, Piece
-from .protocols import oip_generate, openai
-from .protocols.openai_tools import Reader, ToolChoice
+from ...errors import InvalidInput, NeuronServeError
+from ...generation.sampling import SamplingParams
+from ...generation.structured import Constraint
+from .plane import GenerationPlane, Piece
+from ..protocols import oip_generate, openai
+from ..protocols.openai_tools import Reader, ToolChoice
 
 JSON = {"content-type": "application/json"}
 EVENTS = {"content-type": "text/event-stream", "cache-control": "no-cache", "x-accel-buffering": "no"}

@@ -19,13 +19,14 @@ from typing import AsyncIterator
 
 from ray import serve
 
-from ..config import ModelConfig, parse_config
-from ..generation.settings import GenerationSettings
-from ..errors import ModelNotReady
-from . import auth, generate_plane
-from .generate_answers import openai_answer, openai_error
-from .generate_http import generate_app
-from .generate_plane import GenerationPlane
+from ...config import ModelConfig, parse_config
+from ...generation.settings import GenerationSettings
+from ...errors import ModelNotReady
+from ..http import auth
+from ..generate import plane as generate_plane
+from ..generate.answers import openai_answer, openai_error
+from ..generate.http import generate_app
+from ..generate.plane import GenerationPlane
 
 DEPLOYMENT = "generate"  # the deployment name tells the server app which applications generate
 DRAIN_S = 30
@@ -93,7 +94,7 @@ class GenerateServer:
 
 def build_plane(config: ModelConfig, base_dir: str | None, replica: str) -> GenerationPlane:
     """The replica's plane over its engines, which run in a process of their own (generation/process.py)."""
-    from ..generation.process import start_engines  # noqa: PLC0415
+    from ...generation.process import start_engines  # noqa: PLC0415
 
     settings = config.generation or GenerationSettings()
     engines = start_engines(config.model_dump(mode="json", exclude_unset=True), base_dir, replica,

@@ -15,8 +15,8 @@ import threading
 
 import numpy as np
 
-from .. import metrics
-from ..runtime.cores import Core
+from ... import metrics
+from ...runtime.cores import Core
 
 PERIOD_S = 1.0
 PERCENTILES = {"p0": 0, "p1": 1, "p25": 25, "p50": 50, "p75": 75, "p99": 99, "p100": 100}  # neuron-monitor's

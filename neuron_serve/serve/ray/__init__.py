@@ -1,0 +1,1 @@
+"""Ray: the replicas and their deployments, deploy's cluster, its ingress, and how it stops."""
