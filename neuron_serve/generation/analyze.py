@@ -21,10 +21,9 @@ from ..config import ModelConfig, _under
 from ..targets import get_target
 from . import tensor_parallel
 from .build import DRAFT_FIELD, _pretrained, load_lm
-from .buckets import kv_cache_bytes
 from .model import _example, shapes_of
 from .settings import GenerationSettings
-from .slots import SlotLM
+from .slots import SlotLM, kv_cache_bytes
 
 
 class Form(NamedTuple):

@@ -1,4 +1,4 @@
-"""Which generation models are compiled, and whether their cache fits on a core.
+"""Which generation models are compiled: prefill and decode buckets and their defaults.
 
 Prefill models are compiled per prompt-length bucket, decode models per (running
 sequences x context length) bucket, as vLLM on Neuron and NxD Inference bucket
@@ -25,7 +25,7 @@ k + 1 tokens a row (the last token and k proposals), the logits of every one ret
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 from ..errors import ConfigError
 
@@ -138,34 +138,3 @@ class GenerationBuckets:
                 "decode_context_buckets": self.decode_context,
                 "decode_steps": self.decode_steps, "enable_prefix_caching": self.prefix_caching,
                 "speculative_tokens": self.speculative_tokens}
-
-
-def kv_cache_bytes(config, slots: int, positions: int, dtype_bytes: int) -> int:
-    """Bytes of the keys and values of ``slots`` x ``positions`` for a transformers config."""
-    from .slots import cache_shape  # noqa: PLC0415 - slots imports torch models; keep this module light
-
-    s, p, heads, head_dim = cache_shape(config, slots, positions)
-    return 2 * config.num_hidden_layers * s * p * heads * head_dim * dtype_bytes
-
-
-def check_fits(config, buckets: GenerationBuckets, weight_bytes: int, dtype_bytes: int, core_bytes: int,
-               field_prefix: str = "generation.", cache_share: int = 1,
-               needs: Callable[[], int | None] | None = None) -> int:
-    """Refuse a cache that does not fit next to the weights on one core; returns one core's cache bytes.
-
-    ``weight_bytes`` is what one core holds of the weights and ``cache_share`` how many
-    cores split the cache (tensor parallelism); ``needs()`` is the smallest
-    tensor_parallel_size at which the model would fit, named in the refusal."""
-    cache = kv_cache_bytes(config, buckets.max_num_seqs, buckets.max_model_len, dtype_bytes) // cache_share
-    if weight_bytes + cache <= core_bytes:
-        return cache
-    per_slot = kv_cache_bytes(config, 1, buckets.max_model_len, dtype_bytes) // cache_share
-    fit = max(0, (core_bytes - weight_bytes) // per_slot)
-    more = needs() if needs is not None else None
-    split = (f", or split the model over {more} cores with {field_prefix}tensor_parallel_size: {more}"
-             if more else "")
-    raise ConfigError(
-        f"{field_prefix}max_num_seqs: {buckets.max_num_seqs} slots of {buckets.max_model_len} positions need "
-        f"{cache} bytes of KV cache ({per_slot} per slot) next to {weight_bytes} bytes of weights, more than the "
-        f"core's {core_bytes} bytes; at most {fit} slot(s) fit. Lower max_num_seqs or max_model_len{split}."
-    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -18,10 +18,11 @@ from ..config import ModelConfig, _under, build_model
 from ..errors import ArtifactError, ConfigError
 from ..partition.pipeline import core_memory_bytes
 from . import eos_token_ids
-from .buckets import GenerationBuckets, check_fits
+from .buckets import GenerationBuckets
 from . import tensor_parallel
 from .group import EngineGroup
 from .model import GenerationModel, compile_generation
+from .slots import kv_cache_bytes
 from .settings import GenerationSettings
 
 logger = logging.getLogger("neuron_serve")
@@ -100,6 +101,29 @@ def weight_bytes(lm: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*lm.parameters(), *lm.buffers()])
 
 
+def check_fits(config, buckets: GenerationBuckets, weight_bytes: int, dtype_bytes: int, core_bytes: int,
+               field_prefix: str = "generation.", cache_share: int = 1,
+               needs: Callable[[], int | None] | None = None) -> int:
+    """Refuse a cache that does not fit next to the weights on one core; returns one core's cache bytes.
+
+    ``weight_bytes`` is what one core holds of the weights and ``cache_share`` how many
+    cores split the cache (tensor parallelism); ``needs()`` is the smallest
+    tensor_parallel_size at which the model would fit, named in the refusal."""
+    cache = kv_cache_bytes(config, buckets.max_num_seqs, buckets.max_model_len, dtype_bytes) // cache_share
+    if weight_bytes + cache <= core_bytes:
+        return cache
+    per_slot = kv_cache_bytes(config, 1, buckets.max_model_len, dtype_bytes) // cache_share
+    fit = max(0, (core_bytes - weight_bytes) // per_slot)
+    more = needs() if needs is not None else None
+    split = (f", or split the model over {more} cores with {field_prefix}tensor_parallel_size: {more}"
+             if more else "")
+    raise ConfigError(
+        f"{field_prefix}max_num_seqs: {buckets.max_num_seqs} slots of {buckets.max_model_len} positions need "
+        f"{cache} bytes of KV cache ({per_slot} per slot) next to {weight_bytes} bytes of weights, more than the "
+        f"core's {core_bytes} bytes; at most {fit} slot(s) fit. Lower max_num_seqs or max_model_len{split}."
+    )
+
+
 def check_cache_fits(lm: torch.nn.Module, buckets: GenerationBuckets, field_prefix: str = "generation.",
                      tensor_parallel_size: int = 1) -> int:
     """Refuse ``buckets``' KV cache when it does not fit next to ``lm``'s weights on one core (see check_fits).
@@ -146,10 +170,11 @@ def compile_from_config(config: ModelConfig, base_dir: str | Path | None = None)
         check_draft(lm, draft, settings.enable_prefix_caching)
         tensor_parallel.check(draft.config, tp, field=DRAFT_FIELD)
     model = compile_generation(lm, buckets, target=config.target, compiler_args=config.compiler_args,
-                               tensor_parallel_size=tp)
+                               tensor_parallel_size=tp, name=config.name)
     if draft is not None:
         model.draft = compile_generation(draft, buckets.for_draft(), target=config.target,
-                                         compiler_args=config.compiler_args, tensor_parallel_size=tp)
+                                         compiler_args=config.compiler_args, tensor_parallel_size=tp,
+                                         name=f"{config.name} draft")
     return model, eos_token_ids(lm), tokenizer
 
 

@@ -92,6 +92,12 @@ def cache_shape(config, slots: int, positions: int) -> tuple[int, int, int, int]
     return slots, kv_heads, positions, head_dim
 
 
+def kv_cache_bytes(config, slots: int, positions: int, dtype_bytes: int) -> int:
+    """Bytes of the keys and values of ``slots`` x ``positions`` for a transformers config."""
+    s, p, heads, head_dim = cache_shape(config, slots, positions)
+    return 2 * config.num_hidden_layers * s * p * heads * head_dim * dtype_bytes
+
+
 def _cache_kwarg(lm: torch.nn.Module) -> str:
     # transformers 5 renames ``past_key_values`` to ``cache``; take whichever the model has.
     params = inspect.signature(lm.forward).parameters
