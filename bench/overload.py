@@ -72,7 +72,7 @@ def _burst(api: Client) -> dict:
 
 
 async def _lone_item_s() -> float:
-    from neuron_serve.runtime.batcher import DynamicBatcher  # noqa: PLC0415
+    from neuron_serve.runtime.request_queue import DynamicBatcher  # noqa: PLC0415
 
     async def echo(items):
         return list(items)

@@ -24,7 +24,7 @@ import torch
 from .. import batching
 from ..errors import ConfigError, NeuronServeError
 from ..model import CompiledModel, sizes
-from . import collate
+from . import request_rows
 from .cores import CorePool
 from .pipeline import Pipeline, StageTimer, TransferHook
 
@@ -187,7 +187,7 @@ class ModelRunner:
             except Exception as exc:
                 results[i] = exc
             return
-        batch, sizes = collate.collate([placed[i] for i in members])
+        batch, sizes = request_rows.collate([placed[i] for i in members])
         try:
             outputs = await self._run_rows(bucket, batch, inline)
         except Exception as exc:
@@ -198,7 +198,7 @@ class ModelRunner:
                            len(members), type(exc).__name__, exc)
             await asyncio.gather(*(self._run_group(bucket, [i], requests, placed, results) for i in members))
             return
-        for i, out in zip(members, collate.split(outputs, sizes)):
+        for i, out in zip(members, request_rows.split(outputs, sizes)):
             results[i] = self.model.unpad(out, requests[i])
 
     async def _run_rows(self, bucket: int, batch: list[torch.Tensor], inline: bool = False) -> list[torch.Tensor]:

@@ -23,7 +23,7 @@ from ...version import __version__
 from ...config import ModelConfig
 from ...errors import InvalidInput, NeuronServeError
 from ...model import CompiledModel
-from ...runtime.batcher import DynamicBatcher
+from ...runtime.request_queue import DynamicBatcher
 from ...runtime.runner import ModelRunner
 from ...targets.pjrt import emulated
 from ..protocols import oip_rest

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from neuron_serve.errors import InvalidInput
-from neuron_serve.runtime.collate import collate, split
+from neuron_serve.runtime.request_rows import collate, split
 
 
 def test_collate_concatenates_each_input_and_reports_rows():

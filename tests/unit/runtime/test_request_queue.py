@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from neuron_serve.errors import ConfigError, Overloaded, RequestTimeout
-from neuron_serve.runtime.batcher import DynamicBatcher
-from neuron_serve.runtime.collate import collate, split
+from neuron_serve.runtime.request_queue import DynamicBatcher
+from neuron_serve.runtime.request_rows import collate, split
 
 DEFAULTS = dict(max_batch_size=8, max_queue_delay_s=0.01, max_queue_size=100, request_timeout_s=None)
 

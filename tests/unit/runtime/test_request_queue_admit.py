@@ -3,7 +3,7 @@
 import asyncio
 
 from neuron_serve.errors import Overloaded
-from neuron_serve.runtime.batcher import DynamicBatcher
+from neuron_serve.runtime.request_queue import DynamicBatcher
 
 
 def refusal(batcher: DynamicBatcher) -> str | None:
