@@ -114,7 +114,7 @@ def _compile_partitions(plan: PartitionPlan, flat_inputs: list, compiler_workdir
 
     with torch.no_grad():
         outputs = graph.run(gm, flat_inputs, compile_then_call)
-    progress.bucket_done()
+    progress.bucket_done(plan.partitions)
     return outputs, stage_inputs
 
 

@@ -1,8 +1,10 @@
-"""Compile progress: a bar on a terminal, one log line per step otherwise.
+"""Compile progress: a bar on a terminal, one log line per compiled model otherwise.
 
-On Neuron a subgraph can take minutes to compile, so a build says what it is doing:
-per bucket and per accelerator subgraph. On a terminal that is a tqdm bar on stderr;
-in a log (a Ray replica, CI, a pod) it is plain ``neuron_serve`` log lines.
+On Neuron a subgraph can take minutes to compile, so a build says what it is doing. On a
+terminal that is a tqdm bar on stderr; in a log (a Ray replica, CI, a pod) it is one
+``neuron_serve`` line per compiled model (each shape bucket at each batch size), with each
+accelerator subgraph's compile at DEBUG. Once every model is compiled, one line sums up
+where their subgraphs and operators were placed.
 """
 
 from __future__ import annotations
@@ -10,9 +12,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import os
 import sys
 import time
-from typing import Iterator
+from typing import Iterator, Sequence
+
+from . import logs
+from .model import Partition
 
 logger = logging.getLogger("neuron_serve")
 
@@ -29,7 +35,9 @@ class BuildProgress:
         self.buckets = buckets * batch_sizes  # one step per shape bucket and compiled batch size
         self.bucket = 0  # steps done
         self.batch: int | None = None  # the batch size being compiled, when several are
-        self.tty = sys.stderr.isatty() if tty is None else tty
+        self.tty = _on_terminal() if tty is None else tty
+        self.partitions: list[list[Partition]] = []  # each compiled model's, in compile order
+        self._step_started = time.perf_counter()
         self._bar = None
         if self.tty:
             from tqdm import tqdm  # noqa: PLC0415
@@ -51,20 +59,66 @@ class BuildProgress:
             batch = f" batch {self.batch}" if self.batch is not None else ""
             self._bar.set_postfix_str(f"{name} {index}/{total}{batch}")
         else:
-            logger.info("compiling %s", where)
+            logger.debug("compiling %s", where)
         started = time.perf_counter()
         yield
         if self._bar is None:
-            logger.info("compiled %s in %.1fs", where, time.perf_counter() - started)
+            logger.debug("compiled %s in %.1fs", where, time.perf_counter() - started)
 
-    def bucket_done(self) -> None:
-        self.bucket += 1
+    def step_label(self) -> str:
+        """The compiled model being built: its shape bucket (when several) and batch size (when several)."""
+        index = self.bucket // self.batch_sizes
+        parts = []
+        if self.labels is not None and index < len(self.labels):
+            parts.append(self.labels[index])
+        elif self.shape_buckets > 1:
+            parts.append(f"bucket {index + 1}")
+        if self.batch is not None and self.batch_sizes > 1:
+            parts.append(f"batch {self.batch}")
+        return " ".join([self.model, *parts])
+
+    def bucket_done(self, partitions: Sequence[Partition] = ()) -> None:
+        """One compiled model done (a shape bucket at a batch size), placed as ``partitions``."""
+        now = time.perf_counter()
+        self.partitions.append(list(partitions))
         if self._bar is not None:
             self._bar.update(1)
+        else:
+            logger.info("compiled %s (%d of %d) in %.1f s", self.step_label(), self.bucket + 1, self.buckets,
+                        now - self._step_started)
+        self.bucket += 1
+        self._step_started = now
+
+    def summary(self) -> str:
+        """Where the compiled models' subgraphs and operators were placed, in one line."""
+        parts = [p for compiled in self.partitions for p in compiled]
+        accel = [p for p in parts if not p.on_cpu]
+        cpu = [p for p in parts if p.on_cpu]
+        cpu_ops = sorted({op for p in cpu for op in p.op_counts})
+        line = (f"placement of {self.model} ({_count(len(self.partitions), 'compiled model')}): "
+                f"{_count(len(accel), 'accelerator subgraph')}, {_count(len(cpu), 'CPU subgraph')}; "
+                f"operators: {sum(p.size for p in accel)} on the accelerator, {sum(p.size for p in cpu)} on CPU")
+        if cpu_ops:
+            shown = ", ".join(cpu_ops[:5]) + (f" and {len(cpu_ops) - 5} more" if len(cpu_ops) > 5 else "")
+            line += f" ({shown})"
+        return line
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+def _on_terminal() -> bool:
+    """Whether stderr is a terminal, by its file descriptor: a Ray Serve replica's stderr,
+    which writes to its log file, answers True to ``isatty()``."""
+    try:
+        return os.isatty(sys.stderr.fileno())
+    except (AttributeError, OSError, ValueError):  # no descriptor: a capture, a notebook
+        return False
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 _CURRENT: contextvars.ContextVar[BuildProgress | None] = contextvars.ContextVar("build_progress", default=None)
@@ -76,9 +130,16 @@ def reporting(progress: BuildProgress) -> Iterator[BuildProgress]:
     token = _CURRENT.set(progress)
     try:
         yield progress
+    except BaseException:
+        progress.close()
+        raise
+    else:
+        progress.close()
+        if progress.partitions:
+            hint = "" if logs.operator_lists_shown() else "; --verbose lists them"
+            logger.info("%s%s", progress.summary(), hint)
     finally:
         _CURRENT.reset(token)
-        progress.close()
 
 
 @contextlib.contextmanager
@@ -99,7 +160,8 @@ def batch_size(rows: int) -> None:
         progress.batch = rows
 
 
-def bucket_done() -> None:
+def bucket_done(partitions: Sequence[Partition] = ()) -> None:
+    """One compiled model of the current build done, placed as ``partitions``."""
     progress = _CURRENT.get()
     if progress is not None:
-        progress.bucket_done()
+        progress.bucket_done(partitions)

@@ -353,8 +353,11 @@ def _bucket_on(bucket: Bucket, device, cache: DeviceState) -> Bucket:
 
 def compile_generation(lm: torch.nn.Module, buckets: GenerationBuckets, *, target: str = "neuron",
                        compiler_args: str | list[str] | None = None,
-                       compiler_workdir: str | None = None, tensor_parallel_size: int = 1) -> GenerationModel:
+                       compiler_workdir: str | None = None, tensor_parallel_size: int = 1,
+                       name: str | None = None) -> GenerationModel:
     """Compile ``lm`` (a transformers causal LM) for generation under ``buckets``; see the module docstring.
+
+    ``name`` names the model in the progress lines (default: its class, ``LlamaForCausalLM``).
 
     ``tensor_parallel_size`` N above 1 compiles each model once for a group of N cores (SPMD,
     split by the model's tensor-parallel plan): this process's cores must be that group."""
@@ -395,7 +398,7 @@ def compile_generation(lm: torch.nn.Module, buckets: GenerationBuckets, *, targe
                                func_kwargs=[{"context": s.context if s.kind != "prefill" else None, "steps": s.steps,
                                              "extend": s.kind == "extend", "verify": s.kind == "verify"}
                                             for s in shapes])
-    name = type(lm).__name__
+    name = name or type(lm).__name__
     try:
         with grouped_for_compile(lm), spmd.sharded(plan), \
                 progress.reporting(progress.BuildProgress(name, len(shapes), labels=[s.label for s in shapes])):

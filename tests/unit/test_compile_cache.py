@@ -57,12 +57,24 @@ def test_cache_dir_from_the_environment_and_off(monkeypatch, tmp_path):
     assert compile_cache.default_dir().name == "neuron-serve"  # under the user's cache dir
 
 
-def test_progress_is_log_lines_off_a_terminal(fresh_cache, neuron_logs):
+def test_progress_is_a_line_per_compiled_model_and_a_placement_summary_off_a_terminal(fresh_cache, neuron_logs):
     with reporting(BuildProgress("mlp", 1, tty=False)):
         neuron_serve.trace(MLP().eval(), torch.rand(4, 784), partitioner_config=neuron_serve.PartitionerConfig())
-    lines = [line for line in neuron_logs() if "subgraph" in line]
-    assert lines[0] == "compiling mlp model: subgraph accel_0 (1/1)"
-    assert lines[1].startswith("compiled mlp model: subgraph accel_0 (1/1) in ") and lines[1].endswith("s")
+    lines = [line for line in neuron_logs() if line.startswith(("compil", "placement"))]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("compiled mlp (1 of 1) in ") and lines[0].endswith(" s")
+    # The operator lists are printed too here (a library call logs them at INFO), so no pointer to --verbose.
+    assert lines[1] == ("placement of mlp (1 compiled model): 1 accelerator subgraph, 1 CPU subgraph; "
+                        "operators: 6 on the accelerator, 1 on CPU (aten::sort)")
+
+
+def test_each_subgraph_compile_is_a_debug_line(fresh_cache, caplog):
+    caplog.set_level(logging.DEBUG, logger="neuron_serve")
+    with reporting(BuildProgress("mlp", 1, tty=False)):
+        neuron_serve.trace(MLP().eval(), torch.rand(4, 784), partitioner_config=neuron_serve.PartitionerConfig())
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG and "subgraph accel_0" in r.getMessage()]
+    assert debug[0] == "compiling mlp model: subgraph accel_0 (1/1)"
+    assert debug[1].startswith("compiled mlp model: subgraph accel_0 (1/1) in ")
 
 
 def test_progress_is_a_bar_on_a_terminal(fresh_cache, capsys):
