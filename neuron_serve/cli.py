@@ -18,6 +18,7 @@ from .analyze.report import build_report, log_support, write_report
 from .compile import cache as compile_cache
 from .compiler_args import parse_compiler_args
 from .config import build_model, load_config, load_deployment, parse_config
+from . import logs
 from .errors import NeuronServeError
 from .partition.config import PartitionerConfig
 from .partition.plan import plan_partitions
@@ -243,12 +244,17 @@ def _shutdown(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="neuron-serve", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    verbose_help = "debug logging, and the partitioner's operator lists of every compiled model"
+    parser.add_argument("-v", "--verbose", action="store_true", help=verbose_help)
+    # Also after the command (`neuron-serve deploy x.yaml -v`); not given there, the flag above stands.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose_help)
     parser.add_argument("--cache-dir", metavar="DIR",
                         help=f"persistent compile cache (default: ${compile_cache.CACHE_ENV}, else the user cache dir; "
                              "'off' disables it)")
     sub = parser.add_subparsers(dest="command", required=True)
-    analyze = sub.add_parser("analyze", help="report operator support and the partition plan of a model.yaml")
+    analyze = sub.add_parser("analyze", parents=[common],
+                             help="report operator support and the partition plan of a model.yaml")
     analyze.add_argument("config", help="path to a model.yaml")
     analyze.add_argument("--json", metavar="PATH", help="write the report (with the plan) to PATH")
     analyze.add_argument("--html", metavar="PATH", help="write the partition report page (one self-contained file; for a task: "
@@ -267,12 +273,14 @@ def build_parser() -> argparse.ArgumentParser:
                               "placement.balance, else size_based")
     analyze.set_defaults(func=_analyze)
 
-    build = sub.add_parser("build", help="compile a model.yaml ahead of time into an artifact directory")
+    build = sub.add_parser("build", parents=[common],
+                           help="compile a model.yaml ahead of time into an artifact directory")
     build.add_argument("config", help="path to a model.yaml")
     build.add_argument("-o", "--output", required=True, metavar="DIR", help="artifact directory to write")
     build.set_defaults(func=_build)
 
-    deploy = sub.add_parser("deploy", help="build and serve one or more model.yaml files (or built artifacts) over HTTP")
+    deploy = sub.add_parser("deploy", parents=[common],
+                            help="build and serve one or more model.yaml files (or built artifacts) over HTTP")
     deploy.add_argument("configs", nargs="+", metavar="model.yaml|DIR",
                         help="model.yaml files, or artifact directories written by 'neuron-serve build'")
     deploy.add_argument("--weights", metavar="CHECKPOINT",
@@ -290,11 +298,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "Python proxy (default auto: haproxy when its binary is found)")
     deploy.set_defaults(func=_deploy)
 
-    status = sub.add_parser("status", help="show the deployed models and their state")
+    status = sub.add_parser("status", parents=[common], help="show the deployed models and their state")
     status.add_argument("--address", help="Ray cluster (default: the local one)")
     status.set_defaults(func=_status)
 
-    shutdown = sub.add_parser("shutdown", help="stop some models, or everything")
+    shutdown = sub.add_parser("shutdown", parents=[common], help="stop some models, or everything")
     shutdown.add_argument("names", nargs="*", help="model names (default: all, and the server)")
     shutdown.add_argument("--address", help="Ray cluster (default: the local one)")
     shutdown.set_defaults(func=_shutdown)
@@ -303,11 +311,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    verbose = args.verbose or logs.verbose_from_env()
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(name)s: %(message)s",
+        level=logging.DEBUG if verbose else logging.INFO,
+        format=logs.FORMAT,
         stream=sys.stderr,
     )
+    if verbose:
+        # Through the environment, so Ray replicas started from here print their operator lists too.
+        os.environ[logs.VERBOSE_ENV] = "1"
+    # A progress line per compiled model and a placement summary; the operator lists with -v
+    # (analyze prints them: they are its output).
+    logs.configure(verbose, operator_lists=args.command == "analyze")
     if args.cache_dir:
         # Through the environment, so Ray replicas started from here use it too.
         os.environ[compile_cache.CACHE_ENV] = str(Path(args.cache_dir).expanduser().resolve()) \

@@ -88,7 +88,9 @@ def serve(conn: Connection) -> int:
     config, base_dir, replica, paths, group = conn.recv()
     # Factory models import from where the replica could import (Ray's working_dir, py_modules).
     sys.path[:0] = [p for p in paths if p not in sys.path]
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    from .. import logs  # noqa: PLC0415
+
+    logs.configure()  # a progress line per compiled model; the operator lists with NEURON_SERVE_VERBOSE
 
     from ..config import parse_config  # noqa: PLC0415 - after sys.path is set
     from ..errors import NeuronServeError  # noqa: PLC0415

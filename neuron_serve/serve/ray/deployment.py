@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import time
 
 import ray
 from ray import serve
 from ray.experimental import internal_kv
 
-from ... import metrics
+from ... import logs, metrics
 from ...compile.cache import CACHE_ENV
 from ...config import ModelConfig, parse_config
 from ...targets.pjrt import neuron_devices_present
@@ -64,7 +65,9 @@ class ModelServer:
     """
 
     async def __init__(self, config: dict, base_dir: str | None, grpc_options: dict | None = None) -> None:
-        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+        # The process's own stderr, which Ray prints on deploy's output: under HAProxy Ray Serve
+        # points a replica's sys.stderr at its log file only, and the build's progress belongs there.
+        logs.configure(stream=sys.__stderr__ or sys.stderr)
         parsed = parse_config(config)
         auth.configure(auth.resolve_token(parsed))  # before anything can be served
         replica = serve.get_replica_context().replica_id.unique_id
@@ -233,8 +236,9 @@ async def call_model(name: str, method: str, payload: bytes) -> tuple:
 
 def replica_env(config: ModelConfig) -> dict[str, str]:
     env = {metrics.MULTIPROC_ENV: metrics.multiproc_dir()}
-    if os.environ.get(CACHE_ENV):
-        env[CACHE_ENV] = os.environ[CACHE_ENV]
+    for name in (CACHE_ENV, logs.VERBOSE_ENV):  # `neuron-serve --cache-dir ...` and `-v`
+        if os.environ.get(name):
+            env[name] = os.environ[name]
     if not neuron_devices_present():
         env.update({"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(config.cores_per_replica)})
     return env

@@ -14,11 +14,12 @@ as Ray Serve LLM's router does.
 from __future__ import annotations
 
 import asyncio
-import logging
+import sys
 from typing import AsyncIterator
 
 from ray import serve
 
+from ... import logs
 from ...config import ModelConfig, parse_config
 from ...generation.settings import GenerationSettings
 from ...errors import ModelNotReady
@@ -43,7 +44,7 @@ class GenerateServer:
     """One replica of one generate model: builds its engines (one per core), then serves text."""
 
     async def __init__(self, config: dict, base_dir: str | None) -> None:
-        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+        logs.configure(stream=sys.__stderr__ or sys.stderr)  # as ModelServer's: on deploy's output
         parsed = parse_config(config)
         auth.configure(auth.resolve_token(parsed))
         replica = serve.get_replica_context().replica_id.unique_id
