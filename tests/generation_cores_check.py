@@ -12,8 +12,9 @@ import threading
 import torch
 
 import generation_models as gm
-from neuron_serve.generation import SamplingParams, compile_generation
-from neuron_serve.generation.buckets import GenerationBuckets
+from neuron_serve.buckets.generation import GenerationBuckets
+from neuron_serve.generation import SamplingParams
+from neuron_serve.generation.model import compile_generation
 from neuron_serve.generation.group import EngineGroup
 
 

@@ -12,32 +12,20 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any, Sequence
 
-from .buckets import GenerationBuckets
+from ..buckets.generation import GenerationBuckets
+from .protocol import Completion, TokenEvent
+from .sampling import SamplingParams
 
 if TYPE_CHECKING:
     import torch
 
     from .engine import Engine
-    from .protocol import Completion, TokenEvent
-    from .model import GenerationModel, compile_generation
-    from .sampling import SamplingParams
 
-__all__ = ["Completion", "Engine", "GenerationBuckets", "GenerationModel", "SamplingParams", "TokenEvent",
-           "compile_generation", "engine_for", "eos_token_ids"]
-
-# Imported on first use: neuron_serve.config imports .settings, and the server imports the
-# config without loading the compiler (.model imports it).
-_LAZY = {"Completion": "protocol", "Engine": "engine", "TokenEvent": "protocol", "GenerationModel": "model",
-         "compile_generation": "model", "SamplingParams": "sampling"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# The engine and the compiled model (.engine, .model) load the compiler: import them from
+# their modules. This package stays light, as the replica imports it without the compiler.
+__all__ = ["Completion", "GenerationBuckets", "SamplingParams", "TokenEvent", "engine_for", "eos_token_ids"]
 
 
 def eos_token_ids(lm: torch.nn.Module) -> list[int]:
@@ -69,7 +57,7 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
     from .build import check_cache_fits  # noqa: PLC0415
     from .engine import Engine  # noqa: PLC0415
     from .model import compile_generation  # noqa: PLC0415
-    from .settings import SpeculativeConfig  # noqa: PLC0415
+    from ..config_generation import SpeculativeConfig  # noqa: PLC0415
 
     if isinstance(speculative_config, dict):  # model.yaml's keys; ``draft``: the draft model, given as a module
         speculative_config = SpeculativeConfig(**speculative_config)

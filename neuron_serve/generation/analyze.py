@@ -18,11 +18,11 @@ from ..analyze.capture import CapturedGraph, capture
 from ..analyze.placement import GraphAnalysis, analyze_graph
 from ..analyze.report import build_report
 from ..config import ModelConfig, _under
+from ..config_generation import GenerationSettings
 from ..targets import get_target
 from . import tensor_parallel
 from .build import DRAFT_FIELD, _pretrained, load_lm
 from .model import _example, shapes_of
-from .settings import GenerationSettings
 from .slots import SlotLM, kv_cache_bytes
 
 

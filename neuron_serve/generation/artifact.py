@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from .. import artifact
+from ..buckets.generation import GenerationBuckets
 from ..compile import sharding as spmd
 from ..errors import ArtifactError
 from ..model import CompiledModel
-from .buckets import GenerationBuckets
 from .model import GenerationModel
 
 TOKENIZER_DIR = "tokenizer"

@@ -14,16 +14,16 @@ from typing import Any, Callable
 
 import torch
 
+from ..buckets.generation import GenerationBuckets
 from ..config import ModelConfig, _under, build_model
+from ..config_generation import GenerationSettings
 from ..errors import ArtifactError, ConfigError
 from ..partition.pipeline import core_memory_bytes
 from . import eos_token_ids
-from .buckets import GenerationBuckets
 from . import tensor_parallel
 from .group import EngineGroup
 from .model import GenerationModel, compile_generation
 from .slots import kv_cache_bytes
-from .settings import GenerationSettings
 
 logger = logging.getLogger("neuron_serve")
 

@@ -26,13 +26,13 @@ import torch.fx
 from .. import progress
 from ..api import bucket_model_trace, trace_bucket_on_state
 from ..bucketing import BucketModelConfig
+from ..buckets.generation import GenerationBuckets
 from ..compile import sharding as spmd
 from ..errors import ConfigError, InvalidInput, UnsupportedModelError
 from ..model import Bucket, CompiledModel
 from ..model.state import DeviceState
 from . import tensor_parallel
 from .attention import grouped_for_compile
-from .buckets import GenerationBuckets
 from .slots import SlotLM
 
 

@@ -12,12 +12,13 @@ import transformers
 
 import generation_models as gm
 from example_models import tiny_llama
+from neuron_serve.buckets.generation import GenerationBuckets
 from neuron_serve.compile import cache as compile_cache
 from neuron_serve.config import load_deployment
 from neuron_serve.errors import ArtifactError
-from neuron_serve.generation import SamplingParams, compile_generation
+from neuron_serve.generation import SamplingParams
+from neuron_serve.generation.model import compile_generation
 from neuron_serve.generation.build import build_engine
-from neuron_serve.generation.buckets import GenerationBuckets
 
 ROOT = Path(__file__).resolve().parents[2]
 LLM_YAML = """\

@@ -10,10 +10,10 @@ import torch
 import transformers
 
 from neuron_serve.config import parse_config
+from neuron_serve.config_generation import GenerationSettings
 from neuron_serve.errors import ConfigError
 from neuron_serve.generation import SamplingParams
 from neuron_serve.generation.build import build_engine, load_lm, weight_bytes
-from neuron_serve.generation.settings import GenerationSettings
 from neuron_serve.partition.pipeline import CORE_MEMORY_ENV
 
 GENERATE = {"name": "tiny-llama", "task": "generate", "model": {"pretrained": "llama"}}

@@ -14,8 +14,20 @@ COMPILER = ("neuron_serve.api", "neuron_serve.build", "neuron_serve.artifact", "
 INFER, GENERATE, GRPC, RAY = (f"neuron_serve.serve.{p}" for p in ("infer", "generate", "grpc", "ray"))
 SERVER_APP = "neuron_serve.serve.http.app"
 
+# The layers, lowest first: errors; buckets (compiled shapes: arithmetic only); config and
+# config_generation (the model.yaml schema; of the partitioner only its settings types, config.py,
+# kwargs.py and placement.py); model (the compiled model); the compiler; runtime; generation; serve.
+SCHEMA = ("neuron_serve.generation", "neuron_serve.serve", "neuron_serve.runtime", "neuron_serve.targets",
+          "neuron_serve.partition.plan", "neuron_serve.partition.pipeline", "neuron_serve.partition.balance",
+          *COMPILER)
+
 # module (or package) -> what it must not import
 RULES = {
+    "neuron_serve.buckets": SCHEMA + ("neuron_serve.config", "neuron_serve.config_generation", "neuron_serve.model",
+                                      "neuron_serve.partition"),
+    "neuron_serve.config": SCHEMA,
+    "neuron_serve.config_generation": SCHEMA + ("neuron_serve.config", "neuron_serve.partition"),
+    "neuron_serve.generation": ("neuron_serve.serve",),
     "neuron_serve.model": COMPILER + ("neuron_serve.runtime", "neuron_serve.serve"),
     "neuron_serve.runtime": COMPILER + ("neuron_serve.serve",),
     "neuron_serve.serve.infer": COMPILER + (GENERATE, GRPC, RAY, SERVER_APP),

@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 
 import generation_models as gm
+from neuron_serve.buckets.generation import GenerationBuckets
 from neuron_serve.compile.subgraph import compile_count
 from neuron_serve.config import parse_config
 from neuron_serve.errors import ConfigError
 from neuron_serve.generation import SamplingParams, engine_for
 from neuron_serve.generation import tensor_parallel
 from neuron_serve.generation.build import build_engine, check_cache_fits, weight_bytes
-from neuron_serve.generation.buckets import GenerationBuckets
 from neuron_serve.partition.pipeline import CORE_MEMORY_ENV
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,10 +18,10 @@ from typing import Any, AsyncIterator, Sequence
 
 from ... import metrics
 from ...config import ModelConfig
+from ...config_generation import GenerationSettings
 from ...errors import InvalidInput, ModelNotReady, NeuronServeError, RequestTimeout
 from ...generation.protocol import Streams, TokenEvent
 from ...generation.sampling import SamplingParams
-from ...generation.settings import GenerationSettings
 from ...generation.text import IncrementalText
 from ...targets.pjrt import emulated
 from ...version import __version__

@@ -21,7 +21,7 @@ from ray import serve
 
 from ... import logs
 from ...config import ModelConfig, parse_config
-from ...generation.settings import GenerationSettings
+from ...config_generation import GenerationSettings
 from ...errors import ModelNotReady
 from ..http import auth
 from ..generate import plane as generate_plane

@@ -1,20 +1,19 @@
 """model.yaml's ``generation`` section and the rules of ``task: generate``.
 
-Light on purpose: neuron_serve.config imports this module, and the server imports the
-config without the compiler, so nothing here imports torch models or the compiler
-(``to_buckets`` imports the bucket arithmetic when called).
+Part of the model.yaml schema (neuron_serve.config): it imports nothing of generation,
+the compiler or transformers, so the server reads a config without loading them. The
+bucket lists are checked, and ``to_buckets`` derived, by the bucket arithmetic of
+neuron_serve.buckets.generation.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
-from ..errors import ConfigError
-
-if TYPE_CHECKING:
-    from .buckets import GenerationBuckets
+from .buckets.generation import GenerationBuckets
+from .errors import ConfigError
 
 DEFAULT_MAX_NUM_SEQS = 8
 DEFAULT_MAX_WAITING = 256
@@ -80,7 +79,7 @@ class SpeculativeConfig(BaseModel):
 class GenerationSettings(BaseModel):
     """task: generate: the KV cache's slots and length, the compiled buckets and the engine's queue.
 
-    Bucket lists not given default as in neuron_serve.generation.buckets: prompt lengths and
+    Bucket lists not given default as in neuron_serve.buckets.generation: prompt lengths and
     contexts double from 32 and 128 up to max_model_len (prompt lengths from 256 on with a
     bucket half way between each: 384, 768, ...), running-sequence counts are the powers
     of 4 below max_num_seqs and max_num_seqs itself."""
@@ -177,8 +176,6 @@ class GenerationSettings(BaseModel):
         return self._build(self.model_len(model_config))
 
     def _build(self, max_model_len: int, field_prefix: str = "generation.", lengths: bool = True) -> GenerationBuckets:
-        from .buckets import GenerationBuckets  # noqa: PLC0415
-
         return GenerationBuckets.build(self.max_num_seqs, max_model_len,
                                        prefill=self.prefill_buckets if lengths else None,
                                        decode_rows=self.decode_batch_buckets,
