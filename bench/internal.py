@@ -30,6 +30,7 @@ import torch  # noqa: E402
 from neuron_serve.compile.subgraph import CompiledSubgraph  # noqa: E402
 from neuron_serve.config import load_config  # noqa: E402
 from neuron_serve.build import build  # noqa: E402
+from neuron_serve.runtime.observer import RuntimeObserver  # noqa: E402
 from neuron_serve.runtime.runner import ModelRunner  # noqa: E402
 
 CONFIG_INPUTS: dict[str, list] = {}  # model name -> its model.yaml inputs (value ranges of integer inputs)
@@ -37,13 +38,13 @@ CONFIG_INPUTS: dict[str, list] = {}  # model name -> its model.yaml inputs (valu
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class StageTimes:
+class StageTimes(RuntimeObserver):
     """Collects the runner's per-stage timings by device (accelerator vs cpu)."""
 
     def __init__(self) -> None:
         self.samples: dict[str, list[float]] = defaultdict(list)
 
-    def __call__(self, partition: str, device: str, core: int, seconds: float) -> None:
+    def stage(self, partition: str, device: str, core: int, seconds: float) -> None:
         self.samples["cpu" if device == "cpu" else "accel"].append(seconds)
 
     def reset(self) -> None:
@@ -156,7 +157,7 @@ async def measure(config_path: Path, quick: bool, sizes: list[int]) -> dict:
     config = load_config(config_path)
     started = time.perf_counter()
     model = build(config, config_path.resolve().parent)
-    runner = ModelRunner(model, cores=config.cores_per_replica, name=config.name, on_stage=timer)
+    runner = ModelRunner(model, cores=config.cores_per_replica, name=config.name, observer=timer)
     CONFIG_INPUTS[config.name] = config.inputs
     build_s = time.perf_counter() - started
     bucket = len(runner.model.buckets) - 1  # the largest bucket: the most work per chunk

@@ -83,6 +83,7 @@ def in_process(calls: int) -> list[dict]:
     from neuron_serve.compile.subgraph import CompiledSubgraph  # noqa: PLC0415
     from neuron_serve.config import load_config  # noqa: PLC0415
     from neuron_serve.serve.protocols import oip_rest  # noqa: PLC0415
+    from neuron_serve.serve.infer.http import infer as rest_infer  # noqa: PLC0415
     from neuron_serve.serve.infer.plane import ModelDataPlane  # noqa: PLC0415
 
     config = load_config(CONFIG)
@@ -103,7 +104,7 @@ def in_process(calls: int) -> list[dict]:
             assert isinstance(accel, CompiledSubgraph)
             [(cpu_name, cpu)] = pipeline.cpu_modules.items()
             for _ in range(20):  # warm every path
-                await plane.infer(body, {})
+                await rest_infer(plane, body, {})
 
             phases: dict[str, list[float]] = {"to_device_s": [], "compute_s": [], "to_cpu_s": []}
 
@@ -137,12 +138,12 @@ def in_process(calls: int) -> list[dict]:
             # A request's metric updates are applied once its answer is out (DeferredMetrics); served at
             # concurrency 1 that happens while the replica waits for the next request, so here too it is
             # done between calls, untimed.
+            flush = plane.observer.deferred.flush
             rows.append({"layer": "+ the batcher (idle, so in the caller's task), the data plane's look for other "
-                                  "requests, output selection (ModelDataPlane.handle of a decoded request)",
-                         "kind": "layer", "ms": await _atimed(lambda: plane.handle(lambda: decoded, lambda r: r),
-                                                              calls, plane.deferred.flush)})
-            rows.append({"layer": "+ JSON parse, checks, encode (ModelDataPlane.infer)", "kind": "layer",
-                         "ms": await _atimed(lambda: plane.infer(body, {}), calls, plane.deferred.flush)})
+                                  "requests, output selection (ModelDataPlane.infer of a decoded request)",
+                         "kind": "layer", "ms": await _atimed(lambda: plane.infer(decoded), calls, flush)})
+            rows.append({"layer": "+ JSON parse, checks, encode (the REST route's infer: oip_rest around the plane)",
+                         "kind": "layer", "ms": await _atimed(lambda: rest_infer(plane, body, {}), calls, flush)})
         finally:
             await plane.stop()
 

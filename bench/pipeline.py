@@ -34,6 +34,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import neuron_serve  # noqa: E402
+from neuron_serve.runtime.observer import RuntimeObserver  # noqa: E402
 from neuron_serve.runtime.runner import ModelRunner  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deployments"))  # example_models
@@ -48,13 +49,13 @@ PLACEMENTS = {
 }
 
 
-class StageTimes:
+class StageTimes(RuntimeObserver):
     """The runner's per-stage timings, by partition."""
 
     def __init__(self) -> None:
         self.samples: dict[str, list[float]] = defaultdict(list)
 
-    def __call__(self, partition: str, device: str, core: int, seconds: float) -> None:
+    def stage(self, partition: str, device: str, core: int, seconds: float) -> None:
         self.samples[partition].append(seconds)
 
     def balance(self) -> float:
@@ -84,7 +85,7 @@ def measure(name: str, model: nn.Module, cores: int, requests: int, concurrency:
     x = torch.randn(ROWS, ROWS)
     traced = neuron_serve.dynamic_batch(neuron_serve.trace(model, x, placement=PLACEMENTS[name]))
     stages = StageTimes()
-    runner = ModelRunner(traced, cores=cores, name=name, on_stage=stages)
+    runner = ModelRunner(traced, cores=cores, name=name, observer=stages)
     try:
         asyncio.run(_load(runner, 2 * concurrency, concurrency))  # warm-up
         seconds, latencies = asyncio.run(_load(runner, requests, concurrency))

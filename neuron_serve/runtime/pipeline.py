@@ -23,9 +23,7 @@ import torch
 from ..model import Bucket, graph
 from ..targets.pjrt import use_device
 from .cores import Core, CorePool
-
-StageTimer = Callable[[str, str, int, float], None]  # (partition, device, core, seconds)
-TransferHook = Callable[[str, int, int], None]  # (pipeline stage, core, input bytes) per stage run
+from .observer import RuntimeObserver
 
 
 class Pipeline:
@@ -37,13 +35,12 @@ class Pipeline:
     core first + k, so chunks in flight overlap: one in stage 1 while the next is in stage 0.
     """
 
-    def __init__(self, bucket: Bucket, cores: CorePool, cpu_pool: Executor, on_stage: StageTimer | None = None,
-                 span: int = 1, copies: int | None = None, on_transfer: TransferHook | None = None):
+    def __init__(self, bucket: Bucket, cores: CorePool, cpu_pool: Executor, observer: RuntimeObserver | None = None,
+                 span: int = 1, copies: int | None = None):
         self.bucket = bucket
         self.cores = cores
         self.cpu_pool = cpu_pool
-        self.on_stage = on_stage
-        self.on_transfer = on_transfer
+        self.observer = observer  # told of each stage's inputs (transfer) and time (stage)
         self.stages = {p.name for p in bucket.partitions if p.is_stage}
         self.devices = {p.name: p.device for p in bucket.partitions}
         self.offset = {p.name: p.core for p in bucket.partitions}
@@ -80,8 +77,8 @@ class Pipeline:
         while not isinstance(step, _Done):
             name, args = step
             on, module = self._place(name, core)
-            if self.on_transfer and name in self.stages:
-                self.on_transfer(name, on.index, sum(a.nbytes for a in args if isinstance(a, torch.Tensor)))
+            if self.observer is not None and name in self.stages:
+                self.observer.transfer(name, on.index, sum(a.nbytes for a in args if isinstance(a, torch.Tensor)))
             started = time.perf_counter()
             if module is not None:  # an execution on the core, counted in its activity
                 executor, job = on.executor, functools.partial(on.execute, _call, module, args)
@@ -101,9 +98,10 @@ class Pipeline:
         Returns the next stage to hand out, or the chunk's outputs.
         """
         result = job()
+        observer = self.observer
         while True:
-            if self.on_stage:
-                self.on_stage(name, self.devices[name], core, time.perf_counter() - started)
+            if observer is not None:
+                observer.stage(name, self.devices[name], core, time.perf_counter() - started)
             try:
                 name, args = walk.send(result)
             except StopIteration as done:

@@ -12,7 +12,8 @@ One background task forms batches on a single asyncio event loop:
    the batch arrived. Waiting only pays while batches run: then more requests arrive
    while it waits and a core would be busy anyway. On an idle replica it is pure latency,
    so a lone request (concurrency 1) never waits for company that is not coming. Such a
-   request runs in its caller's task, not handed to the background task and back.
+   request runs in its caller's task, not handed to the background task and back
+   (``lone.skips_queue``).
 
 Requests that time out while queued leave the queue and never run; a request that times
 out after its batch started has its result discarded.
@@ -27,11 +28,12 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
 
 from ..errors import ConfigError, InvalidInput, Overloaded, RequestTimeout
+from . import lone
+from .observer import RuntimeObserver
 
 logger = logging.getLogger("neuron_serve")
 
 RunBatch = Callable[[list[Any]], Awaitable[list[Any]]]
-OnBatch = Callable[[int, list[float]], None]
 
 
 @dataclass(eq=False)
@@ -74,8 +76,8 @@ class DynamicBatcher:
 
     ``run_batch(items)`` returns one result per item, in order; an ``Exception`` instance in
     its place fails only that item. An exception raised by ``run_batch`` fails every item of
-    the batch. ``on_batch(batch_rows, queue_waits)``, if given, is called as each batch
-    starts, with every item's seconds from submit to the batch start (for metrics).
+    the batch. ``observer.batch(batch_rows, queue_waits)``, with an observer, is called as
+    each batch starts, with every item's seconds from submit to the batch start (for metrics).
     """
 
     def __init__(
@@ -88,7 +90,7 @@ class DynamicBatcher:
         request_timeout_s: float | None,
         preferred_batch_sizes: Sequence[int] | None = None,
         max_concurrent_batches: int = 1,
-        on_batch: OnBatch | None = None,
+        observer: RuntimeObserver | None = None,
     ) -> None:
         _check_config(max_batch_size, max_queue_delay_s, max_queue_size, request_timeout_s,
                       preferred_batch_sizes, max_concurrent_batches)
@@ -98,7 +100,7 @@ class DynamicBatcher:
         self.max_queue_size = max_queue_size
         self.request_timeout_s = request_timeout_s
         self.max_concurrent_batches = max_concurrent_batches
-        self._on_batch = on_batch
+        self.observer = observer
         # Past the largest preferred (compiled) size a batch would only grow by padding
         # into a chunked run, so reaching it is as good as reaching max_batch_size.
         fitting = [s for s in (preferred_batch_sizes or []) if s <= max_batch_size]
@@ -188,7 +190,7 @@ class DynamicBatcher:
             raise Overloaded(f"queue full ({len(self._queue)} requests waiting); retry later")
         loop = asyncio.get_running_loop()
         pending = _Pending(item, rows, loop.time(), loop.create_future())
-        if not self._queue and not self._running and not self._slots.locked():
+        if lone.skips_queue(len(self._queue), len(self._running), not self._slots.locked()):
             return await self._run_alone(pending)
         self._queue.append(pending)
         self._wakeup.set()
@@ -351,11 +353,11 @@ class DynamicBatcher:
             self._counts["failed"] += 1
 
     def _report(self, live: list[_Pending]) -> None:
-        """Hand batch size and queue waits to ``on_batch``; a broken hook must not break serving."""
-        if self._on_batch is None:
+        """Tell the observer the batch's rows and queue waits; a broken observer must not break serving."""
+        if self.observer is None:
             return
         now = asyncio.get_running_loop().time()
         try:
-            self._on_batch(sum(p.rows for p in live), [now - p.arrived for p in live])
+            self.observer.batch(sum(p.rows for p in live), [now - p.arrived for p in live])
         except Exception:
-            logger.exception("DynamicBatcher on_batch callback failed")
+            logger.exception("DynamicBatcher: the observer's batch() failed")

@@ -17,30 +17,23 @@ import os
 import time
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 import torch
 
 from .. import batching
 from ..errors import ConfigError, NeuronServeError
 from ..model import CompiledModel, sizes
-from . import request_rows
+from . import lone, request_rows
 from .cores import CorePool
-from .pipeline import Pipeline, StageTimer, TransferHook
+from .observer import RuntimeObserver
+from .pipeline import Pipeline
 
 logger = logging.getLogger("neuron_serve")
 
-ChunkHook = Callable[[int, int, int], None]  # (core, compiled batch size, padded rows) per chunk
-PaddingHook = Callable[[int], None]  # padded rows of one batch (all its chunks, every shape bucket)
 TIMING_ROUNDS = 5  # calls timed per compiled size at load, in turns with the other sizes; the fastest is its cost
 # A CPU stage faster than this runs on the thread that ran the stage before it: handing it
 # to the CPU pool and back costs about 0.1 ms of thread wake-ups (measured on 2 vCPUs).
 IN_PLACE_CPU_S = 100e-6
-# The longest compiled call (as timed at load) that an idle replica runs on its event loop's
-# own thread (``infer(inline=True)``): the hand-out to a core's thread and back costs about
-# 0.2 ms on 2 vCPUs, most of a small model's serving overhead, while the loop it blocks
-# has nothing else to do. Longer calls would hold up arrivals for longer than that saves.
-INLINE_MAX_S = 5e-3
 
 
 def _copies(model: CompiledModel, cores: int) -> tuple[int, int]:
@@ -55,9 +48,8 @@ def _copies(model: CompiledModel, cores: int) -> tuple[int, int]:
 class ModelRunner:
     """A compiled model, loaded on every core of this replica."""
 
-    def __init__(self, model: CompiledModel, *, cores: int, name: str = "model", on_stage: StageTimer | None = None,
-                 on_chunk: ChunkHook | None = None, on_padding: PaddingHook | None = None,
-                 on_transfer: TransferHook | None = None):
+    def __init__(self, model: CompiledModel, *, cores: int, name: str = "model",
+                 observer: RuntimeObserver | None = None):
         if model.stateful:
             # Requests of different clients would share one state, and each core would need its own.
             raise ConfigError(f"model {name}: models traced with input_output_aliases (state on the core) cannot be "
@@ -65,8 +57,7 @@ class ModelRunner:
         started = time.perf_counter()
         self.model = model
         self.name = name
-        self.on_chunk = on_chunk
-        self.on_padding = on_padding
+        self.observer = observer  # told of each batch's padding and each chunk; the pipelines of each stage
         self.cores = CorePool(cores)
         self.cpu_pool = ThreadPoolExecutor(max(2, os.cpu_count() or 2), thread_name_prefix="cpu-subgraph")
         self.span, self.copies = _copies(model, cores)
@@ -74,7 +65,7 @@ class ModelRunner:
         # Per shape bucket, compiled batch size -> that bucket at that size, loaded on every core
         # (a pipelined model: each stage on its core of every pipeline copy).
         self.pipelines = [
-            {b.batch_size: Pipeline(b, self.cores, self.cpu_pool, on_stage, self.span, self.copies, on_transfer)
+            {b.batch_size: Pipeline(b, self.cores, self.cpu_pool, observer, self.span, self.copies)
              for b in model.grid(i)}
             for i in range(len(model.buckets))
         ]
@@ -148,10 +139,9 @@ class ModelRunner:
         """Run a batch of requests (each a list of input tensors); one result per request.
 
         A request that cannot run (too large for every bucket) gets its exception as
-        its result; the others still run. ``inline`` lets the batch run on the calling
-        thread, blocking it, when it is one chunk whose compiled call costs at most
-        ``INLINE_MAX_S``, of a model on one core, and no other chunk is on a core: the
-        caller says that nothing else is waiting for its thread.
+        its result; the others still run. ``inline``: the caller found the batch's request
+        alone (``lone.LoneRequests.alone``), so nothing else is waiting for its thread; the
+        batch then runs on that thread, blocking it, when ``lone.runs_inline`` allows.
         """
         results: list[list[torch.Tensor] | Exception] = [None] * len(requests)  # type: ignore[list-item]
         groups: dict[int, list[int]] = defaultdict(list)
@@ -163,9 +153,14 @@ class ModelRunner:
                 results[i] = exc
                 continue
             groups[bucket].append(i)
-        if self.on_padding:
-            self.on_padding(sum(self._padding(b, [placed[i] for i in members]) for b, members in groups.items()))
-        inline = inline and len(groups) == 1
+        if self.observer is not None or inline:
+            rows = {b: sum(placed[i][0].shape[0] for i in members) for b, members in groups.items()}
+            plans = {b: self.plan(b, n) for b, n in rows.items()}
+            if self.observer is not None:
+                self.observer.padding(sum(sum(plans[b]) - n for b, n in rows.items()))
+            if inline:
+                inline = lone.runs_inline([self.costs[b][size] for b, plan in plans.items() for size in plan],
+                                          self.span, self.cores.busy())
         runs = [self._run_group(b, members, requests, placed, results, inline) for b, members in groups.items()]
         # One group (the usual case) is awaited directly: gather would wrap it in a task, one
         # more turn of the event loop on every batch.
@@ -174,10 +169,6 @@ class ModelRunner:
         elif runs:
             await asyncio.gather(*runs)
         return results
-
-    def _padding(self, bucket: int, inputs: list[list[torch.Tensor]]) -> int:
-        rows = sum(x[0].shape[0] for x in inputs)
-        return sum(self.plan(bucket, rows)) - rows
 
     async def _run_group(self, bucket, members, requests, placed, results, inline: bool = False) -> None:
         if len(members) == 1:  # a lone request: its rows are the batch, its outputs the answer
@@ -217,9 +208,8 @@ class ModelRunner:
         core = self.cores.next()
         try:
             self.chunks[bucket, size] += 1
-            if self.on_chunk:
-                self.on_chunk(core.index, size, padded)
-            inline = inline and self.span == 1 and self.costs[bucket][size] <= INLINE_MAX_S and self.cores.busy() == 1
+            if self.observer is not None:
+                self.observer.chunk(core.index, size, padded)
             return await self.pipelines[bucket][size].run(flat, core, inline)
         finally:
             self.cores.release(core)

@@ -201,7 +201,7 @@ async def replica_call(plane: Any, method: str, payload: bytes | pb.ModelInferRe
         if method == "config":
             return ("ok", plane.triton_config())
         if method == "infer":
-            plane.batcher.admit()  # refuse before decoding when the queue is full
+            plane.admit()  # refuse before decoding when the queue is full
             return ("ok", await infer(plane, payload))
         raise NeuronServeError(f"unknown model call {method!r}")
     except NeuronServeError as exc:
@@ -213,14 +213,14 @@ async def replica_call(plane: Any, method: str, payload: bytes | pb.ModelInferRe
 async def infer(plane: Any, payload: bytes | pb.ModelInferRequest) -> pb.ModelInferResponse:
     """One ``ModelInferRequest`` (or its bytes) through the plane; the answer.
 
-    The message is decoded into tensors over its own bytes and the answer encoded from
-    the output tensors: no other protocol's form is made on the way.
+    The message is decoded (`oip_grpc`) into tensors over its own bytes, run by the plane,
+    and the answer encoded from the output tensors, inside the request's `InferCall` (the
+    codec's work timed and counted with it): no other protocol's form is made on the way.
     """
-    def decode():
+    with plane.begin() as call:
         message = payload if isinstance(payload, pb.ModelInferRequest) else pb.ModelInferRequest.FromString(payload)
-        return oip_grpc.decode_request(message, max_elements=plane.max_elements)
-
-    return await plane.handle(decode, oip_grpc.encode_response)
+        request = oip_grpc.decode_request(message, max_elements=plane.max_elements)
+        return oip_grpc.encode_response(await plane.infer(request, call))
 
 
 class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):

@@ -1,78 +1,74 @@
 """The protocol-agnostic data plane of one model: metadata, readiness and inference.
 
 It takes a decoded `InferRequest` and answers an `InferResponse` (tensors in, tensors
-out); each protocol is a codec at the edge (``serve/protocols``) whose decode and
-encode `handle` runs around the inference, so that every protocol is timed and
-counted alike. HTTP routes and the gRPC service are thin adapters over this class (as
-KServe's DataPlane), so it is tested with a local model and served by Ray alike.
+out), and knows no protocol. Each protocol's route decodes the request with its codec
+(``serve/protocols``), calls `ModelDataPlane.infer`, and encodes the answer, all inside
+the request's `InferCall` (`ModelDataPlane.begin`), so that every protocol is timed and
+counted alike, its codec's work included:
+
+    plane.admit()                      # refuse before reading a body when the queue is full
+    with plane.begin() as call:
+        request = codec.decode(...)    # an InferRequest
+        return codec.encode(await plane.infer(request, call))
+
+HTTP routes (``http.py``) and the gRPC service (``serve/grpc/service.py``) are thin
+adapters over this class (as KServe's DataPlane), so it is tested with a local model and
+served by Ray alike.
 """
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import logging
 import os
 import time
-from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 
-from ... import metrics
 from ...version import __version__
 from ...config import ModelConfig
 from ...errors import InvalidInput, NeuronServeError
 from ...model import CompiledModel
+from ...runtime.lone import LoneRequests
 from ...runtime.request_queue import DynamicBatcher
 from ...runtime.runner import ModelRunner
 from ...targets.pjrt import emulated
-from ..protocols import oip_rest
 from ..protocols.infer import TORCH_TO_DATATYPE, InferRequest, InferResponse, TensorSpec, check_inputs, select_outputs
 from . import triton as triton_ext
 from .neuron_monitor import CoreMonitor
+from .observer import ReplicaMetrics
 
 logger = logging.getLogger("neuron_serve")
 
-Encoded = TypeVar("Encoded")
-# A replica that has had no two requests in flight at once for this long serves one at a
-# time (concurrency 1): its lone requests run on the event loop's thread (ModelRunner.infer).
-ALONE_QUIET_S = 0.05
-# Turns of the event loop a lone request gives before it takes the loop's thread, so that
-# requests which reached the replica meanwhile come in and are counted (each turn ~5 µs).
-ALONE_YIELDS = 3
 
+class InferCall:
+    """One infer request on a data plane, from before its decode to after its encode.
 
-class DeferredMetrics:
-    """Metric updates queued while a request runs and applied once its answer is out.
-
-    A request makes about twenty updates (Triton's statistics, latency, batch, chunk and
-    stage metrics), each a lock and an mmap write in Prometheus' multiprocess mode. Applied
-    on the event loop's next turn, after the handler has written the answer, they cost a
-    request no latency. Any thread may queue (``deque.append`` is atomic); the event loop
-    applies them, in order.
+    A context manager (`ModelDataPlane.begin`): entering starts the request's clock
+    (Triton's statistics) and counts it in flight (`LoneRequests`); leaving records it
+    (after the answer is out), by status: 200, the HTTP status of a `NeuronServeError`
+    raised inside (a decode refused is 400, a full queue 503), else 500.
     """
 
-    def __init__(self) -> None:
-        self._queue: collections.deque[tuple[Callable[..., None], tuple]] = collections.deque()
-        self._scheduled = False
+    __slots__ = ("plane", "times", "rows", "_started")
 
-    def add(self, record: Callable[..., None], *args: Any) -> None:
-        self._queue.append((record, args))
+    def __init__(self, plane: ModelDataPlane) -> None:
+        self.plane = plane
+        self.rows = 0  # the request's rows, once answered
 
-    def flush_soon(self) -> None:
-        """Apply what is queued on the running loop's next turn (once, however often asked)."""
-        if not self._scheduled:
-            self._scheduled = True
-            asyncio.get_running_loop().call_soon(self.flush)
+    def __enter__(self) -> InferCall:
+        self._started = started = time.perf_counter()
+        self.times = triton_ext.RequestTimes(received=started)
+        self.plane.lone.arrived(started)
+        return self
 
-    def flush(self) -> None:
-        self._scheduled = False
-        while self._queue:
-            record, args = self._queue.popleft()
-            try:
-                record(*args)
-            except Exception:  # a metric must never fail serving
-                logger.exception("recording a metric failed")
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, traceback: object) -> None:
+        plane = self.plane
+        plane.lone.left()
+        ended = time.perf_counter()
+        times = self.times
+        times.answered = ended
+        code = "200" if kind is None else str(exc.http_status) if isinstance(exc, NeuronServeError) else "500"
+        plane.observer.answered(times, code, self.rows, ended - self._started)
 
 
 class ModelDataPlane:
@@ -82,31 +78,16 @@ class ModelDataPlane:
         self.config = config
         self.name = config.name
         self.replica = replica or str(os.getpid())
-        labels = {"model": self.name, "replica": self.replica}
-        self._labels = labels
-        # Labelled once: labels() costs microseconds, and these are recorded per request.
-        self._queue_time = metrics.QUEUE_TIME.labels(**self._labels)
-        self._latency = metrics.REQUEST_LATENCY.labels(**self._labels)
-        self._children: dict[tuple, Any] = {}
-        self.deferred = DeferredMetrics()
-        self.runner = ModelRunner(model, cores=config.cores_per_replica, name=self.name, on_stage=self._on_stage,
-                                  on_chunk=self._on_chunk, on_padding=self._on_padding, on_transfer=self._on_transfer)
-        metrics.COMPILE_TIME.labels(**labels).observe(model.build_info.seconds + self.runner.load_seconds)
-        for bucket, costs in enumerate(self.runner.costs):
-            for size, seconds in costs.items():
-                metrics.SIZE_COST.labels(**labels, bucket=str(bucket), batch_size=str(size)).set(seconds)
-        for bucket, size, stage, core, size_bytes in self.runner.stage_memory():
-            metrics.STAGE_MEMORY.labels(**labels, bucket=str(bucket), batch_size=str(size), partition=stage,
-                                        core=str(core)).set(size_bytes)
-        metrics.BUILD_COMPILES.labels(**labels).inc(model.build_info.compiles)
-        for kind, hits in model.build_info.cache_hits.items():
-            metrics.CACHE_HITS.labels(**labels, cache=kind).inc(hits)
+        # The runtime's events, and the plane's, as this replica's metrics: one observer, handed down once.
+        self.observer = ReplicaMetrics(self.name, self.replica)
+        self.runner = ModelRunner(model, cores=config.cores_per_replica, name=self.name, observer=self.observer)
+        self.observer.loaded(model, self.runner)
         signature = model.signature()
         self.inputs = [TensorSpec(s.name, TORCH_TO_DATATYPE[s.dtype], s.shape) for s in signature.inputs]
         self.outputs = [{"name": s.name, "datatype": TORCH_TO_DATATYPE.get(s.dtype, "FP32"), "shape": list(s.shape)}
                         for s in signature.outputs]
         batching = config.batching
-        self.batcher = DynamicBatcher(
+        self._batcher = DynamicBatcher(
             self._run_batch,
             max_batch_size=batching.max_batch_size,
             max_queue_delay_s=batching.max_queue_delay_ms / 1000,
@@ -114,74 +95,26 @@ class ModelDataPlane:
             request_timeout_s=batching.request_timeout_s,
             preferred_batch_sizes=model.batch_sizes if model.dynamic_batch_enabled else None,
             max_concurrent_batches=2 * len(self.runner.cores),
-            on_batch=self._on_batch,
+            observer=self.observer,
         )
         # The most elements one input of a valid request can hold; larger ones are refused
         # before anything is allocated.
         self.max_elements = batching.max_batch_size * model.max_row_elements()
         self._ready = False
-        self._in_flight = 0  # requests between decode and answer
-        self._overlapped = -ALONE_QUIET_S  # when two requests were last in flight at once
-
-    # -- hooks for metrics ----------------------------------------------------------
-
-    def _child(self, metric: Any, **labels: str) -> Any:
-        """``metric``'s child for this model and replica and ``labels``, looked up once.
-
-        The hooks below run for every chunk and stage; ``labels()`` costs microseconds each.
-        """
-        key = (metric, *labels.values())
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(**self._labels, **labels)
-        return child
-
-    # Each hook queues its update (DeferredMetrics); ``_record_*`` apply them later.
-
-    def _on_stage(self, partition: str, device: str, core: int, seconds: float) -> None:
-        self.deferred.add(self._record_stage, partition, device, core, seconds)  # on the core's thread
-
-    def _record_stage(self, partition: str, device: str, core: int, seconds: float) -> None:
-        self._child(metrics.PARTITION_TIME, partition=partition, device=device, core=str(core)).observe(seconds)
-
-    def _on_transfer(self, stage: str, core: int, size_bytes: int) -> None:
-        self.deferred.add(self._record_transfer, stage, core, size_bytes)
-
-    def _record_transfer(self, stage: str, core: int, size_bytes: int) -> None:
-        self._child(metrics.STAGE_INPUT_BYTES, partition=stage, core=str(core)).inc(size_bytes)
-
-    def _on_chunk(self, core: int, batch_size: int, padded: int) -> None:
-        self.deferred.add(self._record_chunk, core, batch_size, padded)
-
-    def _record_chunk(self, core: int, batch_size: int, padded: int) -> None:
-        # One per chunk, however many accelerator partitions the chunk runs through.
-        self._child(metrics.CORE_BATCHES, core=str(core)).inc()
-        self._child(metrics.SIZE_CHUNKS, batch_size=str(batch_size)).inc()
-        self._child(metrics.PADDING_ROWS).inc(padded)
-
-    def _on_padding(self, padded: int) -> None:
-        self.deferred.add(self._child(metrics.BATCH_PADDING).observe, padded)
-
-    def _on_batch(self, rows: int, waits: list[float]) -> None:
-        self.deferred.add(self._record_batch, rows, waits)
-
-    def _record_batch(self, rows: int, waits: list[float]) -> None:
-        self._child(metrics.BATCH_SIZE).observe(rows)
-        for wait in waits:
-            self._queue_time.observe(wait)
+        self.lone = LoneRequests()  # the requests in flight, and whether one is alone (runs inline)
 
     # -- lifecycle ------------------------------------------------------------------
 
     def start(self) -> None:
-        self.batcher.start()
+        self._batcher.start()
         self.monitor = CoreMonitor(self.runner.cores.cores, self.name, self.replica, emulated())
         self.monitor.start()
         self._ready = True
 
     async def stop(self) -> None:
         self._ready = False
-        await self.batcher.stop(drain=True)
-        self.deferred.flush()
+        await self._batcher.stop(drain=True)
+        self.observer.deferred.flush()
         if getattr(self, "monitor", None) is not None:
             self.monitor.stop()
         self.runner.close()
@@ -207,33 +140,15 @@ class ModelDataPlane:
             },
         }
 
-    def _alone(self) -> bool:
-        return self._in_flight == 1 and time.perf_counter() - self._overlapped > ALONE_QUIET_S
-
-    async def _serving_alone(self) -> bool:
-        """Whether the one request in flight may take the event loop's thread to run.
-
-        Only at concurrency 1: nothing else in flight, and nothing overlapped for
-        ``ALONE_QUIET_S``. Requests that arrived while the loop was busy (running the
-        previous lone request, say) get their turns first; if one comes in, this request
-        is handed to a core as usual, and later ones are for ``ALONE_QUIET_S``, so a
-        burst is batched rather than run one by one on the loop.
-        """
-        if not self._alone():
-            return False
-        for _ in range(ALONE_YIELDS):
-            await asyncio.sleep(0)
-        return self._alone()
-
     async def _run_batch(self, items: list[tuple[list[torch.Tensor], triton_ext.RequestTimes]]) -> list:
-        inline = len(items) == 1 and await self._serving_alone()
+        inline = await self.lone.alone(len(items))
         started = time.perf_counter()
         results = await self.runner.infer([tensors for tensors, _ in items], inline=inline)
         ran = time.perf_counter()
         for _, times in items:
             times.started, times.ran = started, ran
         if any(not isinstance(r, Exception) for r in results):
-            self.deferred.add(self._child(metrics.EXECUTIONS).inc)
+            self.observer.executed()
         return results
 
     def triton_config(self) -> dict:
@@ -242,51 +157,31 @@ class ModelDataPlane:
                                        self.runner.model.batch_sizes,
                                        emulated())
 
-    async def infer(self, body: bytes, headers: Mapping[str, str]) -> tuple[bytes, dict[str, str]]:
-        """Decode, batch, run and encode one OIP v2 REST infer request (JSON or binary)."""
-        return await self.handle(
-            lambda: oip_rest.parse_infer_request(body, headers, max_elements=self.max_elements, model=self.name),
-            oip_rest.encode_response,
-        )
+    def admit(self) -> None:
+        """Raise Overloaded now when the request queue would refuse a request (full, or stopping).
 
-    async def handle(self, decode: Callable[[], InferRequest],
-                     encode: Callable[[InferResponse], Encoded]) -> Encoded:
-        """One request of any protocol: ``decode`` it, run it, ``encode`` the answer.
-
-        The codec's own work is timed with the request (Triton's compute_input and
-        compute_output), and the request is counted by status whichever step fails.
+        A route calls it before it reads and decodes a request body, so a burst past the
+        queue bound costs next to nothing.
         """
-        started = time.perf_counter()
-        times = triton_ext.RequestTimes(received=started)
-        code, rows = "500", 0
-        self._in_flight += 1
-        if self._in_flight > 1:
-            self._overlapped = started
-        try:
-            request = decode()
-            times.decoded = time.perf_counter()
-            response, rows = await self._run(request, times)
-            encoded = encode(response)
-            code = "200"
-            times.answered = time.perf_counter()
-            return encoded
-        except NeuronServeError as exc:
-            code = str(exc.http_status)
-            raise
-        finally:
-            self._in_flight -= 1
-            ended = time.perf_counter()
-            times.answered = times.answered or ended
-            self.deferred.add(self._record_request, times, code, rows, ended - started)
-            self.deferred.flush_soon()
+        self._batcher.admit()
 
-    def _record_request(self, times: triton_ext.RequestTimes, code: str, rows: int, seconds: float) -> None:
-        triton_ext.record(self.name, self.replica, times, code == "200", rows)
-        self._child(metrics.REQUESTS, code=code).inc()
-        self._latency.observe(seconds)
+    def begin(self) -> InferCall:
+        """A request's `InferCall`, to enter before its protocol decodes it (see the module's docstring)."""
+        return InferCall(self)
 
-    async def _run(self, request: InferRequest, times: triton_ext.RequestTimes) -> tuple[InferResponse, int]:
-        """Check a decoded request against the model, batch and run it; (answer, rows)."""
+    async def infer(self, request: InferRequest, call: InferCall | None = None) -> InferResponse:
+        """Check a decoded request against the model, batch and run it; the answer.
+
+        ``call`` is the request's `InferCall`, entered before decoding, so the decode and
+        encode around this are timed with the request (Triton's compute_input and
+        compute_output) and their failures counted; without one the request is counted
+        from here.
+        """
+        if call is None:
+            with InferCall(self) as call:
+                return await self.infer(request, call)
+        times = call.times
+        times.decoded = time.perf_counter()
         tensors = check_inputs(request.inputs, self.inputs)
         rows = tensors[0].shape[0] if tensors[0].dim() else 1
         if rows > self.config.batching.max_batch_size:
@@ -294,10 +189,11 @@ class ModelDataPlane:
                 f"the request has {rows} rows; this model accepts at most "
                 f"{self.config.batching.max_batch_size} (batching.max_batch_size)."
             )
-        outputs = await self.batcher.submit((tensors, times), rows=rows)
+        outputs = await self._batcher.submit((tensors, times), rows=rows)
         named = list(zip(self.runner.model.output_names, outputs))
         selected = select_outputs(request, named, self.name)
-        return InferResponse(self.name, "1", request.id, selected), rows
+        call.rows = rows
+        return InferResponse(self.name, "1", request.id, selected)
 
 
 _current: ModelDataPlane | None = None

@@ -10,6 +10,7 @@ import torch
 from neuron_serve import metrics
 from neuron_serve.build import build
 from neuron_serve.config import build_model, parse_config
+from neuron_serve.serve.infer.http import infer as rest_infer
 from neuron_serve.serve.infer.plane import ModelDataPlane
 
 HERE = Path(__file__).resolve().parent
@@ -59,7 +60,7 @@ def test_a_chunk_through_two_accelerator_partitions_counts_once_and_padding_is_c
             outputs = []
             for rows in (3, 7):
                 x = torch.rand(rows, 8)
-                content, _ = await plane.infer(body(x), {})
+                content, _ = await rest_infer(plane, body(x), {})
                 out = torch.tensor(json.loads(content)["outputs"][0]["data"]).reshape(rows, 4)
                 outputs.append((out, eager(x)))
             await asyncio.sleep(0)  # metrics are applied on the loop's next turn, after the answer
@@ -98,7 +99,7 @@ def test_each_shape_bucket_pads_its_own_rows_and_the_padding_is_counted():
         try:
             before = padding()
             short, long = torch.rand(1, 3), torch.rand(1, 6)  # one row for each shape bucket, in one batch
-            replies = await asyncio.gather(plane.infer(body(short), {}), plane.infer(body(long), {}))
+            replies = await asyncio.gather(rest_infer(plane, body(short), {}), rest_infer(plane, body(long), {}))
             outs = [torch.tensor(json.loads(c)["outputs"][0]["data"]).reshape(1, 2) for c, _ in replies]
             await asyncio.sleep(0)  # metrics are applied on the loop's next turn, after the answer
             return before, padding(), list(zip(outs, (eager(short), eager(long)))), dict(plane.runner.chunks)

@@ -12,13 +12,18 @@ import pytest
 RUN = """
 import asyncio, json, torch
 import neuron_serve
+from neuron_serve.runtime.observer import RuntimeObserver
 from neuron_serve.runtime.runner import ModelRunner
+
+class Chunks(RuntimeObserver, list):
+    def chunk(self, core, size, padded):
+        self.append(core)
 
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).eval()
 traced = neuron_serve.dynamic_batch(neuron_serve.trace(model, torch.randn(4, 16), batch_sizes=[4]))
-chunks = []
-runner = ModelRunner(traced, cores=2, on_chunk=lambda core, size, padded: chunks.append(core))
+chunks = Chunks()
+runner = ModelRunner(traced, cores=2, observer=chunks)
 report = {}
 
 async def one_after_another():

@@ -8,6 +8,7 @@ import torch
 
 from neuron_serve import metrics
 from neuron_serve.errors import InvalidInput
+from neuron_serve.serve.infer.http import infer as rest_infer
 from neuron_serve.serve.infer.plane import ModelDataPlane
 
 TOLERANCE = 1e-5
@@ -35,7 +36,7 @@ def test_metadata_gives_the_compiled_signature_before_and_after_requests(config,
     async def calls(plane):
         before = plane.metadata()
         x = torch.rand(6, 8)
-        content, _ = await plane.infer(body(x), {})
+        content, _ = await rest_infer(plane, body(x), {})
         return before, plane.metadata(), x, json.loads(content)
 
     before, after, x, response = asyncio.run(serve(config, built, calls))
@@ -50,9 +51,9 @@ def test_metadata_gives_the_compiled_signature_before_and_after_requests(config,
 def test_a_request_of_the_wrong_shape_is_refused_and_the_plane_keeps_serving(config, built, eager):
     async def calls(plane):
         with pytest.raises(InvalidInput, match=r"input 'x' .*shape \[2, 5\].*expected \[-1, 8\]"):
-            await plane.infer(body(torch.rand(2, 5)), {})
+            await rest_infer(plane, body(torch.rand(2, 5)), {})
         x = torch.rand(1, 8)
-        content, _ = await plane.infer(body(x), {})
+        content, _ = await rest_infer(plane, body(x), {})
         return x, json.loads(content)
 
     x, response = asyncio.run(serve(config, built, calls))
@@ -63,7 +64,7 @@ def test_a_request_of_the_wrong_shape_is_refused_and_the_plane_keeps_serving(con
 def test_more_rows_than_max_batch_size_are_refused_before_decoding(config, built):
     async def calls(plane):
         with pytest.raises(InvalidInput, match=r"shape \[17, 8\] has more than max_elements=128 elements"):
-            await plane.infer(body(torch.rand(17, 8)), {})
+            await rest_infer(plane, body(torch.rand(17, 8)), {})
 
     asyncio.run(serve(config, built, calls))
 
@@ -86,7 +87,7 @@ def test_a_lone_request_on_an_idle_replica_runs_without_waiting_max_queue_delay(
             queued_before = metrics.QUEUE_TIME.labels(**labels)._sum.get()
             started = asyncio.get_running_loop().time()
             x = torch.rand(1, 8)
-            content, _ = await plane.infer(body(x), {})
+            content, _ = await rest_infer(plane, body(x), {})
             took = asyncio.get_running_loop().time() - started
             await asyncio.sleep(0)  # metrics are applied on the loop's next turn
             return x, json.loads(content), took, metrics.QUEUE_TIME.labels(**labels)._sum.get() - queued_before
@@ -110,7 +111,7 @@ def test_request_metrics_are_recorded_after_the_answer_not_before(config, built)
         plane.start()
         try:
             before = served()
-            await plane.infer(body(torch.rand(2, 8)), {})
+            await rest_infer(plane, body(torch.rand(2, 8)), {})
             at_answer = served()  # the handler is about to write the answer: nothing recorded yet
             await asyncio.sleep(0)
             return before, at_answer, served()

@@ -9,22 +9,23 @@ import threading
 import pytest
 import torch
 
-from neuron_serve.runtime import runner as runner_module
+from neuron_serve.runtime import lone
+from neuron_serve.runtime.observer import RuntimeObserver
 from neuron_serve.runtime.runner import ModelRunner
-from neuron_serve.serve.infer import plane as dataplane_module
+from neuron_serve.serve.infer.http import infer as rest_infer
 from neuron_serve.serve.infer.plane import ModelDataPlane
 
 TOLERANCE = 1e-5
 LOOP = "MainThread"  # asyncio.run runs the loop on the test's own thread
 
 
-class Threads:
-    """A stage hook that records (stage, thread name) for every stage run."""
+class Threads(RuntimeObserver):
+    """An observer that records (stage, thread name) for every stage run."""
 
     def __init__(self) -> None:
         self.seen: list[tuple[str, str]] = []
 
-    def __call__(self, partition, device, core, seconds) -> None:
+    def stage(self, partition, device, core, seconds) -> None:
         self.seen.append((partition, threading.current_thread().name))
 
     def take(self) -> list[tuple[str, str]]:
@@ -35,7 +36,7 @@ class Threads:
 @pytest.fixture(scope="module")
 def hooked(built):
     threads = Threads()
-    runner = ModelRunner(built, cores=1, name="scores", on_stage=threads)
+    runner = ModelRunner(built, cores=1, name="scores", observer=threads)
     threads.take()  # the load-time timing runs
     yield runner, threads
     runner.close()
@@ -60,7 +61,7 @@ def test_without_inline_the_accelerator_stage_runs_on_the_cores_thread(hooked, e
 
 def test_a_call_costlier_than_the_inline_limit_is_handed_out(hooked, monkeypatch):
     runner, threads = hooked
-    monkeypatch.setattr(runner_module, "INLINE_MAX_S", 0.0)
+    monkeypatch.setattr(lone, "INLINE_MAX_S", 0.0)
     asyncio.run(runner.infer([[torch.rand(4, 8)]], inline=True))
     assert dict(threads.take())["accel_0"].startswith("core0")
 
@@ -102,27 +103,27 @@ def answer(content: bytes) -> torch.Tensor:
 
 def test_the_data_plane_runs_requests_one_at_a_time_on_the_loop_until_two_overlap(config, built, eager,
                                                                                 monkeypatch):
-    monkeypatch.setattr(dataplane_module, "ALONE_QUIET_S", 0.2)
+    monkeypatch.setattr(lone, "ALONE_QUIET_S", 0.2)
 
     async def calls():
         plane = ModelDataPlane(config, built, replica="inline")
         plane.start()
         threads = Threads()
         for pipeline in plane.runner.pipelines[0].values():
-            pipeline.on_stage = threads
+            pipeline.observer = threads
         try:
             seen = {}
             xs = [torch.rand(1, 8) for _ in range(5)]
-            outs = [answer((await plane.infer(body(xs[0]), {}))[0])]
+            outs = [answer((await rest_infer(plane, body(xs[0]), {}))[0])]
             seen["alone"] = dict(threads.take())["accel_0"]
             # Two at once: the first of them yields, the second comes in, and both go to the core.
             outs += [answer(content) for content, _ in
-                     await asyncio.gather(*(plane.infer(body(x), {}) for x in xs[1:3]))]
+                     await asyncio.gather(*(rest_infer(plane, body(x), {}) for x in xs[1:3]))]
             seen["overlapping"] = {thread for stage, thread in threads.take() if stage == "accel_0"}
-            outs.append(answer((await plane.infer(body(xs[3]), {}))[0]))
+            outs.append(answer((await rest_infer(plane, body(xs[3]), {}))[0]))
             seen["right after"] = dict(threads.take())["accel_0"]
             await asyncio.sleep(0.25)  # ALONE_QUIET_S with no overlap: one at a time again
-            outs.append(answer((await plane.infer(body(xs[4]), {}))[0]))
+            outs.append(answer((await rest_infer(plane, body(xs[4]), {}))[0]))
             seen["quiet again"] = dict(threads.take())["accel_0"]
             return xs, outs, seen
         finally:

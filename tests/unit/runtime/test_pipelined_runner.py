@@ -15,8 +15,13 @@ import asyncio, json, sys, torch
 sys.path.insert(0, sys.argv[1])
 import neuron_serve
 from neuron_serve.compile.subgraph import CompiledSubgraph
+from neuron_serve.runtime.observer import RuntimeObserver
 from neuron_serve.runtime.runner import ModelRunner
 from test_pipeline_placement import FourLayers
+
+class Stages(RuntimeObserver, list):
+    def stage(self, name, device, core, seconds):
+        self.append((name, core))
 
 torch.manual_seed(0)
 model = FourLayers().eval()
@@ -25,8 +30,8 @@ for saturate in (True, False):
     traced = neuron_serve.dynamic_batch(neuron_serve.trace(
         model, torch.randn(4, 64), batch_sizes=[4],
         placement={"mode": "pipeline", "cores_per_pipeline": 2, "saturate_host": saturate}))
-    ran = []
-    runner = ModelRunner(traced, cores=4, on_stage=lambda name, device, core, s: ran.append((name, core)))
+    ran = Stages()
+    runner = ModelRunner(traced, cores=4, observer=ran)
     xs = [torch.randn(rows, 64) for rows in (4, 3, 8, 1, 4, 5)]
 
     async def all_at_once():

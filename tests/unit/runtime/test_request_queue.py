@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from neuron_serve.errors import ConfigError, Overloaded, RequestTimeout
+from neuron_serve.runtime.observer import RuntimeObserver
 from neuron_serve.runtime.request_queue import DynamicBatcher
 from neuron_serve.runtime.request_rows import collate, split
 
@@ -35,8 +36,19 @@ class Recorder:
         return [item for batch in self.batches for item in batch]
 
 
-def batcher(run_batch, **overrides) -> DynamicBatcher:
-    return DynamicBatcher(run_batch, **{**DEFAULTS, **overrides})
+class Batches(RuntimeObserver):
+    """An observer that hands each batch's (rows, queue waits) to ``on_batch``."""
+
+    def __init__(self, on_batch):
+        self.on_batch = on_batch
+
+    def batch(self, rows, waits):
+        self.on_batch(rows, waits)
+
+
+def batcher(run_batch, on_batch=None, **overrides) -> DynamicBatcher:
+    observer = Batches(on_batch) if on_batch is not None else None
+    return DynamicBatcher(run_batch, **{**DEFAULTS, **overrides}, observer=observer)
 
 
 def test_concurrent_distinct_tensors_each_get_their_own_result():
@@ -257,7 +269,7 @@ def test_wrong_number_of_results_fails_the_batch_with_a_message():
         assert str(r) == "run_batch returned 1 results for 2 items; it must return one per item."
 
 
-def test_broken_on_batch_hook_does_not_break_serving():
+def test_a_broken_observer_does_not_break_serving():
     def on_batch(rows, waits):
         raise ZeroDivisionError
 

@@ -9,15 +9,23 @@ import torch
 from neuron_serve.errors import InvalidInput
 from neuron_serve.model import sizes
 from neuron_serve.runtime import runner as runner_module
+from neuron_serve.runtime.observer import RuntimeObserver
 from neuron_serve.runtime.runner import ModelRunner
 
 TOLERANCE = 1e-5
 
 
+class Chunks(RuntimeObserver, list):
+    """Records (core, compiled batch size, padded rows) of every chunk."""
+
+    def chunk(self, core, batch_size, padded):
+        self.append((core, batch_size, padded))
+
+
 @pytest.fixture(scope="module")
 def runner(built):
-    chunks = []
-    runner = ModelRunner(built, cores=1, name="scores", on_chunk=lambda *chunk: chunks.append(chunk))
+    chunks = Chunks()
+    runner = ModelRunner(built, cores=1, name="scores", observer=chunks)
     runner.recorded = chunks
     yield runner
     runner.close()
@@ -123,8 +131,7 @@ def test_rows_run_as_the_cheapest_measured_sizes_and_equal_eager(runner, eager):
 
 def test_given_costs_decide_which_sizes_run(built, eager):
     runner = ModelRunner(built, cores=1, name="scores")
-    chunks = []
-    runner.on_chunk = lambda *chunk: chunks.append(chunk)
+    chunks = runner.observer = Chunks()
     try:
         # Costs of another machine: one 16-row call dearer than three 4-row calls and a 1-row call.
         runner.use_costs([{1: 1.0, 4: 1.5, 16: 10.0}])

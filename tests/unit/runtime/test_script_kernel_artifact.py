@@ -16,6 +16,7 @@ import neuron_serve
 from neuron_serve.build import build
 from neuron_serve.config import parse_config
 from neuron_serve.runtime.runner import ModelRunner
+from neuron_serve.serve.infer.http import infer as rest_infer
 from neuron_serve.serve.infer.plane import ModelDataPlane
 
 TOLERANCE = 1e-5
@@ -75,7 +76,7 @@ def test_the_data_plane_accepts_a_length_5_request(served):
         plane = ModelDataPlane(config, built, replica="test")
         plane.start()
         try:
-            return plane.metadata(), json.loads((await plane.infer(body.encode(), {}))[0])
+            return plane.metadata(), json.loads((await rest_infer(plane, body.encode(), {}))[0])
         finally:
             await plane.stop()
 

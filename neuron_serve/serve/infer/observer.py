@@ -1,0 +1,144 @@
+"""A replica's metrics (``neuron_serve.metrics``): the runtime's events and the data plane's.
+
+`ReplicaMetrics` is the `RuntimeObserver` the data plane hands its request queue and
+runner, and it records what the plane itself sees (a model loaded, a batch executed, a
+request answered). Every update is queued (`DeferredMetrics`) and applied once the answer
+is out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from typing import Any, Callable
+
+from ... import metrics
+from ...model import CompiledModel
+from ...runtime.observer import RuntimeObserver
+from ...runtime.runner import ModelRunner
+from . import triton as triton_ext
+
+logger = logging.getLogger("neuron_serve")
+
+
+class DeferredMetrics:
+    """Metric updates queued while a request runs and applied once its answer is out.
+
+    A request makes about twenty updates (Triton's statistics, latency, batch, chunk and
+    stage metrics), each a lock and an mmap write in Prometheus' multiprocess mode. Applied
+    on the event loop's next turn, after the handler has written the answer, they cost a
+    request no latency. Any thread may queue (``deque.append`` is atomic); the event loop
+    applies them, in order.
+    """
+
+    def __init__(self) -> None:
+        self._queue: collections.deque[tuple[Callable[..., None], tuple]] = collections.deque()
+        self._scheduled = False
+
+    def add(self, record: Callable[..., None], *args: Any) -> None:
+        self._queue.append((record, args))
+
+    def flush_soon(self) -> None:
+        """Apply what is queued on the running loop's next turn (once, however often asked)."""
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        self._scheduled = False
+        while self._queue:
+            record, args = self._queue.popleft()
+            try:
+                record(*args)
+            except Exception:  # a metric must never fail serving
+                logger.exception("recording a metric failed")
+
+
+class ReplicaMetrics(RuntimeObserver):
+    """One model's metrics on one replica. Each event queues its update (``deferred``); ``_record_*`` apply them."""
+
+    def __init__(self, model: str, replica: str) -> None:
+        self.model = model
+        self.replica = replica
+        self._labels = {"model": model, "replica": replica}
+        # Labelled once: labels() costs microseconds, and these are recorded per request.
+        self._queue_time = metrics.QUEUE_TIME.labels(**self._labels)
+        self._latency = metrics.REQUEST_LATENCY.labels(**self._labels)
+        self._children: dict[tuple, Any] = {}
+        self.deferred = DeferredMetrics()
+
+    def _child(self, metric: Any, **labels: str) -> Any:
+        """``metric``'s child for this model and replica and ``labels``, looked up once.
+
+        The events below come for every chunk and stage; ``labels()`` costs microseconds each.
+        """
+        key = (metric, *labels.values())
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(**self._labels, **labels)
+        return child
+
+    # -- the data plane's events ------------------------------------------------------
+
+    def loaded(self, model: CompiledModel, runner: ModelRunner) -> None:
+        """The model is built and on the cores: its build and load, costs and memory (recorded now)."""
+        labels = self._labels
+        metrics.COMPILE_TIME.labels(**labels).observe(model.build_info.seconds + runner.load_seconds)
+        for bucket, costs in enumerate(runner.costs):
+            for size, seconds in costs.items():
+                metrics.SIZE_COST.labels(**labels, bucket=str(bucket), batch_size=str(size)).set(seconds)
+        for bucket, size, stage, core, size_bytes in runner.stage_memory():
+            metrics.STAGE_MEMORY.labels(**labels, bucket=str(bucket), batch_size=str(size), partition=stage,
+                                        core=str(core)).set(size_bytes)
+        metrics.BUILD_COMPILES.labels(**labels).inc(model.build_info.compiles)
+        for kind, hits in model.build_info.cache_hits.items():
+            metrics.CACHE_HITS.labels(**labels, cache=kind).inc(hits)
+
+    def executed(self) -> None:
+        """A batch ran with at least one request answered (Triton's execution count)."""
+        self.deferred.add(self._child(metrics.EXECUTIONS).inc)
+
+    def answered(self, times: triton_ext.RequestTimes, code: str, rows: int, seconds: float) -> None:
+        """A request is answered (``code`` "200") or failed; applied on the loop's next turn."""
+        self.deferred.add(self._record_request, times, code, rows, seconds)
+        self.deferred.flush_soon()
+
+    def _record_request(self, times: triton_ext.RequestTimes, code: str, rows: int, seconds: float) -> None:
+        triton_ext.record(self.model, self.replica, times, code == "200", rows)
+        self._child(metrics.REQUESTS, code=code).inc()
+        self._latency.observe(seconds)
+
+    # -- RuntimeObserver ---------------------------------------------------------------
+
+    def stage(self, partition: str, device: str, core: int, seconds: float) -> None:
+        self.deferred.add(self._record_stage, partition, device, core, seconds)  # on the core's thread
+
+    def _record_stage(self, partition: str, device: str, core: int, seconds: float) -> None:
+        self._child(metrics.PARTITION_TIME, partition=partition, device=device, core=str(core)).observe(seconds)
+
+    def transfer(self, stage: str, core: int, size_bytes: int) -> None:
+        self.deferred.add(self._record_transfer, stage, core, size_bytes)
+
+    def _record_transfer(self, stage: str, core: int, size_bytes: int) -> None:
+        self._child(metrics.STAGE_INPUT_BYTES, partition=stage, core=str(core)).inc(size_bytes)
+
+    def chunk(self, core: int, batch_size: int, padded: int) -> None:
+        self.deferred.add(self._record_chunk, core, batch_size, padded)
+
+    def _record_chunk(self, core: int, batch_size: int, padded: int) -> None:
+        # One per chunk, however many accelerator partitions the chunk runs through.
+        self._child(metrics.CORE_BATCHES, core=str(core)).inc()
+        self._child(metrics.SIZE_CHUNKS, batch_size=str(batch_size)).inc()
+        self._child(metrics.PADDING_ROWS).inc(padded)
+
+    def padding(self, padded: int) -> None:
+        self.deferred.add(self._child(metrics.BATCH_PADDING).observe, padded)
+
+    def batch(self, rows: int, waits: list[float]) -> None:
+        self.deferred.add(self._record_batch, rows, waits)
+
+    def _record_batch(self, rows: int, waits: list[float]) -> None:
+        self._child(metrics.BATCH_SIZE).observe(rows)
+        for wait in waits:
+            self._queue_time.observe(wait)
