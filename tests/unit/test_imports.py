@@ -29,8 +29,12 @@ RULES = {
     "neuron_serve.config_generation": SCHEMA + ("neuron_serve.config", "neuron_serve.partition"),
     "neuron_serve.generation": ("neuron_serve.serve",),
     "neuron_serve.model": COMPILER + ("neuron_serve.runtime", "neuron_serve.serve"),
-    "neuron_serve.runtime": COMPILER + ("neuron_serve.serve",),
+    # The runtime tells one observer of its work (runtime/observer.py); the metrics live at the serving edge.
+    "neuron_serve.runtime": COMPILER + ("neuron_serve.serve", "neuron_serve.metrics"),
     "neuron_serve.serve.infer": COMPILER + (GENERATE, GRPC, RAY, SERVER_APP),
+    # The infer data plane takes the neutral InferRequest from every protocol's route: it knows no codec.
+    f"{INFER}.plane": tuple(f"neuron_serve.serve.protocols.{codec}"
+                            for codec in ("oip_rest", "oip_grpc", "oip_rest_schema", "oip_tensors")),
     "neuron_serve.serve.http": COMPILER + (RAY,),
     # Below the planes: what every app shares.
     "neuron_serve.serve.http.base": (INFER, GENERATE, GRPC, RAY),
@@ -143,6 +147,18 @@ def test_no_module_imports_its_own_caller():
         if node not in index:
             visit(node)
     assert cycles == []
+
+
+def test_the_infer_plane_reaches_no_codec_but_the_neutral_request():
+    """Not even through the modules it imports: each protocol's route decodes and encodes around it."""
+    graph = _module_graph()
+    reached, todo = set(), [f"{INFER}.plane"]
+    while todo:
+        for nxt in graph[todo.pop()] - reached:
+            reached.add(nxt)
+            todo.append(nxt)
+    assert sorted(m for m in reached if _under(m, "neuron_serve.serve.protocols")) == \
+        ["neuron_serve.serve.protocols.infer"]
 
 
 def test_nothing_but_the_cli_imports_the_report():
