@@ -33,9 +33,16 @@ class PortTaken(RuntimeError):
 
 
 class Server:
-    """`neuron-serve deploy` of ``configs`` in its own process group, ready on return."""
+    """`neuron-serve deploy` of ``configs`` in its own process group, ready on return.
 
-    def __init__(self, configs: list[str], tmp: Path, env: dict[str, str] | None = None, args: tuple = ()):
+    ``at_ready(server)`` runs the moment deploy prints its ready line, before anything here
+    polls the server: what it returns is kept as ``first_calls`` (see `first_calls`).
+    """
+
+    def __init__(self, configs: list[str], tmp: Path, env: dict[str, str] | None = None, args: tuple = (),
+                 at_ready=None):
+        self._at_ready = at_ready
+        self.first_calls = None
         # A port that was free when drawn can be bound by another process of the machine
         # before the replicas bind it; that is the machine's doing, so draw again once.
         try:
@@ -74,13 +81,15 @@ class Server:
             # port answers: readiness alone was seen to answer 200 before the server app
             # and its gRPC port were up, when another server had run just before.
             if re.search(r"^serving .* on http://", self.log.read_text(errors="replace"), re.MULTILINE):
+                if self._at_ready is not None and self.first_calls is None:
+                    self.first_calls = self._at_ready(self)
                 try:
                     with urllib.request.urlopen(self.url + "/v2/health/ready", timeout=2) as r:
                         if r.status == 200:
                             return
                 except OSError:
                     pass
-            time.sleep(1)
+            time.sleep(0.05 if self._at_ready is not None else 1)  # at_ready: as soon as the line is out
         self.stop()
         raise RuntimeError(f"not ready after {READY_TIMEOUT_S}s:\n{self.tail()}")
 
@@ -144,6 +153,47 @@ class Server:
                 pass
 
 
+def first_calls(models: list[str], infer: tuple[str, str, list[int]], token: str | None = None):
+    """An ``at_ready`` for `Server`: what a client that starts on deploy's ready line gets, each
+    call made once, with no retry: over gRPC (tritonclient.grpc) server and model readiness and
+    one inference (``infer``: model, its FP32 input, shape), over HTTP readiness and /metrics.
+    Each outcome is the call's answer or the error it raised."""
+    def calls(server: "Server") -> dict:
+        import numpy as np  # noqa: PLC0415
+        import tritonclient.grpc as tgrpc  # noqa: PLC0415
+
+        headers = {"authorization": f"Bearer {token}"} if token else None
+        client = tgrpc.InferenceServerClient(server.grpc_url)
+        model, name, shape = infer
+
+        def one_inference():
+            x = tgrpc.InferInput(name, shape, "FP32")
+            x.set_data_from_numpy(np.full(shape, 0.5, dtype="float32"))
+            return list(client.infer(model, [x], headers=headers).as_numpy("output_0").shape)
+
+        def http(path: str) -> int:
+            request = urllib.request.Request(server.url + path, headers=headers or {})
+            with urllib.request.urlopen(request, timeout=10) as answer:
+                return answer.status
+
+        steps = {"grpc server ready": lambda: client.is_server_ready(headers=headers),
+                 **{f"grpc {m} ready": lambda m=m: client.is_model_ready(m, headers=headers) for m in models},
+                 f"grpc {model} infer": one_inference,
+                 "http /v2/health/ready": lambda: http("/v2/health/ready"),
+                 "http /metrics": lambda: http("/metrics")}
+        found = {}
+        try:
+            for step, call in steps.items():
+                try:
+                    found[step] = call()
+                except Exception as exc:  # noqa: BLE001 - the outcome the test asserts on
+                    found[step] = f"{type(exc).__name__}: {exc}"
+        finally:
+            client.close()
+        return found
+    return calls
+
+
 @pytest.fixture(scope="session")
 def server_factory():
     """Start another real server: ``server_factory([model.yaml or artifact dir, ...], tmp_dir)``."""
@@ -201,7 +251,8 @@ def pytest_runtest_teardown(item, nextitem):
 def server(tmp_path_factory):
     """mlp (sort on CPU, 2 cores) and encoder (sequence buckets) served side by side."""
     srv = _started["server"] = Server(["deployments/mlp.yaml", "deployments/encoder.yaml"],
-                                      tmp_path_factory.mktemp("serve"))
+                                      tmp_path_factory.mktemp("serve"),
+                                      at_ready=first_calls(["mlp", "encoder"], ("mlp", "x", [1, 784])))
     yield srv
     srv.stop()
 
@@ -213,7 +264,8 @@ GUARDED_TOKEN = "guarded-test-token-0123456789"
 def guarded(tmp_path_factory):
     """tests/integration/models/guarded.yaml: the faulty test model behind a bearer token."""
     srv = Server(["tests/integration/models/guarded.yaml"], tmp_path_factory.mktemp("guarded"),
-                 env={"GUARDED_TOKEN": GUARDED_TOKEN})
+                 env={"GUARDED_TOKEN": GUARDED_TOKEN},
+                 at_ready=first_calls(["guarded"], ("guarded", "x", [1, 8]), GUARDED_TOKEN))
     srv.token = GUARDED_TOKEN
     _started["guarded"] = srv
     yield srv

@@ -66,6 +66,13 @@ def eager_out(eager, data):
         return eager(torch.from_numpy(data)).numpy()
 
 
+def test_every_port_answers_at_the_ready_line(guarded):
+    """The calls made, once each, the moment deploy printed its ready line (conftest.first_calls):
+    no UNAVAILABLE from a gRPC front still starting, and HTTP agrees."""
+    assert guarded.first_calls == {"grpc server ready": True, "grpc guarded ready": True, "grpc guarded infer": [1, 4],
+                                   "http /v2/health/ready": 200, "http /metrics": 200}
+
+
 def test_health_readiness_and_metadata(client, auth, stub):
     assert client.is_server_live() and client.is_server_ready()  # open, as the HTTP probes
     assert client.is_model_ready(MODEL, headers=auth)

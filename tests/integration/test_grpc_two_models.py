@@ -67,6 +67,13 @@ def on_a_new_connection(server, calls: dict[str, pb.ModelInferRequest]) -> dict[
         channel.close()
 
 
+def test_every_port_answers_for_both_models_at_the_ready_line(server):
+    """The calls made, once each, the moment deploy printed its ready line (conftest.first_calls):
+    HAProxy's gRPC front already routes the server app and both models, and HTTP agrees."""
+    assert server.first_calls == {"grpc server ready": True, "grpc mlp ready": True, "grpc encoder ready": True,
+                                  "grpc mlp infer": [1, 10], "http /v2/health/ready": 200, "http /metrics": 200}
+
+
 def test_calls_for_both_models_over_new_connections_reach_their_models_replicas(server, models):
     x, ids = torch.rand(2, 784), torch.randint(0, 1000, (2, 40))
     mask = torch.ones(2, 40, dtype=torch.int64)

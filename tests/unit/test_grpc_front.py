@@ -219,3 +219,46 @@ def test_with_no_server_app_listener_haproxy_says_unavailable():
                     assert time.monotonic() < deadline
                     await asyncio.sleep(0.1)
     run(scenario)
+
+
+class AllReady(Replica):
+    async def states(self) -> dict[str, str]:
+        return {"a": "ready", "b": "ready"}
+
+
+def test_deploy_calls_the_port_ready_only_once_each_models_replicas_answer_it():
+    """grpc.port.answers, deploy's check, through HAProxy as routes appear: none (the server is
+    starting), the server app's only (it answers for the models, but not from their replicas),
+    then every model's: ready. A model's replica says so in ModelReady's trailing metadata."""
+    from neuron_serve.serve.grpc import port as grpc_port  # noqa: PLC0415
+
+    async def scenario():
+        replicas = {"a": await AllReady("a").start(), "b": await AllReady("b").start(),
+                    haproxy_template.SERVER_APP: await AllReady(None).start()}
+        options = {"host": "127.0.0.1", "port": _free_port()}
+
+        async def answers() -> str | None:
+            deadline = time.monotonic() + 10
+            while True:  # past HAProxy's start
+                problem = await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: grpc_port.answers(options, ["a", "b"], ["a", "b"], TOKEN, timeout_s=2))
+                if "onnect" not in (problem or "") or time.monotonic() > deadline:
+                    return problem
+                await asyncio.sleep(0.1)
+
+        address = f"gRPC 127.0.0.1:{options['port']}"
+        with haproxy(render(options["port"], {})):
+            assert await answers() == (f"{address}: ServerReady failed: UNAVAILABLE: the server is starting: no "
+                                       "replica answers gRPC yet; retry shortly")
+        with haproxy(render(options["port"], {haproxy_template.SERVER_APP: replicas[haproxy_template.SERVER_APP]})):
+            assert await answers() == f"{address}: ModelReady('a') is not answered by the model's replicas yet"
+        with haproxy(render(options["port"], replicas)):
+            assert await answers() is None
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{options['port']}") as channel:
+                call = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelReady(
+                    pb.ModelReadyRequest(name="b"), metadata=AUTH, timeout=10)
+                assert (await call).ready
+                assert (grpc_service.ANSWERED_BY, "b") in tuple(await call.trailing_metadata())
+        for replica in replicas.values():
+            await replica.server.stop(0)
+    run(scenario)

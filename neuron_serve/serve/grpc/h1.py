@@ -50,6 +50,7 @@ class CallContext:
     def __init__(self, metadata: tuple[tuple[str, str | bytes], ...], deadline: float | None) -> None:
         self._metadata = metadata
         self._deadline = deadline
+        self.trailing: tuple = ()
 
     def invocation_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
         return self._metadata
@@ -59,6 +60,9 @@ class CallContext:
 
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: tuple = ()) -> None:
         raise _Abort(code, details, trailing_metadata)
+
+    def set_trailing_metadata(self, trailing_metadata: tuple) -> None:
+        self.trailing = tuple(trailing_metadata)
 
 
 def _metadata(headers: list[tuple[bytes, bytes]]) -> tuple[tuple[str, str | bytes], ...]:
@@ -96,10 +100,10 @@ def _status(code: grpc.StatusCode, details: str, trailing: tuple = ()) -> bytes:
     return b"".join(lines)
 
 
-def _answer(message: bytes) -> bytes:
+def _answer(message: bytes, trailing: tuple = ()) -> bytes:
     framed = HEADER.pack(0, len(message)) + message
     return b"".join((_OK, b"transfer-encoding: chunked\r\n\r\n", b"%x\r\n" % len(framed), framed, b"\r\n0\r\n",
-                     _status(grpc.StatusCode.OK, ""), b"\r\n"))
+                     _status(grpc.StatusCode.OK, "", trailing), b"\r\n"))
 
 
 def _failure(code: grpc.StatusCode, details: str, trailing: tuple = ()) -> bytes:
@@ -160,7 +164,7 @@ class GrpcOverH1:
             logger.exception("gRPC %s failed", path.decode())
             return _failure(grpc.StatusCode.UNKNOWN, f"Unexpected {type(exc)}: {exc}")
         serialize: Callable[[Any], bytes] | None = handler.response_serializer
-        return _answer(serialize(answer) if serialize is not None else answer)
+        return _answer(serialize(answer) if serialize is not None else answer, context.trailing)
 
     def _message(self, body: bytes, size: int, encoding: bytes) -> bytes:
         if size < HEADER.size:

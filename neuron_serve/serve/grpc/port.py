@@ -6,7 +6,8 @@ keyed by its actor's name, which HAProxy's configuration reads when Serve render
 (``haproxy_template``). Otherwise the replicas share the port: the server app listens
 on it only while no model is ready and records whether it does, so that ``deploy`` says
 ready only once the models' replicas have the port, and each model replica registers
-the private address its relayed calls go to (grpc_service.Relay).
+the private address its relayed calls go to (grpc_service.Relay). Either way ``deploy``
+says ready only once real calls through the port answer (`answers`).
 """
 
 from __future__ import annotations
@@ -70,26 +71,41 @@ def front(started_here: bool, ingress: str) -> bool:
     return internal_kv._internal_kv_get(FRONT_KEY, namespace=NAMESPACE) == b"1"  # noqa: SLF001
 
 
-def wait_for_front(options: dict, models: list[str], deadline: float, token: str | None = None) -> None:
-    """Wait until HAProxy sends each of ``models``' gRPC calls to a ready replica: Serve
-    renders HAProxy's configuration once the replicas are up, moments after they are
+def answers(options: dict, models: list[str], direct: list[str], token: str | None = None,
+            timeout_s: float = 5.0) -> str | None:
+    """None when the gRPC port answers as a client that connects now needs it to, else what it
+    does not answer yet: ServerReady says ready (behind HAProxy: the server app's listener is
+    routed), ModelReady says ready for each of ``models``, and for each of ``direct`` it is
+    answered by a replica of that model (HAProxy routes its calls straight to its replicas, not
+    to the server app; see service.ANSWERED_BY). Real calls on a new connection, as a client's
     (``token``: the models' bearer token, when they have one)."""
     import grpc  # noqa: PLC0415
     from tritonclient.grpc import service_pb2, service_pb2_grpc  # noqa: PLC0415
 
+    from .service import ANSWERED_BY  # noqa: PLC0415
+
     host = "127.0.0.1" if options["host"] in ("0.0.0.0", "::", "") else options["host"]
-    with grpc.insecure_channel(f"{host}:{options['port']}") as channel:
+    address = f"{host}:{options['port']}"
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    # A connection of its own: a channel shared with earlier calls could still be talking to an
+    # HAProxy process that a reload has replaced.
+    with grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
-        waiting = list(models)
-        metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        while waiting and time.monotonic() < deadline:
-            try:
-                if stub.ModelReady(service_pb2.ModelReadyRequest(name=waiting[0]), timeout=5, metadata=metadata).ready:
-                    waiting.pop(0)
-                    continue
-            except grpc.RpcError:  # not routed yet: HAProxy has no replica of the model (UNAVAILABLE)
-                pass
-            time.sleep(0.2)
+        call = "ServerReady"
+        try:
+            if not stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=timeout_s).ready:
+                return f"gRPC {address}: ServerReady answers not ready"
+            for name in models:
+                call = f"ModelReady({name!r})"
+                answer, done = stub.ModelReady.with_call(service_pb2.ModelReadyRequest(name=name), timeout=timeout_s,
+                                                         metadata=metadata)
+                if not answer.ready:
+                    return f"gRPC {address}: {call} answers not ready"
+                if name in direct and (ANSWERED_BY, name) not in tuple(done.trailing_metadata() or ()):
+                    return f"gRPC {address}: {call} is not answered by the model's replicas yet"
+        except grpc.RpcError as err:  # UNAVAILABLE while HAProxy routes to no replica yet
+            return f"gRPC {address}: {call} failed: {err.code().name}: {err.details()}"
+    return None
 
 
 def record_listening(on: bool) -> None:

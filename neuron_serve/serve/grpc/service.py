@@ -75,6 +75,10 @@ RELAYED = "x-neuron-serve-relayed"
 # Trailing metadata of the errors answered to a relayed call: the owner's own answer, to
 # pass on as it is, unlike an UNAVAILABLE of the connection (a replica gone), retried.
 ANSWERED = "x-neuron-serve-answer"
+# Trailing metadata of a ModelReady answered by a replica of the model it names (its value: the
+# model), not by another replica or the server app: deploy's readiness check (grpc.port.answers)
+# reads it to know that the model's calls reach its own replicas.
+ANSWERED_BY = "x-neuron-serve-model"
 RELAY_TTL_S = 2.0  # how long a list of addresses is used before the registry is read again
 RELAY_DOWN_S = 30.0  # how long an address that refused a connection is skipped
 # Metadata keys gRPC sets itself, not passed on by a relay.
@@ -320,6 +324,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             state = (await self.model_states()).get(request.name)
             if state is None:
                 raise _Failed(404, f"model {request.name!r} not found")
+            if request.name == self.local:
+                context.set_trailing_metadata(((ANSWERED_BY, self.local),))
             return pb.ModelReadyResponse(ready=state == "ready")
         return await self._guard(context, work)
 

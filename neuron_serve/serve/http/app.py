@@ -31,12 +31,16 @@ ModelStates = Callable[[], Awaitable[dict[str, str]]]  # model name -> "ready" |
 ForwardOpenAI = Callable[[str, str, bytes], Awaitable[Any]]
 # model -> what GET /v1/models says of it beyond its id (max_model_len, tensor_parallel_size)
 DescribeModel = Callable[[str], Awaitable[dict]]
+# models -> those of them whose ports (HTTP, gRPC, metrics) deploy has not yet seen answer (serve.ray.readiness)
+Unchecked = Callable[[list[str]], Awaitable[set[str]]]
 
 
 def server_app(model_states: ModelStates, generate_states: ModelStates | None = None,
-               forward_openai: ForwardOpenAI | None = None, describe: DescribeModel | None = None) -> FastAPI:
+               forward_openai: ForwardOpenAI | None = None, describe: DescribeModel | None = None,
+               unchecked: Unchecked | None = None) -> FastAPI:
     """Health, server metadata, metrics, the OpenAI routes (forwarded to the generate model a
-    request names) and the fallbacks for unknown or loading models."""
+    request names) and the fallbacks for unknown or loading models. Readiness wants every model
+    ready and, with ``unchecked``, every port seen answering for each."""
     app = FastAPI(
         title="neuron-serve",
         version=__version__,
@@ -56,18 +60,27 @@ def server_app(model_states: ModelStates, generate_states: ModelStates | None = 
     async def live() -> dict:
         return {"live": True}
 
-    @app.get(HEALTH_READY)
-    async def ready() -> JSONResponse:
+    async def not_ready() -> str | None:
+        """Why the server is not ready, or None."""
         states = await model_states()
         waiting = {n: s for n, s in states.items() if s != "ready"}
         if not states or waiting:
-            return JSONResponse({"ready": False, "error": f"models not ready: {waiting or 'none deployed'}"}, 503)
+            return f"models not ready: {waiting or 'none deployed'}"
+        silent = await unchecked(sorted(states)) if unchecked is not None else set()
+        if silent:
+            return f"models ready, but not every port answers for them yet (HTTP, gRPC, metrics): {sorted(silent)}"
+        return None
+
+    @app.get(HEALTH_READY)
+    async def ready() -> JSONResponse:
+        problem = await not_ready()
+        if problem:
+            return JSONResponse({"ready": False, "error": problem}, 503)
         return JSONResponse({"ready": True})
 
     @app.get("/health")  # vLLM's: 200 with an empty body when every model serves (guidellm probes it)
     async def health() -> Response:
-        states = await model_states()
-        return Response(status_code=200 if states and all(s == "ready" for s in states.values()) else 503)
+        return Response(status_code=503 if await not_ready() else 200)
 
     @app.get("/v2")
     async def server_metadata() -> dict:

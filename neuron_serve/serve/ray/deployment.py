@@ -29,7 +29,7 @@ from ..http import auth
 from ..infer import plane as dataplane
 from . import failure, generate_deployment, ingress
 from ..grpc import port as grpc_port, service as grpc_service
-from . import cluster
+from . import cluster, readiness
 from .cluster import head_processes
 from ..http.app import server_app
 from ..infer.http import model_app
@@ -46,6 +46,8 @@ ONGOING_PER_CAPACITY = 8
 # How often the server app checks whether it should listen for gRPC (see Server._hand_over).
 GRPC_HANDOVER_S = 0.5
 GRPC_RECHECK_S = 2.0
+# How long deploy waits, once Serve runs every application, for every port to answer (readiness).
+PORTS_WAIT_S = 120.0
 
 _MODEL_API = model_app()
 
@@ -160,12 +162,28 @@ async def model_card(name: str) -> dict:
     return {k: parameters[k] for k in ("max_model_len", "tensor_parallel_size") if k in parameters}
 
 
-@serve.deployment(name="server", num_replicas=1, ray_actor_options={"num_cpus": 0})
-@serve.ingress(server_app(model_states, generate_states, generate_deployment.forward_openai, model_card))
-class Server:
-    """Health, server metadata, metrics and fallbacks, and the gRPC service; holds no model."""
+_ports_checked = False  # whether this server app's deploy checks that every port answers (readiness)
 
-    async def __init__(self, grpc_options: dict | None = None) -> None:
+
+async def unchecked_models(models: list[str]) -> set[str]:
+    """Those of ``models`` whose ports deploy has not yet seen answer (none unless it checks)."""
+    return await readiness.unchecked(models) if _ports_checked else set()
+
+
+@serve.deployment(name="server", num_replicas=1, ray_actor_options={"num_cpus": 0})
+@serve.ingress(server_app(model_states, generate_states, generate_deployment.forward_openai, model_card,
+                          unchecked_models))
+class Server:
+    """Health, server metadata, metrics and fallbacks, and the gRPC service; holds no model.
+
+    ``ports_checked``: started by ``deploy``, which says when every port answers for each
+    model (readiness); readiness waits for it too. A server app built from a Serve config
+    (`build_server_app`) has no such deploy.
+    """
+
+    async def __init__(self, grpc_options: dict | None = None, ports_checked: bool = False) -> None:
+        global _ports_checked
+        _ports_checked = ports_checked
         auth.configure(auth.resolve_token(None))
         self._grpc = self._grpc_key = None
         self._grpc_options = grpc_options
@@ -188,7 +206,7 @@ class Server:
             await server.stop(grace=5)
         else:
             return
-        grpc_port.record_listening(on)  # deploy says ready only once the models' replicas have the port
+        grpc_port.record_listening(on)  # deploy checks the port only once the models' replicas have it
 
     async def _hand_over(self) -> None:
         """Listen for gRPC only while no model is ready.
@@ -286,7 +304,8 @@ def deploy(configs: list[tuple[ModelConfig, str | None]], host: str, port: int, 
     server app already running is kept as it is (it holds the gRPC port, and serves
     health and metrics for every model, whatever their config).
     """
-    server = server_application([c for c, _ in configs], grpc)  # refuses bad auth before starting anything
+    # Refuses bad auth before starting anything.
+    server = server_application([c for c, _ in configs], grpc, ports_checked=True)
     serve.start(http_options={"host": host, "port": port})
     try:
         running = serve.status().applications
@@ -317,11 +336,13 @@ def deploy(configs: list[tuple[ModelConfig, str | None]], host: str, port: int, 
         if failed:
             return {n: f"failed: {m}" for n, m in failed.items()}
         if all("RUNNING" in s for s in states.values()):
+            # Running is not yet answering: wait until every port does, for every model.
             infer = [c.name for c, _ in configs if c.task != "generate"]  # generate replicas serve no gRPC
-            if grpc and infer and grpc.get("front"):
-                grpc_port.wait_for_front(grpc, infer, deadline, auth.resolve_token(configs[0][0]))
-            elif grpc and infer:
-                grpc_port.wait_for_hand_over()
+            http = serve.context._get_global_client().http_config  # noqa: SLF001 - a joined cluster's own port
+            silent = readiness.wait(sorted(names), infer, http.host or host, http.port or port, grpc,
+                                    auth.resolve_token(configs[0][0]), min(deadline, time.monotonic() + PORTS_WAIT_S))
+            if silent:
+                return {n: f"running, but its ports do not all answer: {silent}" for n in names}
             return {n: "ready" for n in names}
         if time.monotonic() > deadline:
             return {n: s for n, s in states.items()}
@@ -339,15 +360,16 @@ def build_failure(name: str) -> str:
     return failure.model_error(messages)
 
 
-def server_application(configs: list[ModelConfig], grpc: dict | None = None):
-    """The server app, requiring the models' token when any of them has one."""
+def server_application(configs: list[ModelConfig], grpc: dict | None = None, ports_checked: bool = False):
+    """The server app, requiring the models' token when any of them has one (``ports_checked``:
+    deploy's, whose readiness waits for deploy to see every port answer; see Server)."""
     tokens = {t for t in (auth.resolve_token(c) for c in configs) if t is not None}
     if len(tokens) > 1:
         raise ConfigError("http.auth: models served together must use the same token; "
                           "point their token_env or token_file at one secret.")
     env = {metrics.MULTIPROC_ENV: metrics.multiproc_dir()}
     env.update(auth.token_env_vars(None, tokens.pop()) if tokens else {})
-    return Server.options(ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}}).bind(grpc)
+    return Server.options(ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}}).bind(grpc, ports_checked)
 
 
 def status() -> dict[str, dict]:
@@ -368,6 +390,7 @@ def shutdown(names: list[str] | None = None, progress=lambda message: None) -> N
     ``progress`` is told what each step waits for.
     """
     if names:
+        readiness.forget(names)  # deployed again, a model is checked again before it is called ready
         for name in names:
             progress(f"stopping model {name!r}: waiting for its in-flight requests (at most {DRAIN_S} s)")
             serve.delete(name)
@@ -392,7 +415,9 @@ def shutdown(names: list[str] | None = None, progress=lambda message: None) -> N
     if haproxy:
         _haproxy(lambda: ingress.close_http(haproxy, progress), progress)
     progress("stopping Ray Serve (its controller and HTTP ingress)")
+    readiness.forget()
     serve.shutdown()
+
 
 
 def _haproxy_admin() -> str | None:
