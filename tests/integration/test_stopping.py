@@ -10,6 +10,7 @@ supervisor's stop) does not wait 60 s for the GCS that the signal also stopped.
 import http.client
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,6 +32,10 @@ IDLE_EXIT_S = 15
 DRAIN_S = 30
 GRACE_S = 15
 HEAD_LOSS_EXIT_S = 10
+# What a normal start and stop must not print, from deploy or from Ray's processes (Ray printed
+# "(raylet) Task ServeController.graceful_shutdown failed. There are infinite retries remaining..."
+# on every stop: Serve's controller ends the call that stops it by killing itself).
+ALARMING = re.compile(r"graceful_shutdown failed|Traceback|\bERROR\b|\bWARNING\b|\bfailed\b|^error: ", re.MULTILINE)
 
 
 @pytest.fixture
@@ -64,6 +69,9 @@ def test_idle_sigint_exits_quickly_and_logs_each_step(server):
     assert "]: stopping Ray Serve (its controller and HTTP ingress)" in log
     assert "]: stopping Ray\n" in log
     assert "stopped in " in log
+    # Nothing alarming, starting or stopping: both are normal events.
+    assert not [line for line in log.splitlines() if ALARMING.search(line)], log
+    assert "will not be applied" not in log, log  # serve.run's reconnecting, as if settings were ignored
 
 
 def test_busy_sigterm_exits_after_the_drain(server):

@@ -293,6 +293,16 @@ def model_application(config: ModelConfig, base_dir: str | None, grpc: dict | No
     return ModelServer.options(**options).bind(config.model_dump(), base_dir, grpc)
 
 
+def _not_reconnecting(record: logging.LogRecord) -> bool:
+    """False for Serve's line that ``serve.run`` connects to the running Serve instance.
+
+    serve.run says so for every application, adding "New http_options/controller_options will
+    not be applied": none are given past ``serve.start``, so nothing is lost, yet on a normal
+    start-up the line reads like a warning that settings were ignored.
+    """
+    return not record.getMessage().startswith("Connecting to existing Serve app")
+
+
 def deploy(configs: list[tuple[ModelConfig, str | None]], host: str, port: int, timeout_s: float = 1800,
            grpc: dict | None = None) -> dict[str, str]:
     """Deploy every model and the server app (with the gRPC service when ``grpc`` says
@@ -307,6 +317,7 @@ def deploy(configs: list[tuple[ModelConfig, str | None]], host: str, port: int, 
     # Refuses bad auth before starting anything.
     server = server_application([c for c, _ in configs], grpc, ports_checked=True)
     serve.start(http_options={"host": host, "port": port})
+    logging.getLogger("ray.serve").addFilter(_not_reconnecting)
     try:
         running = serve.status().applications
     except serve.exceptions.RayServeException:
@@ -416,8 +427,34 @@ def shutdown(names: list[str] | None = None, progress=lambda message: None) -> N
         _haproxy(lambda: ingress.close_http(haproxy, progress), progress)
     progress("stopping Ray Serve (its controller and HTTP ingress)")
     readiness.forget()
-    serve.shutdown()
+    _stop_serve(progress)
 
+
+def _stop_serve(progress, timeout_s: float = 30.0) -> None:
+    """``serve.shutdown()``, without the alarming line Ray prints for it on a normal stop.
+
+    Serve's controller stops by killing itself while the ``graceful_shutdown`` call that asked
+    it to is still running. Its methods are retried without limit (the controller's
+    max_task_retries is -1), so the caller's Ray reports that call's end as a failure to retry:
+    ``(raylet) Task ServeController.graceful_shutdown failed. There are infinite retries
+    remaining, so the task will be retried. Error: The actor is dead because it was killed by
+    `ray.kill`.`` The same call made without retries ends in the RayActorError that a stopped
+    controller means, and nothing is printed.
+    """
+    from ray.serve import context  # noqa: PLC0415
+
+    client = context._get_global_client(raise_if_no_controller_running=False)  # noqa: SLF001
+    if client is None:
+        return
+    client.shutdown_cached_handles()
+    try:
+        ray.get(client._controller.graceful_shutdown.options(max_task_retries=0).remote(),  # noqa: SLF001
+                timeout=timeout_s)
+    except ray.exceptions.RayActorError:
+        pass  # the controller has stopped, as asked
+    except ray.exceptions.GetTimeoutError:
+        progress(f"Ray Serve's controller did not stop within {timeout_s:.0f} s; stopping Ray anyway")
+    context._disconnect()  # noqa: SLF001
 
 
 def _haproxy_admin() -> str | None:
