@@ -34,10 +34,13 @@ def built(tmp_path_factory):
     return tmp, result
 
 
-def test_build_logs_progress_per_subgraph_and_writes_a_deployable_artifact(built):
+def test_build_prints_a_line_per_compiled_model_and_the_placement_and_writes_a_deployable_artifact(built):
     tmp, result = built
-    for size in (1, 4, 16, 32, 64):  # deployments/mlp.yaml's batch_sizes
-        assert f"compiling mlp model (batch {size}): subgraph accel_0 (1/1)" in result.stderr
+    for index, size in enumerate((1, 4, 16, 32, 64), 1):  # deployments/mlp.yaml's batch_sizes
+        assert f"neuron_serve: compiled mlp batch {size} ({index} of 5) in " in result.stderr
+    assert ("neuron_serve: placement of mlp (5 compiled models): 5 accelerator subgraphs, 5 CPU subgraphs; "
+            "operators: 30 on the accelerator, 5 on CPU (aten::sort); --verbose lists them\n") in result.stderr
+    assert "Num Partitions" not in result.stderr and "aten::linear" not in result.stderr  # those are for -v
     assert f"-> {tmp / 'mlp'} (serve it: neuron-serve deploy {tmp / 'mlp'})" in result.stderr
     served = yaml.safe_load((tmp / "mlp" / "model.yaml").read_text())
     assert served["model"] == {"artifact": "."} and served["name"] == "mlp" and served["cores_per_replica"] == 2

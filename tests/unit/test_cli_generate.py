@@ -81,8 +81,11 @@ def test_a_built_artifact_generates_as_the_model_does(llm_yaml, tmp_path):
     out = tmp_path / "built"
     built = _cli("build", llm_yaml, "-o", out)
     assert built.returncode == 0, built.stderr
-    assert "compiled LlamaForCausalLM bucket 1/4 (prefill_32): subgraph accel_0 (1/1)" in built.stderr
-    assert "compiled LlamaForCausalLM bucket 4/4 (decode_4x64): subgraph accel_0 (1/1)" in built.stderr
+    assert "neuron_serve: compiled tiny-llm prefill_32 (1 of 4) in " in built.stderr
+    assert "neuron_serve: compiled tiny-llm decode_4x64 (4 of 4) in " in built.stderr
+    assert "neuron_serve: placement of tiny-llm (4 compiled models): 4 accelerator subgraphs, 0 CPU subgraphs;" \
+        in built.stderr
+    assert "Num Partitions" not in built.stderr
     assert sorted(p.name for p in out.iterdir()) == ["bucket_0", "bucket_1", "bucket_2", "bucket_3", "manifest.json",
                                                     "manifest.sha256", "model.yaml", "states.pt"]
     config, folder = load_deployment(out)
