@@ -8,8 +8,6 @@ runtime, the data plane) never loads the compiler through this package.
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import Any
 
 from .version import __version__
@@ -49,20 +47,3 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_PUBLIC))
 
-
-class _Package(types.ModuleType):
-    """``neuron_serve.analyze`` is the API function, as in torch_neuronx, though a subpackage
-    has the same name: importing the subpackage binds it here, and the function stays."""
-
-    @property
-    def analyze(self) -> Any:
-        from .api import analyze  # noqa: PLC0415
-
-        return analyze
-
-    @analyze.setter
-    def analyze(self, _subpackage: types.ModuleType) -> None:
-        pass
-
-
-sys.modules[__name__].__class__ = _Package

@@ -10,10 +10,10 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from . import batching, progress
-from .analyze.capture import as_args, capture
-from .analyze.explain_failure import compile_error
-from .analyze.placement import GraphAnalysis, analyze_graph
-from .analyze.report import build_report, log_support, write_report
+from .analysis.capture import as_args, capture
+from .analysis.explain_failure import compile_error
+from .analysis.placement import GraphAnalysis, analyze_graph
+from .analysis.report import build_report, log_support, write_report
 from .bucketing import BucketModelConfig, BucketSpec
 from .compile import aliases as state_aliases
 from .compile import state_view

@@ -11,10 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-from .analyze.capture import capture
+from .analysis.capture import capture
 from .api import placement
-from .analyze.placement import analyze_graph
-from .analyze.report import build_report, log_support, write_report
+from .analysis.placement import analyze_graph
+from .analysis.report import build_report, log_support, write_report
 from .compile import cache as compile_cache
 from .compiler_args import parse_compiler_args
 from .config import build_model, load_config, load_deployment, parse_config

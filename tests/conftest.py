@@ -33,7 +33,7 @@ def neuron_logs(caplog):
 @pytest.fixture
 def fresh_cache(tmp_path):
     """An empty compile cache in tmp_path and new support oracles, as in a newly started process."""
-    from neuron_serve.analyze import placement  # noqa: PLC0415
+    from neuron_serve.analysis import placement  # noqa: PLC0415
     from neuron_serve.compile import cache as compile_cache  # noqa: PLC0415
 
     store = compile_cache.configure(tmp_path / "cache")

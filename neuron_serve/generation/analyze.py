@@ -14,9 +14,9 @@ from typing import Iterator, NamedTuple
 
 import torch
 
-from ..analyze.capture import CapturedGraph, capture
-from ..analyze.placement import GraphAnalysis, analyze_graph
-from ..analyze.report import build_report
+from ..analysis.capture import CapturedGraph, capture
+from ..analysis.placement import GraphAnalysis, analyze_graph
+from ..analysis.report import build_report
 from ..config import ModelConfig, _under
 from ..config_generation import GenerationSettings
 from ..targets import get_target

@@ -25,9 +25,9 @@ from ..api import placement
 from ..logs import NEURON_LOGGER
 from ..partition.config import PartitionerConfig
 from ..partition.plan import REASON_FORCED, REASON_UNSUPPORTED, PartitionPlan, plan_partitions, rule_violations
-from ..analyze.capture import CapturedGraph, is_compute_node
-from ..analyze.placement import GraphAnalysis
-from ..analyze.report import build_report
+from ..analysis.capture import CapturedGraph, is_compute_node
+from ..analysis.placement import GraphAnalysis
+from ..analysis.report import build_report
 
 ACCELERATOR = "accelerator"
 CPU_UNSUPPORTED = "cpu-unsupported"

@@ -11,10 +11,10 @@ import torch
 from ..compiler_args import parse_compiler_args
 from ..config import ModelConfig
 from ..partition.config import PartitionerConfig
-from ..analyze.capture import CapturedGraph
+from ..analysis.capture import CapturedGraph
 from .explain import explain, quiet_planner
 from .html import render
-from ..analyze.placement import GraphAnalysis
+from ..analysis.placement import GraphAnalysis
 from .profile import profile
 from .stages import pipeline_data
 from .suggest import suggest

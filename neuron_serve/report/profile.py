@@ -20,7 +20,7 @@ from ..api import trace
 from ..compile.subgraph import CompiledSubgraph
 from ..model import graph
 from ..partition.config import PartitionerConfig
-from ..analyze.capture import as_args
+from ..analysis.capture import as_args
 from .explain import quiet_planner, relaxed
 
 DEFAULT_RUNS = 5

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from html import escape
 
-from ..analyze.capture import CapturedGraph
+from ..analysis.capture import CapturedGraph
 from ..config import ModelConfig
 from ..errors import PartitionError
 from ..partition.pipeline import plan_graph

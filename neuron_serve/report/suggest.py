@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from ..partition.config import PartitionerConfig
 from ..partition.plan import PartitionPlan
-from ..analyze.capture import CapturedGraph
+from ..analysis.capture import CapturedGraph
 from .explain import plan_on_copy, quiet_planner
-from ..analyze.placement import GraphAnalysis
+from ..analysis.placement import GraphAnalysis
 
 MAX_SUGGESTIONS = 8
 

@@ -5,7 +5,7 @@ import json
 import torch
 
 import neuron_serve
-from neuron_serve.analyze.placement import oracle_for
+from neuron_serve.analysis.placement import oracle_for
 from neuron_serve.targets import get_target
 from reference_models import MLP, UnsupportedModel, line_of
 

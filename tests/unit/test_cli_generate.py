@@ -114,7 +114,7 @@ def test_a_warm_start_takes_every_support_decision_from_the_compile_cache(fresh_
     cold = fresh_cache.stats["support"].misses
     assert cold > 0
     compile_cache.configure(fresh_cache.root)  # a new process on the same cache
-    from neuron_serve.analyze import placement  # noqa: PLC0415
+    from neuron_serve.analysis import placement  # noqa: PLC0415
 
     placement._ORACLES.clear()
     warm = compile_cache.current()

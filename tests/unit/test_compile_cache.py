@@ -6,7 +6,7 @@ import logging
 import torch
 
 import neuron_serve
-from neuron_serve.analyze import placement
+from neuron_serve.analysis import placement
 from neuron_serve.compile import cache as compile_cache
 from neuron_serve.progress import BuildProgress, reporting
 from reference_models import MLP

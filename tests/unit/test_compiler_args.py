@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import neuron_serve
-from neuron_serve.analyze import placement
+from neuron_serve.analysis import placement
 from neuron_serve.compiler_args import NO_EFFECT, parse_compiler_args
 from neuron_serve.config import parse_config
 from neuron_serve.errors import ConfigError
@@ -167,8 +167,8 @@ def test_model_yaml_takes_compiler_args():
 
 
 def test_model_yaml_compiler_args_reach_the_build_and_the_partition_report():
-    from neuron_serve.analyze.capture import capture  # noqa: PLC0415
-    from neuron_serve.analyze.placement import analyze_graph  # noqa: PLC0415
+    from neuron_serve.analysis.capture import capture  # noqa: PLC0415
+    from neuron_serve.analysis.placement import analyze_graph  # noqa: PLC0415
     from neuron_serve.build import build  # noqa: PLC0415
     from neuron_serve.config import build_model  # noqa: PLC0415
     from neuron_serve.report import partition_report  # noqa: PLC0415

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import neuron_serve
-from neuron_serve.analyze.capture import capture
-from neuron_serve.analyze.explain_failure import compile_error
+from neuron_serve.analysis.capture import capture
+from neuron_serve.analysis.explain_failure import compile_error
 from neuron_serve.targets.pjrt import xla
 from zoo import tv_ssdlite
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import neuron_serve
-from neuron_serve.analyze.capture import capture
+from neuron_serve.analysis.capture import capture
 from neuron_serve.compile.passes.fold_weight_layout import fold_weight_layout
 
 TOLERANCE = 1e-5

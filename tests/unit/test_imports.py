@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "neuron_serve"
-COMPILER = ("neuron_serve.api", "neuron_serve.build", "neuron_serve.artifact", "neuron_serve.analyze",
+COMPILER = ("neuron_serve.api", "neuron_serve.build", "neuron_serve.artifact", "neuron_serve.analysis",
             "neuron_serve.partition.plan", "neuron_serve.compile", "neuron_serve.report")
 
 INFER, GENERATE, GRPC, RAY = (f"neuron_serve.serve.{p}" for p in ("infer", "generate", "grpc", "ray"))
@@ -45,10 +45,10 @@ RULES = {
     "neuron_serve.serve.protocols": ("neuron_serve.serve.http", INFER, GENERATE, GRPC, RAY),
     "neuron_serve.serve.grpc": COMPILER + (RAY, SERVER_APP),
     "neuron_serve.targets": COMPILER + ("neuron_serve.runtime", "neuron_serve.serve"),
-    "neuron_serve.analyze": ("neuron_serve.api", "neuron_serve.build", "neuron_serve.partition",
+    "neuron_serve.analysis": ("neuron_serve.api", "neuron_serve.build", "neuron_serve.partition",
                              "neuron_serve.report", "neuron_serve.runtime", "neuron_serve.serve"),
-    "neuron_serve.partition": ("neuron_serve.analyze", "neuron_serve.api", "neuron_serve.report"),
-    "neuron_serve.compile": ("neuron_serve.analyze", "neuron_serve.partition", "neuron_serve.api",
+    "neuron_serve.partition": ("neuron_serve.analysis", "neuron_serve.api", "neuron_serve.report"),
+    "neuron_serve.compile": ("neuron_serve.analysis", "neuron_serve.partition", "neuron_serve.api",
                              "neuron_serve.report"),
     # What the replica shares with the engines: no compiler, no engine or executor (they may run elsewhere).
     "neuron_serve.generation.protocol": COMPILER + ("neuron_serve.generation.engine", "neuron_serve.generation.executor",

@@ -17,10 +17,10 @@ import torch
 import yaml
 
 import neuron_serve
-from neuron_serve.analyze.capture import capture
+from neuron_serve.analysis.capture import capture
 from neuron_serve.report.explain import explain
 from neuron_serve.report.html import render
-from neuron_serve.analyze.placement import analyze_graph
+from neuron_serve.analysis.placement import analyze_graph
 from neuron_serve.report.profile import profile
 from neuron_serve.report.suggest import suggest
 from neuron_serve.targets import get_target

@@ -108,8 +108,8 @@ def test_without_partitioner_config_unsupported_ops_are_listed_with_call_sites()
 
 
 def test_every_broken_rule_is_found_and_trace_raises_the_first():
-    from neuron_serve.analyze.capture import capture
-    from neuron_serve.analyze.placement import analyze_graph
+    from neuron_serve.analysis.capture import capture
+    from neuron_serve.analysis.placement import analyze_graph
     from neuron_serve.api import placement
     from neuron_serve.partition.plan import plan_partitions, rule_violations
     from neuron_serve.targets import get_target

@@ -6,8 +6,8 @@ import re
 import pytest
 import torch
 
-from neuron_serve.analyze.capture import capture
-from neuron_serve.analyze.placement import analyze_graph
+from neuron_serve.analysis.capture import capture
+from neuron_serve.analysis.placement import analyze_graph
 from neuron_serve.config import parse_config
 from neuron_serve.partition.pipeline import CORE_MEMORY_ENV
 from neuron_serve.report import partition_report

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import neuron_serve
-from neuron_serve.analyze.capture import capture
+from neuron_serve.analysis.capture import capture
 from neuron_serve.compile.passes.place_on_device import place_on_device
 from zoo import gpt2
 

@@ -7,7 +7,7 @@ import re
 import torch
 
 import neuron_serve
-from neuron_serve.analyze.capture import capture
+from neuron_serve.analysis.capture import capture
 from neuron_serve.compile.passes.row_linear import weight_times_column
 
 TOLERANCE = 1e-5

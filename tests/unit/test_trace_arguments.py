@@ -57,7 +57,7 @@ def test_ignored_unsupported_ops_pass_the_threshold_and_still_run_on_cpu(sort_ml
 def test_max_workers_checks_support_in_parallel_with_the_same_answer(sort_mlp, fresh_cache):
     model, x = sort_mlp
     serial = neuron_serve.analyze(model, x)
-    from neuron_serve.analyze import placement  # noqa: PLC0415
+    from neuron_serve.analysis import placement  # noqa: PLC0415
 
     placement._ORACLES.clear()
     parallel = neuron_serve.analyze(model, x, max_workers=4)
