@@ -9,12 +9,13 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from . import batching, progress
+from . import progress
+from .buckets import dynamic_batch as batching
 from .analysis.capture import as_args, capture
 from .analysis.explain_failure import compile_error
 from .analysis.placement import GraphAnalysis, analyze_graph
 from .analysis.report import build_report, log_support, write_report
-from .bucketing import BucketModelConfig, BucketSpec
+from .buckets.shape import BucketModelConfig, BucketSpec
 from .compile import aliases as state_aliases
 from .compile import state_view
 from .compile import workdir as workdirs
@@ -24,7 +25,7 @@ from .compile.subgraph import CompiledSubgraph
 from .errors import ConfigError, UnsupportedModelError
 from .model import Bucket, CompiledModel, graph
 from .model.state import DeviceState
-from .model.sizes import check_batch_sizes, resize_rows
+from .buckets.batch_sizes import check_batch_sizes, resize_rows
 from .partition.config import PartitionerConfig
 from .partition.kwargs import check_analyze_parameters, resolve
 from .partition.pipeline import pipeline_partitions

@@ -44,7 +44,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from .bucketing import BucketSpec
+from .buckets.shape import BucketSpec
 from .compiler_args import parse_compiler_args
 from .compile.subgraph import CompiledSubgraph
 from .errors import ArtifactError, ConfigError

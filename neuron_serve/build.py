@@ -16,7 +16,7 @@ from pathlib import Path
 
 from . import artifact, progress
 from .api import dynamic_batch, trace, trace_buckets
-from .bucketing import BucketSpec, as_dims
+from .buckets.shape import BucketSpec, as_dims
 from .compile import cache as compile_cache
 from .compile.subgraph import compile_count
 from .config import ModelConfig, build_model

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .compiler_args import parse_compiler_args
 from .errors import ConfigError
 from .config_generation import FieldError, GenerationSettings, check_task
-from .model.sizes import check_batch_sizes, default_batch_sizes
+from .buckets.batch_sizes import check_batch_sizes, default_batch_sizes
 from .partition.config import DEFAULT_SUPPORT_THRESHOLD, NO_LIMIT, PartitionerConfig
 from .partition.placement import ModelPlacement
 

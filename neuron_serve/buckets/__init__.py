@@ -1,4 +1,7 @@
 """Compiled shapes: which shapes a model is compiled at, and which of them a call runs at.
 
+- shape.py: shape buckets (BucketSpec, BucketModelConfig) and choosing one for a call.
+- dynamic_batch.py: any batch run as padded chunks of a compiled batch size, along dim 0.
+- batch_sizes.py: which batch sizes are compiled, and the cheapest mix of them covering n rows.
 - generation.py: a generate model's prefill and decode buckets and their defaults.
 """

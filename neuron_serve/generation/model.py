@@ -25,7 +25,7 @@ import torch.fx
 
 from .. import progress
 from ..api import bucket_model_trace, trace_bucket_on_state
-from ..bucketing import BucketModelConfig
+from ..buckets.shape import BucketModelConfig
 from ..buckets.generation import GenerationBuckets
 from ..compile import sharding as spmd
 from ..errors import ConfigError, InvalidInput, UnsupportedModelError

@@ -9,7 +9,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from .. import batching
+from ..buckets import dynamic_batch
 from ..errors import InvalidInput
 from . import graph
 from .state import Alias, DeviceState
@@ -129,7 +129,7 @@ class Bucket(torch.nn.Module):
         flat = self.flatten(args, kwargs)
         if self.dynamic_batch_enabled:
             shapes = [shape for shape, _ in self.input_shapes]
-            return batching.run_dynamic(self.run_flat, flat, shapes, self.batch_size)
+            return dynamic_batch.run_dynamic(self.run_flat, flat, shapes, self.batch_size)
         self.check_shapes(flat)
         return self.run_flat(flat)
 

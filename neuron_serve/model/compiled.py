@@ -5,7 +5,7 @@ it; ``save``, ``dynamic_batch``, the runtime and the server take it. It carries 
 consumer needs to know about what was compiled: its buckets (each with the batch size
 it was compiled for, and the same shape compiled at every other batch size: a grid of
 shape bucket x batch size), the bucket kernel that picks one per call (a
-:class:`~neuron_serve.bucketing.BucketSpec`'s, or the user's, plain or
+:class:`~neuron_serve.buckets.shape.BucketSpec`'s, or the user's, plain or
 ``torch.jit.script``), whether dynamic batching is on, and its input/output
 signature.
 """
@@ -17,10 +17,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .. import batching
-from ..bucketing import BucketSpec
+from ..buckets import batch_sizes, dynamic_batch
+from ..buckets.shape import BucketSpec
 from ..errors import InvalidInput
-from . import sizes as batch_sizes
 from .bucket import Bucket, Partition
 from .signature import Signature, TensorSig, merge_shapes, output_names
 
@@ -170,16 +169,16 @@ class CompiledModel(torch.nn.Module):
 
     def signature(self) -> Signature:
         """Names, shapes (-1 where a dim varies: batch, bucketed dims) and dtypes."""
-        dynamic_batch = [0] if self.dynamic_batch_enabled or len(self.batch_sizes) > 1 else []
+        batch_dim = [0] if self.dynamic_batch_enabled or len(self.batch_sizes) > 1 else []
         inputs = []
         for i, name in zip(self._tensor_inputs, self.input_names):
             shapes = [b.input_shapes[i][0] for b in self.buckets]
-            dims = dynamic_batch + (self.spec.inputs.get(i, []) if self.spec is not None else [])
+            dims = batch_dim + (self.spec.inputs.get(i, []) if self.spec is not None else [])
             inputs.append(TensorSig(name, merge_shapes(shapes, dims), self.first.input_shapes[i][1]))
         outputs = []
         for i, name in enumerate(self.output_names):
             shapes = [b.output_shapes[i] for b in self.buckets]
-            dims = dynamic_batch + (self.spec.outputs.get(i, []) if self.spec is not None else [])
+            dims = batch_dim + (self.spec.outputs.get(i, []) if self.spec is not None else [])
             if None in shapes:  # not a tensor
                 continue
             outputs.append(TensorSig(name, merge_shapes(shapes, dims), self.first.output_dtypes[i] or torch.float32))
@@ -200,14 +199,14 @@ class CompiledModel(torch.nn.Module):
         (the rows, which the runtime chunks by the bucket's batch size).
         """
         if self.kernel is None:
-            batching.check_batch(list(inputs), [shape for shape, _ in self.first.input_shapes])
+            dynamic_batch.check_batch(list(inputs), [shape for shape, _ in self.first.input_shapes])
             return 0, list(inputs)
         padded, index = self.kernel(list(inputs))
         bucket = int(index)
         if not 0 <= bucket < len(self.buckets):
             raise InvalidInput(f"the bucket kernel chose bucket {bucket}, but there are {len(self.buckets)}.")
         padded = list(padded)
-        batching.check_batch(padded, [shape for shape, _ in self.buckets[bucket].input_shapes])
+        dynamic_batch.check_batch(padded, [shape for shape, _ in self.buckets[bucket].input_shapes])
         return bucket, padded
 
     def unpad(self, outputs: Any, inputs: Sequence[torch.Tensor]) -> Any:
@@ -233,7 +232,7 @@ class CompiledModel(torch.nn.Module):
         """
         grid = {b.batch_size: b for b in self.grid(bucket)}
         shapes = [shape for shape, _ in self.buckets[bucket].input_shapes]
-        rows = batching.check_batch(flat, shapes)
+        rows = dynamic_batch.check_batch(flat, shapes)
         if not self.dynamic_batch_enabled:
             if rows not in grid:
                 raise InvalidInput(f"the call has {rows} rows; the model is compiled for batch sizes "
@@ -241,7 +240,7 @@ class CompiledModel(torch.nn.Module):
             return grid[rows].run_flat(flat)
         costs = self.costs or {size: float(size) for size in grid}
         chunks = batch_sizes.split(flat, rows, batch_sizes.plan(rows, costs))
-        return batching.join_chunks([grid[size].run_flat(chunk) for size, chunk, _ in chunks], rows)
+        return dynamic_batch.join_chunks([grid[size].run_flat(chunk) for size, chunk, _ in chunks], rows)
 
 
 def _output_names(bucket: Bucket) -> list[str]:

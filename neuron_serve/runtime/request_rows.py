@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from ..batching import pad_rows
+from ..buckets.dynamic_batch import pad_rows
 from ..errors import InvalidInput
 
 

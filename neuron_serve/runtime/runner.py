@@ -20,9 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .. import batching
+from ..buckets import dynamic_batch
 from ..errors import ConfigError, NeuronServeError
-from ..model import CompiledModel, sizes
+from ..buckets import batch_sizes
+from ..model import CompiledModel
 from . import lone, request_rows
 from .cores import CorePool
 from .observer import RuntimeObserver
@@ -113,7 +114,7 @@ class ModelRunner:
             logger.warning("model %s: cannot time batch size %d on zeros (%s: %s); choosing sizes by rows",
                            self.name, pipeline.bucket.batch_size, type(exc).__name__, exc)
             return [{n: float(n) for n in grid} for grid in grids]
-        return [sizes.monotone({n: fastest[id(p)] for n, p in grid.items()}) for grid in grids]
+        return [batch_sizes.monotone({n: fastest[id(p)] for n, p in grid.items()}) for grid in grids]
 
     def use_costs(self, costs: list[dict[int, float]]) -> None:
         """Choose sizes by ``costs`` (per shape bucket, seconds per call of each size) instead of those measured."""
@@ -127,7 +128,7 @@ class ModelRunner:
         """The compiled sizes (largest first) that run ``rows`` rows of shape bucket ``bucket``."""
         plans = self._plans[bucket]
         if rows not in plans:
-            plans[rows] = sizes.plan(rows, self.costs[bucket])
+            plans[rows] = batch_sizes.plan(rows, self.costs[bucket])
         return plans[rows]
 
     @property
@@ -194,14 +195,14 @@ class ModelRunner:
 
     async def _run_rows(self, bucket: int, batch: list[torch.Tensor], inline: bool = False) -> list[torch.Tensor]:
         rows = batch[0].shape[0]
-        chunks = sizes.split(batch, rows, self.plan(bucket, rows))
+        chunks = batch_sizes.split(batch, rows, self.plan(bucket, rows))
         if len(chunks) == 1 and not chunks[0][2]:  # one unpadded chunk: its outputs are the rows'
             return await self._run_chunk(bucket, *chunks[0], inline=inline)
         if len(chunks) == 1:
             outputs = [await self._run_chunk(bucket, *chunks[0], inline=inline)]
         else:
             outputs = await asyncio.gather(*(self._run_chunk(bucket, *chunk) for chunk in chunks))
-        return batching.join_chunks(list(outputs), rows)
+        return dynamic_batch.join_chunks(list(outputs), rows)
 
     async def _run_chunk(self, bucket: int, size: int, flat: list[torch.Tensor], padded: int,
                          inline: bool = False) -> list[torch.Tensor]:

@@ -6,7 +6,7 @@ import torch
 import neuron_serve
 from neuron_serve.config import parse_config
 from neuron_serve.errors import ConfigError, InvalidInput
-from neuron_serve.model.sizes import default_batch_sizes, monotone, plan
+from neuron_serve.buckets.batch_sizes import default_batch_sizes, monotone, plan
 from neuron_serve.progress import BuildProgress, reporting
 from reference_models import MLP
 

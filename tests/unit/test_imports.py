@@ -17,7 +17,7 @@ SERVER_APP = "neuron_serve.serve.http.app"
 # The layers, lowest first: errors; buckets (compiled shapes: arithmetic only); config and
 # config_generation (the model.yaml schema; of the partitioner only its settings types, config.py,
 # kwargs.py and placement.py); model (the compiled model); the compiler; runtime; generation; serve.
-SCHEMA = ("neuron_serve.generation", "neuron_serve.serve", "neuron_serve.runtime", "neuron_serve.targets",
+SCHEMA = ("neuron_serve.model", "neuron_serve.generation", "neuron_serve.serve", "neuron_serve.runtime", "neuron_serve.targets",
           "neuron_serve.partition.plan", "neuron_serve.partition.pipeline", "neuron_serve.partition.balance",
           *COMPILER)
 
@@ -28,7 +28,8 @@ RULES = {
     "neuron_serve.config": SCHEMA,
     "neuron_serve.config_generation": SCHEMA + ("neuron_serve.config", "neuron_serve.partition"),
     "neuron_serve.generation": ("neuron_serve.serve",),
-    "neuron_serve.model": COMPILER + ("neuron_serve.runtime", "neuron_serve.serve"),
+    "neuron_serve.model": COMPILER + ("neuron_serve.config", "neuron_serve.config_generation", "neuron_serve.runtime",
+                                      "neuron_serve.serve"),
     # The runtime tells one observer of its work (runtime/observer.py); the metrics live at the serving edge.
     "neuron_serve.runtime": COMPILER + ("neuron_serve.serve", "neuron_serve.metrics"),
     "neuron_serve.serve.infer": COMPILER + (GENERATE, GRPC, RAY, SERVER_APP),

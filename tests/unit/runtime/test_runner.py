@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from neuron_serve.errors import InvalidInput
-from neuron_serve.model import sizes
+from neuron_serve.buckets import batch_sizes as sizes
 from neuron_serve.runtime import runner as runner_module
 from neuron_serve.runtime.observer import RuntimeObserver
 from neuron_serve.runtime.runner import ModelRunner

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from .errors import ConfigError, InvalidInput
+from ..errors import ConfigError, InvalidInput
 
 
 @dataclass

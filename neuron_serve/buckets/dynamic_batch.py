@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from .errors import ConfigError, InvalidInput
+from ..errors import ConfigError, InvalidInput
 
 
 def trace_batch_size(shapes: Sequence[torch.Size | None], what: str = "input") -> int:

@@ -14,7 +14,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from .. import batching
+from . import dynamic_batch
 
 
 def default_batch_sizes(max_batch_size: int) -> list[int]:
@@ -97,7 +97,7 @@ def split(flat: list, rows: int, chunk_sizes: Sequence[int]) -> list[tuple[int, 
     chunks, start = [], 0
     for size in chunk_sizes:
         take = max(0, min(size, rows - start))
-        sliced = [batching.pad_rows(v[start:start + take], size) if isinstance(v, torch.Tensor) else v for v in flat]
+        sliced = [dynamic_batch.pad_rows(v[start:start + take], size) if isinstance(v, torch.Tensor) else v for v in flat]
         chunks.append((size, sliced, size - take))
         start += take
     return chunks
@@ -105,4 +105,4 @@ def split(flat: list, rows: int, chunk_sizes: Sequence[int]) -> list[tuple[int, 
 
 def resize_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     """An example input cut or grown (repeating its last row) to ``rows`` along dim 0."""
-    return t[:rows] if t.shape[0] >= rows else batching.pad_rows(t, rows)
+    return t[:rows] if t.shape[0] >= rows else dynamic_batch.pad_rows(t, rows)
