@@ -64,6 +64,23 @@ def test_health_and_metadata(server):
     assert model["parameters"]["cores"] == 2
 
 
+def test_deploy_prints_a_line_per_compiled_model_and_the_placement_not_the_operator_lists(server):
+    log = re.sub(r"\x1b\[[0-9;]*m", "", server.log.read_text(errors="replace"))  # Ray colours its prefixes
+    for model, placement in [
+        ("mlp", "5 accelerator subgraphs, 5 CPU subgraphs; operators: 30 on the accelerator, 5 on CPU (aten::sort)"),
+        ("encoder", "accelerator subgraphs, 0 CPU subgraphs;"),
+    ]:
+        prefix = rf"^\(ServeReplica:{model}:model pid=\d+\) neuron_serve: "
+        steps = re.findall(prefix + rf"compiled {model}\b.* \((\d+) of (\d+)\) in [\d.]+ s$", log, re.MULTILINE)
+        total = int(steps[0][1])
+        assert [(int(k), int(n)) for k, n in steps] == [(k, total) for k in range(1, total + 1)], steps
+        summaries = re.findall(prefix + rf"placement of {model} \({total} compiled models\): (.*)$", log, re.MULTILINE)
+        assert len(summaries) == 1 and placement in summaries[0] and summaries[0].endswith("; --verbose lists them")
+    assert re.search(r"neuron_serve: compiled mlp batch 64 \(5 of 5\)", log)  # deployments/mlp.yaml's 5 sizes
+    for operator_list in ("Num Partitions", "The following operat", "aten::linear:", "subgraph accel_0"):
+        assert operator_list not in log  # those are --verbose's
+
+
 def test_unknown_model_is_404_with_json_error(server):
     for method, path in [("GET", "/v2/models/nope"), ("GET", "/v2/models/nope/ready"), ("POST", "/v2/models/nope/infer")]:
         status, body = http(server, method, path, body=b"{}" if method == "POST" else None)
