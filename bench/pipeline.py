@@ -4,7 +4,7 @@
 
 One model whose compute and memory sit in different layers (four rounds of 256x256
 matrix products, then four 4 MiB tables read one row each; the same architecture as
-tests/unit/test_pipeline_balance.py) is built four ways on ``--cores`` emulated cores:
+tests/unit/partition/test_pipeline_balance.py) is built four ways on ``--cores`` emulated cores:
 replicated (a whole copy per core), and pipelined over two cores split by memory
 (``size_based``), by torch's ``kl_based`` and by even latency (``latency``), with a core
 memory of 21.5 MB so the model needs two cores. For each: requests per second and the

@@ -1,4 +1,4 @@
-"""Run in a fresh process (CPU_NUM_DEVICES=2) by tests/unit/test_generation_engine.py: an engine per core.
+"""Run in a fresh process (CPU_NUM_DEVICES=2) by tests/unit/generation/test_generation_engine.py: an engine per core.
 
 Compiles a tiny Llama once, copies it onto core 1, runs eight greedy prompts at once on
 the group and prints one JSON object: whether every answer equals transformers' greedy

@@ -1,4 +1,4 @@
-"""Run in a fresh process by tests/unit/test_tensor_parallel.py: engines at tensor_parallel_size 2.
+"""Run in a fresh process by tests/unit/generation/test_tensor_parallel.py: engines at tensor_parallel_size 2.
 
 SPMD is a mode of the whole process, so the check runs apart from the test session: this
 process's XLA runtime is two emulated cores, and each engine spans both. For Llama, Qwen2

@@ -53,7 +53,7 @@ print(json.dumps(report))
 def report():
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "PYTHONWARNINGS": "ignore",
            "NEURON_SERVE_CORE_MEMORY_BYTES": "40000"}  # FourLayers needs two cores of 40000 bytes
-    result = subprocess.run([sys.executable, "-c", RUN, str(Path(__file__).parents[1])],
+    result = subprocess.run([sys.executable, "-c", RUN, str(Path(__file__).parents[1] / "partition")],
                             capture_output=True, text=True, timeout=600, env=env)
     # The subprocess asserts every output equals eager within rtol=atol=1e-5.
     assert result.returncode == 0, result.stderr

@@ -26,7 +26,7 @@ from neuron_serve.report.suggest import suggest
 from neuron_serve.targets import get_target
 from reference_models import MLP, SandwichMLP, line_of
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TOLERANCE = 1e-5
 
 

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 from bench import grpc_load, workloads  # noqa: E402

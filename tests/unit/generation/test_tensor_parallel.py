@@ -26,7 +26,7 @@ from neuron_serve.generation import tensor_parallel
 from neuron_serve.generation.build import build_engine, check_cache_fits, weight_bytes
 from neuron_serve.partition.pipeline import CORE_MEMORY_ENV
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SAMPLED = {"max_tokens": 10, "temperature": 0.8, "top_p": 0.9, "seed": 7}
 
 

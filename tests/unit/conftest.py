@@ -7,7 +7,7 @@ import pytest
 from neuron_serve.build import build
 from neuron_serve.config import build_model, parse_config
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent / "models"  # the factories model.yaml names
 TRACE_BATCH = 4
 CONFIG = {
     "name": "scores", "model": {"factory": "scores_model:build"}, "inputs": [{"name": "x", "shape": [TRACE_BATCH, 8]}],

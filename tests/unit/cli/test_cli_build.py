@@ -15,7 +15,7 @@ from neuron_serve.config import build_model, load_config, load_deployment
 from neuron_serve.errors import ArtifactError, ConfigError
 from neuron_serve.runtime.runner import ModelRunner
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TOLERANCE = 1e-4
 
 

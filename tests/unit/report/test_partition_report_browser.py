@@ -16,7 +16,7 @@ import pytest
 
 from chromium import Chromium, find_chromium
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CHROMIUM = find_chromium()
 if CHROMIUM is None:
     if os.environ.get("CI"):

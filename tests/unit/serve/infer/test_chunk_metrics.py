@@ -13,7 +13,7 @@ from neuron_serve.config import build_model, parse_config
 from neuron_serve.serve.infer.http import infer as rest_infer
 from neuron_serve.serve.infer.plane import ModelDataPlane
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[2] / "models"  # two_stage_model.py
 
 TOLERANCE = 1e-5
 LABELS = {"model": "two-stage", "replica": "chunk-metrics"}

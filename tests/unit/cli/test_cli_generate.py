@@ -20,7 +20,7 @@ from neuron_serve.generation import SamplingParams
 from neuron_serve.generation.model import compile_generation
 from neuron_serve.generation.build import build_engine
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 LLM_YAML = """\
 name: tiny-llm
 task: generate

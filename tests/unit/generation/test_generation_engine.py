@@ -26,7 +26,7 @@ import generation_models as gm
 from neuron_serve.errors import ConfigError, InvalidInput, Overloaded, UnsupportedModelError
 from neuron_serve.generation import SamplingParams, engine_for
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 # Four slots for five prompts: the fifth joins when the first to end leaves its slot.
 PROMPT_LENGTHS = (3, 11, 20, 7, 30)
 NEW_TOKENS = (12, 5, 20, 9, 15)

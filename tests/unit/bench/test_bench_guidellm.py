@@ -4,7 +4,7 @@ the table they make, and the command it runs."""
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 from bench import guidellm as gl  # noqa: E402
