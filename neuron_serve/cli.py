@@ -160,8 +160,8 @@ def _deploy(args: argparse.Namespace) -> int:
     # Before Ray is imported: Ray Serve reads its ingress settings at import.
     chosen = ingress.configure(args.ingress, reserved_ports={p for p in (args.port, args.grpc_port) if p})
     from .serve.http import auth  # noqa: PLC0415 - Ray is only needed to serve
-    from .serve.ray import cluster, deployment, failure, haproxy_template, lifecycle  # noqa: PLC0415 - Ray is only needed to serve
-    from .serve.grpc import port as grpc_port  # noqa: PLC0415 - Ray is only needed to serve
+    from .serve.ray import cluster, deploy, deployment, failure, haproxy_template, lifecycle  # noqa: PLC0415 - Ray is only needed to serve
+    from .serve.ray import grpc_port  # noqa: PLC0415 - Ray is only needed to serve
 
     configs = [load_deployment(path) for path in args.configs]
     if args.weights:
@@ -193,11 +193,11 @@ def _deploy(args: argparse.Namespace) -> int:
     started_here = cluster.connect(args.address)
     if grpc:
         grpc["front"] = grpc_port.front(started_here, chosen)
-    life = lifecycle.Lifecycle(deployment, cluster, drain_s=deployment.DRAIN_S)
+    life = lifecycle.Lifecycle(deploy, cluster, drain_s=deployment.DRAIN_S)
     if started_here:
         life.install()  # from here on a signal stops the start-up too
     try:
-        states = deployment.deploy(configs, host, port, grpc=grpc)
+        states = deploy.deploy(configs, host, port, grpc=grpc)
     except lifecycle.Interrupted as exc:
         return life.shutdown(f"{exc} while starting")
     codes = []
@@ -212,7 +212,7 @@ def _deploy(args: argparse.Namespace) -> int:
             print(f"error: model {name!r} is not ready: {state}", file=sys.stderr)
             codes.append(1)
     if codes:
-        deployment.shutdown(names if not started_here else None)
+        deploy.shutdown(names if not started_here else None)
         return max(codes)
     if grpc:
         print(f"gRPC (OIP v2) on {grpc['host']}:{grpc['port']}", file=sys.stderr)
@@ -227,18 +227,18 @@ def _deploy(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from .serve.ray import cluster, deployment  # noqa: PLC0415
+    from .serve.ray import cluster, deploy  # noqa: PLC0415
 
     cluster.connect(args.address or "auto")
-    print(json.dumps(deployment.status(), indent=2))
+    print(json.dumps(deploy.status(), indent=2))
     return 0
 
 
 def _shutdown(args: argparse.Namespace) -> int:
-    from .serve.ray import cluster, deployment  # noqa: PLC0415
+    from .serve.ray import cluster, deploy  # noqa: PLC0415
 
     cluster.connect(args.address or "auto")
-    deployment.shutdown(args.names or None)
+    deploy.shutdown(args.names or None)
     return 0
 
 

@@ -162,6 +162,15 @@ def test_the_infer_plane_reaches_no_codec_but_the_neutral_request():
         ["neuron_serve.serve.protocols.infer"]
 
 
+def test_ray_is_imported_only_in_serve_ray():
+    """Ray is the orchestration layer: the planes, codecs and transports serve without it."""
+    importers = sorted({
+        _module_name(path) for path in PACKAGE.rglob("*.py")
+        if any(_under(i, "ray") for i in _imports(path))
+    })
+    assert [m for m in importers if not _under(m, RAY)] == []
+
+
 def test_nothing_but_the_cli_imports_the_report():
     importers = sorted({
         _module_name(path) for path in PACKAGE.rglob("*.py")

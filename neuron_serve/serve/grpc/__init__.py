@@ -1,1 +1,1 @@
-"""OIP v2 over gRPC: the service in each model replica, HTTP/1 relaying, and who holds the shared port."""
+"""OIP v2 over gRPC: the service in each model replica, and gRPC over HTTP/1 behind HAProxy."""

@@ -76,7 +76,7 @@ RELAYED = "x-neuron-serve-relayed"
 # pass on as it is, unlike an UNAVAILABLE of the connection (a replica gone), retried.
 ANSWERED = "x-neuron-serve-answer"
 # Trailing metadata of a ModelReady answered by a replica of the model it names (its value: the
-# model), not by another replica or the server app: deploy's readiness check (grpc.port.answers)
+# model), not by another replica or the server app: deploy's readiness check (ray/grpc_port.answers)
 # reads it to know that the model's calls reach its own replicas.
 ANSWERED_BY = "x-neuron-serve-model"
 RELAY_TTL_S = 2.0  # how long a list of addresses is used before the registry is read again

@@ -17,7 +17,7 @@ from ray._private import ray_constants
 from ray.experimental import internal_kv
 
 from ... import metrics
-from ..grpc import port as grpc_port
+from . import grpc_port
 from . import ingress
 
 SERVER_APP = grpc_port.NAMESPACE

@@ -132,7 +132,7 @@ def _grpc_front(_config: Any) -> GrpcFront | None:
     where = os.environ.get(GRPC_FRONT_ENV)
     if not where:
         return None
-    from ..grpc import port as grpc_port  # noqa: PLC0415 - Ray is loaded in the process that renders
+    from . import grpc_port  # noqa: PLC0415 - Ray is loaded in the process that renders
 
     host, _, port = where.rpartition(":")
     return GrpcFront(host, int(port), grpc_port.h1_ports())

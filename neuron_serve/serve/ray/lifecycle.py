@@ -38,13 +38,13 @@ def _say(message: str) -> None:
 class Lifecycle:
     """Signals and head watching for one `deploy` process; see the module docstring.
 
-    ``deployment`` is `neuron_serve.serve.ray.deployment` and ``cluster``
+    ``deploy`` is `neuron_serve.serve.ray.deploy` and ``cluster``
     `neuron_serve.serve.ray.cluster` (passed in, so that this module never imports Ray). Install it before deploying, so a signal during start-up stops
     the start-up too (`Interrupted`).
     """
 
-    def __init__(self, deployment: ModuleType, cluster: ModuleType, drain_s: float) -> None:
-        self.deployment = deployment
+    def __init__(self, deploy: ModuleType, cluster: ModuleType, drain_s: float) -> None:
+        self.deploy = deploy
         self.cluster = cluster
         self.drain_s = drain_s
         self.stop = threading.Event()
@@ -93,7 +93,7 @@ class Lifecycle:
              f"(at most {limit:.0f} s)")
         heads = self.cluster.head_processes()  # kept: Ray forgets them once it stops
         try:
-            self.deployment.shutdown(progress=self._progress)
+            self.deploy.shutdown(progress=self._progress)
             self._progress("stopping Ray")
             self.stopping_ray = True  # its processes end now, as they should
             self.cluster.stop_ray()

@@ -6,7 +6,7 @@ front, by the listeners registered in Ray's KV store, can lag behind its HTTP ro
 without HAProxy the server app still holds the shared gRPC port until it hands it over.
 So ``deploy`` makes real calls through the public ports, as a client connecting then
 would, until each answers: over HTTP each model's ``/v2/models/{name}/ready`` and
-``/metrics``; over gRPC ServerReady and each model's ModelReady (`grpc.port.answers`).
+``/metrics``; over gRPC ServerReady and each model's ModelReady (`grpc_port.answers`).
 It then records the models it checked in Ray's KV store, and the server app's
 ``/v2/health/ready`` (and ``/health``) answer 200 only once every model is recorded
 (`unchecked`), so a probe's 200 promises what deploy's ready line does. Only then
@@ -23,7 +23,7 @@ import urllib.request
 
 from ray.experimental import internal_kv
 
-from ..grpc import port as grpc_port
+from . import grpc_port
 from ..http.app import HEALTH_READY, METRICS_PATH
 from .cluster import head_processes
 

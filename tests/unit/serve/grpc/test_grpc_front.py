@@ -227,10 +227,10 @@ class AllReady(Replica):
 
 
 def test_deploy_calls_the_port_ready_only_once_each_models_replicas_answer_it():
-    """grpc.port.answers, deploy's check, through HAProxy as routes appear: none (the server is
+    """grpc_port.answers, deploy's check, through HAProxy as routes appear: none (the server is
     starting), the server app's only (it answers for the models, but not from their replicas),
     then every model's: ready. A model's replica says so in ModelReady's trailing metadata."""
-    from neuron_serve.serve.grpc import port as grpc_port  # noqa: PLC0415
+    from neuron_serve.serve.ray import grpc_port  # noqa: PLC0415
 
     async def scenario():
         replicas = {"a": await AllReady("a").start(), "b": await AllReady("b").start(),

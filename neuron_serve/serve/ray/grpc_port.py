@@ -46,7 +46,7 @@ async def start_for_replica(options: dict, model_states, call_model, model: str 
     """Start this replica's share of the gRPC service: (its server, its relay or None, the key to
     unregister). Behind HAProxy, a listener HAProxy sends calls to (``model``'s, or with None the
     server app's); else ``model``'s calls on the shared port, with a private port for relays."""
-    from . import service as grpc_service  # noqa: PLC0415
+    from ..grpc import service as grpc_service  # noqa: PLC0415
 
     if options.get("front"):
         server, port = await grpc_service.start_behind_haproxy(options["max_message_bytes"], model_states,
@@ -82,7 +82,7 @@ def answers(options: dict, models: list[str], direct: list[str], token: str | No
     import grpc  # noqa: PLC0415
     from tritonclient.grpc import service_pb2, service_pb2_grpc  # noqa: PLC0415
 
-    from .service import ANSWERED_BY  # noqa: PLC0415
+    from ..grpc.service import ANSWERED_BY  # noqa: PLC0415
 
     host = "127.0.0.1" if options["host"] in ("0.0.0.0", "::", "") else options["host"]
     address = f"{host}:{options['port']}"
