@@ -81,8 +81,10 @@ test-system-packages:
 	  $$s env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 
+# --durations: the slowest tests at the end of the run, so that the suite's time (kept under
+# an hour on 2 cores) can be followed from one run to the next.
 test: $(TEST_STAMP) $(KSERVE_STAMP) test-system-packages
-	$(BIN)/pytest
+	$(BIN)/pytest --durations=40
 
 # Benchmarks against peer servers (needs wrk for HTTP and h2load for gRPC: apt-get install wrk
 # nghttp2-client). Results: bench/results/.
