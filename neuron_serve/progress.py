@@ -44,17 +44,10 @@ class BuildProgress:
 
             self._bar = tqdm(total=self.buckets, desc=f"compiling {model}", unit="bucket", file=sys.stderr, leave=True)
 
-    def bucket_label(self) -> str:
-        index = self.bucket // self.batch_sizes
-        label = f"bucket {index + 1}/{self.shape_buckets}" if self.shape_buckets > 1 else "model"
-        if self.labels is not None and index < len(self.labels):
-            label += f" ({self.labels[index]})"
-        return label if self.batch is None else f"{label} (batch {self.batch})"
-
     @contextlib.contextmanager
     def subgraph(self, name: str, index: int, total: int) -> Iterator[None]:
         """Time one accelerator subgraph's compile and report it."""
-        where = f"{self.model} {self.bucket_label()}: subgraph {name} ({index}/{total})"
+        where = f"{self.step_label()}: subgraph {name} ({index}/{total})"
         if self._bar is not None:
             batch = f" batch {self.batch}" if self.batch is not None else ""
             self._bar.set_postfix_str(f"{name} {index}/{total}{batch}")

@@ -73,8 +73,8 @@ def test_each_subgraph_compile_is_a_debug_line(fresh_cache, caplog):
     with reporting(BuildProgress("mlp", 1, tty=False)):
         neuron_serve.trace(MLP().eval(), torch.rand(4, 784), partitioner_config=neuron_serve.PartitionerConfig())
     debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG and "subgraph accel_0" in r.getMessage()]
-    assert debug[0] == "compiling mlp model: subgraph accel_0 (1/1)"
-    assert debug[1].startswith("compiled mlp model: subgraph accel_0 (1/1) in ")
+    assert debug[0] == "compiling mlp: subgraph accel_0 (1/1)"
+    assert debug[1].startswith("compiled mlp: subgraph accel_0 (1/1) in ")
 
 
 def test_progress_is_a_bar_on_a_terminal(fresh_cache, capsys):
