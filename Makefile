@@ -55,9 +55,9 @@ deployments/llm/config.json: deployments/example_models/make_llm.py | $(STAMP)
 
 llm-example: deployments/llm/config.json
 
-# model.schema.json from neuron_serve/config.py, and the model.yaml reference's table from it.
+# model.schema.json from neuron_serve/config/schema.py, and the model.yaml reference's table from it.
 schema: $(STAMP)
-	$(BIN)/python -c "import json; from neuron_serve.config import json_schema; print(json.dumps(json_schema(), indent=2))" > model.schema.json
+	$(BIN)/python -c "import json; from neuron_serve.config.schema import json_schema; print(json.dumps(json_schema(), indent=2))" > model.schema.json
 	$(BIN)/python docs/hooks.py
 
 # The documentation site (mkdocs.yml, docs/) on http://$(DOCS_ADDRESS), rebuilt as files change.

@@ -26,15 +26,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from neuron_serve.config import load_deployment
+from neuron_serve.config.schema import load_deployment
 
 ROOT = Path(__file__).resolve().parents[1]
 
 START = """
 import json, sys, time
 started = time.perf_counter()
-from neuron_serve.config import load_deployment
-from neuron_serve.build import build
+from neuron_serve.config.schema import load_deployment
+from neuron_serve.build.from_config import build
 from neuron_serve.runtime.runner import ModelRunner
 from neuron_serve.targets.pjrt import xla
 xla()  # torch-xla and its PJRT client start the same way cold or warm

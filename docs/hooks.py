@@ -2,7 +2,7 @@
 
 - docs/reference/model-yaml.md holds a table of every model.yaml field, written into the
   file (so the repository shows it too) from ``model.schema.json`` by ``python docs/hooks.py``
-  (``make schema`` regenerates both): the JSON schema of neuron_serve/config.py's pydantic
+  (``make schema`` regenerates both): the JSON schema of neuron_serve/config/schema.py's pydantic
   models, which tests/unit/test_model_schema.py keeps equal to ``json_schema()``, and the
   table to the schema.
 - ``<!-- readme -->`` (docs/index.md) becomes README.md, its links into docs/ made relative

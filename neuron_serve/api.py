@@ -9,7 +9,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from . import progress
+from .build import progress
 from .buckets import dynamic_batch as batching
 from .analysis.capture import as_args, capture
 from .analysis.explain_failure import compile_error
@@ -19,7 +19,7 @@ from .buckets.shape import BucketModelConfig, BucketSpec
 from .compile import aliases as state_aliases
 from .compile import state_view
 from .compile import workdir as workdirs
-from .compiler_args import NONE, CompilerArgs
+from .config.compiler_args import NONE, CompilerArgs
 from .compile.passes.auto_cast import auto_cast
 from .compile.subgraph import CompiledSubgraph
 from .errors import ConfigError, UnsupportedModelError
@@ -33,7 +33,7 @@ from .partition.placement import ModelPlacement, as_placement
 from .partition.plan import ACCEL_PREFIX, PartitionPlan, Placement, plan_partitions
 from .positional import TRACE_ORDER, infer_keywords
 from .targets import get_target
-from .weights import check_inline_weights
+from .build.weights import check_inline_weights
 
 logger = logging.getLogger("neuron_serve")
 

@@ -16,8 +16,8 @@ from .api import placement
 from .analysis.placement import analyze_graph
 from .analysis.report import build_report, log_support, write_report
 from .compile import cache as compile_cache
-from .compiler_args import parse_compiler_args
-from .config import build_model, load_config, load_deployment, parse_config
+from .config.compiler_args import parse_compiler_args
+from .config.schema import build_model, load_config, load_deployment, parse_config
 from . import logs
 from .errors import NeuronServeError
 from .partition.config import PartitionerConfig
@@ -114,8 +114,8 @@ def _analyze_generation(args: argparse.Namespace, config, base_dir: Path) -> int
 
 
 def _build(args: argparse.Namespace) -> int:
-    from . import artifact  # noqa: PLC0415
-    from .build import build  # noqa: PLC0415
+    from .build import artifact  # noqa: PLC0415
+    from .build.from_config import build  # noqa: PLC0415
 
     config = load_config(args.config)
     if config.model.artifact is not None:
@@ -173,7 +173,7 @@ def _deploy(args: argparse.Namespace) -> int:
         weights = str(Path(args.weights).expanduser().resolve())
         configs = [(parse_config({**config.model_dump(), "weights": weights}, f"{args.configs[0]} with --weights"),
                     base_dir)]
-    from .build import check_weights  # noqa: PLC0415
+    from .build.from_config import check_weights  # noqa: PLC0415
 
     for config, base_dir in configs:
         auth.resolve_token(config)  # a missing token fails here, before Ray starts

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.fx
 
-from ..compiler_args import NONE, CompilerArgs
+from ..config.compiler_args import NONE, CompilerArgs
 from ..targets.pjrt import emulated, use_device, xla
 from . import sharding as spmd
 from .lift_weights import lift_weights

@@ -57,7 +57,7 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
     from .build import check_cache_fits  # noqa: PLC0415
     from .engine import Engine  # noqa: PLC0415
     from .model import compile_generation  # noqa: PLC0415
-    from ..config_generation import SpeculativeConfig  # noqa: PLC0415
+    from ..config.generation import SpeculativeConfig  # noqa: PLC0415
 
     if isinstance(speculative_config, dict):  # model.yaml's keys; ``draft``: the draft model, given as a module
         speculative_config = SpeculativeConfig(**speculative_config)

@@ -17,8 +17,8 @@ import torch
 from ..analysis.capture import CapturedGraph, capture
 from ..analysis.placement import GraphAnalysis, analyze_graph
 from ..analysis.report import build_report
-from ..config import ModelConfig, _under
-from ..config_generation import GenerationSettings
+from ..config.schema import ModelConfig, _under
+from ..config.generation import GenerationSettings
 from ..targets import get_target
 from . import tensor_parallel
 from .build import DRAFT_FIELD, _pretrained, load_lm

@@ -15,8 +15,8 @@ from typing import Any, Callable
 import torch
 
 from ..buckets.generation import GenerationBuckets
-from ..config import ModelConfig, _under, build_model
-from ..config_generation import GenerationSettings
+from ..config.schema import ModelConfig, _under, build_model
+from ..config.generation import GenerationSettings
 from ..errors import ArtifactError, ConfigError
 from ..partition.pipeline import core_memory_bytes
 from . import eos_token_ids

@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 import torch.fx
 
-from .. import progress
+from ..build import progress
 from ..api import bucket_model_trace, trace_bucket_on_state
 from ..buckets.shape import BucketModelConfig
 from ..buckets.generation import GenerationBuckets

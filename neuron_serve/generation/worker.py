@@ -92,7 +92,7 @@ def serve(conn: Connection) -> int:
 
     logs.configure()  # a progress line per compiled model; the operator lists with NEURON_SERVE_VERBOSE
 
-    from ..config import parse_config  # noqa: PLC0415 - after sys.path is set
+    from ..config.schema import parse_config  # noqa: PLC0415 - after sys.path is set
     from ..errors import NeuronServeError  # noqa: PLC0415
     from ..targets.pjrt import start_emulated_cores_on_threads  # noqa: PLC0415
     from .build import build_engine  # noqa: PLC0415

@@ -11,7 +11,7 @@ import difflib
 from dataclasses import dataclass
 from typing import Any
 
-from ..compiler_args import CompilerArgs, parse_compiler_args
+from ..config.compiler_args import CompilerArgs, parse_compiler_args
 from ..errors import ConfigError
 
 TRACE_KWARGS = ("compiler_workdir", "compiler_args")

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from ..compiler_args import parse_compiler_args
-from ..config import ModelConfig
+from ..config.compiler_args import parse_compiler_args
+from ..config.schema import ModelConfig
 from ..partition.config import PartitionerConfig
 from ..analysis.capture import CapturedGraph
 from .explain import explain, quiet_planner

@@ -11,7 +11,7 @@ import copy
 from html import escape
 
 from ..analysis.capture import CapturedGraph
-from ..config import ModelConfig
+from ..config.schema import ModelConfig
 from ..errors import PartitionError
 from ..partition.pipeline import plan_graph
 from ..partition.plan import ACCEL_PREFIX

@@ -23,7 +23,7 @@ import yaml
 
 import generation_models as gm
 from conftest import Server, make_llm
-from neuron_serve.config import parse_config
+from neuron_serve.config.schema import parse_config
 from neuron_serve.errors import ConfigError
 from neuron_serve.generation import tensor_parallel
 from neuron_serve.generation.build import build_engine, check_cache_fits, weight_bytes

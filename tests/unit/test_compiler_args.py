@@ -7,8 +7,8 @@ import torch
 
 import neuron_serve
 from neuron_serve.analysis import placement
-from neuron_serve.compiler_args import NO_EFFECT, parse_compiler_args
-from neuron_serve.config import parse_config
+from neuron_serve.config.compiler_args import NO_EFFECT, parse_compiler_args
+from neuron_serve.config.schema import parse_config
 from neuron_serve.errors import ConfigError
 
 AUTO_CAST = "--auto-cast matmult --auto-cast-type bf16"
@@ -169,8 +169,8 @@ def test_model_yaml_takes_compiler_args():
 def test_model_yaml_compiler_args_reach_the_build_and_the_partition_report():
     from neuron_serve.analysis.capture import capture  # noqa: PLC0415
     from neuron_serve.analysis.placement import analyze_graph  # noqa: PLC0415
-    from neuron_serve.build import build  # noqa: PLC0415
-    from neuron_serve.config import build_model  # noqa: PLC0415
+    from neuron_serve.build.from_config import build  # noqa: PLC0415
+    from neuron_serve.config.schema import build_model  # noqa: PLC0415
     from neuron_serve.report import partition_report  # noqa: PLC0415
     from neuron_serve.report.html import render  # noqa: PLC0415
     from neuron_serve.targets import get_target  # noqa: PLC0415

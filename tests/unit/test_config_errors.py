@@ -4,7 +4,7 @@ import copy
 
 import pytest
 
-from neuron_serve.config import AUTH_TOKEN_ENV, load_config, parse_config
+from neuron_serve.config.schema import AUTH_TOKEN_ENV, load_config, parse_config
 from neuron_serve.errors import ConfigError
 from neuron_serve.serve.http.auth import authorized, resolve_token
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import doc_examples
-from neuron_serve.config import json_schema
+from neuron_serve.config.schema import json_schema
 
 ROOT = doc_examples.ROOT
 
@@ -50,7 +50,7 @@ def _pydantic_fields() -> set[tuple[str, str]]:
 def test_model_yaml_reference_lists_every_field(site):
     page = (site / "reference" / "model-yaml" / "index.html").read_text()
     missing = [(model, name) for model, name in _pydantic_fields() if f"<code>{name}</code>" not in page]
-    assert not missing, f"fields of neuron_serve/config.py missing from the model.yaml reference: {missing}"
+    assert not missing, f"fields of neuron_serve/config/schema.py missing from the model.yaml reference: {missing}"
     for section in ("generation", "batching", "http.auth", "partitioner.trace_kwargs", "placement"):
         assert f"<code>{section}</code>" in page
 

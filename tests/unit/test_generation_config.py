@@ -9,8 +9,8 @@ import pytest
 import torch
 import transformers
 
-from neuron_serve.config import parse_config
-from neuron_serve.config_generation import GenerationSettings
+from neuron_serve.config.schema import parse_config
+from neuron_serve.config.generation import GenerationSettings
 from neuron_serve.errors import ConfigError
 from neuron_serve.generation import SamplingParams
 from neuron_serve.generation.build import build_engine, load_lm, weight_bytes

@@ -18,7 +18,7 @@ import pytest
 import yaml
 from packaging.specifiers import SpecifierSet
 
-from neuron_serve.config import load_config, parse_config
+from neuron_serve.config.schema import load_config, parse_config
 from neuron_serve.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]

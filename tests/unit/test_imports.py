@@ -8,28 +8,33 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "neuron_serve"
-COMPILER = ("neuron_serve.api", "neuron_serve.build", "neuron_serve.artifact", "neuron_serve.analysis",
-            "neuron_serve.partition.plan", "neuron_serve.compile", "neuron_serve.report")
+COMPILER = ("neuron_serve.api", "neuron_serve.build.from_config", "neuron_serve.build.artifact",
+            "neuron_serve.build.weights", "neuron_serve.analysis", "neuron_serve.partition.plan", "neuron_serve.compile",
+            "neuron_serve.report")
 
 INFER, GENERATE, GRPC, RAY = (f"neuron_serve.serve.{p}" for p in ("infer", "generate", "grpc", "ray"))
 SERVER_APP = "neuron_serve.serve.http.app"
 
-# The layers, lowest first: errors; buckets (compiled shapes: arithmetic only); config and
-# config_generation (the model.yaml schema; of the partitioner only its settings types, config.py,
-# kwargs.py and placement.py); model (the compiled model); the compiler; runtime; generation; serve.
+# The layers, lowest first: errors; buckets (compiled shapes: arithmetic only); config/ (the model.yaml
+# schema: schema.py, generation.py, compiler_args.py; of the partitioner only its settings types,
+# partition/config.py, kwargs.py and placement.py); model (the compiled model); the compiler; runtime;
+# generation; serve.
 SCHEMA = ("neuron_serve.model", "neuron_serve.generation", "neuron_serve.serve", "neuron_serve.runtime", "neuron_serve.targets",
           "neuron_serve.partition.plan", "neuron_serve.partition.pipeline", "neuron_serve.partition.balance",
           *COMPILER)
 
 # module (or package) -> what it must not import
 RULES = {
-    "neuron_serve.buckets": SCHEMA + ("neuron_serve.config", "neuron_serve.config_generation", "neuron_serve.model",
-                                      "neuron_serve.partition"),
+    "neuron_serve.buckets": SCHEMA + ("neuron_serve.config", "neuron_serve.model", "neuron_serve.partition"),
     "neuron_serve.config": SCHEMA,
-    "neuron_serve.config_generation": SCHEMA + ("neuron_serve.config", "neuron_serve.partition"),
+    "neuron_serve.config.generation": SCHEMA + ("neuron_serve.config.schema", "neuron_serve.partition"),
+    # A build's progress lines, which the compiler and the generation models report to: of the package
+    # they read only logs.py and the compiled model's Partition type.
+    "neuron_serve.build.progress": COMPILER + ("neuron_serve.config", "neuron_serve.buckets", "neuron_serve.partition",
+                                               "neuron_serve.targets", "neuron_serve.runtime", "neuron_serve.generation",
+                                               "neuron_serve.serve", "neuron_serve.metrics", "neuron_serve.cli"),
     "neuron_serve.generation": ("neuron_serve.serve",),
-    "neuron_serve.model": COMPILER + ("neuron_serve.config", "neuron_serve.config_generation", "neuron_serve.runtime",
-                                      "neuron_serve.serve"),
+    "neuron_serve.model": COMPILER + ("neuron_serve.config", "neuron_serve.runtime", "neuron_serve.serve"),
     # The runtime tells one observer of its work (runtime/observer.py); the metrics live at the serving edge.
     "neuron_serve.runtime": COMPILER + ("neuron_serve.serve", "neuron_serve.metrics"),
     "neuron_serve.serve.infer": COMPILER + (GENERATE, GRPC, RAY, SERVER_APP),
@@ -46,7 +51,7 @@ RULES = {
     "neuron_serve.serve.protocols": ("neuron_serve.serve.http", INFER, GENERATE, GRPC, RAY),
     "neuron_serve.serve.grpc": COMPILER + (RAY, SERVER_APP),
     "neuron_serve.targets": COMPILER + ("neuron_serve.runtime", "neuron_serve.serve"),
-    "neuron_serve.analysis": ("neuron_serve.api", "neuron_serve.build", "neuron_serve.partition",
+    "neuron_serve.analysis": ("neuron_serve.api", "neuron_serve.build.from_config", "neuron_serve.partition",
                              "neuron_serve.report", "neuron_serve.runtime", "neuron_serve.serve"),
     "neuron_serve.partition": ("neuron_serve.analysis", "neuron_serve.api", "neuron_serve.report"),
     "neuron_serve.compile": ("neuron_serve.analysis", "neuron_serve.partition", "neuron_serve.api",

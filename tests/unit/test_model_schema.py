@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 import yaml
 
-from neuron_serve.config import json_schema
+from neuron_serve.config.schema import json_schema
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
 from ... import metrics
-from ...config import ModelConfig
-from ...config_generation import GenerationSettings
+from ...config.schema import ModelConfig
+from ...config.generation import GenerationSettings
 from ...errors import InvalidInput, ModelNotReady, NeuronServeError, RequestTimeout
 from ...generation.protocol import Streams, TokenEvent
 from ...generation.sampling import SamplingParams

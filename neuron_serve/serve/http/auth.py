@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ...config import AUTH_TOKEN_ENV, MIN_TOKEN_LENGTH, ModelConfig
+from ...config.schema import AUTH_TOKEN_ENV, MIN_TOKEN_LENGTH, ModelConfig
 from ...errors import ConfigError
 
 OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})

@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from ...errors import ModelNotReady, NeuronServeError, PayloadTooLarge
-from ...config import DEFAULT_MAX_REQUEST_BYTES
+from ...config.schema import DEFAULT_MAX_REQUEST_BYTES
 from . import auth
 
 

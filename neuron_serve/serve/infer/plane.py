@@ -25,7 +25,7 @@ import time
 import torch
 
 from ...version import __version__
-from ...config import ModelConfig
+from ...config.schema import ModelConfig
 from ...errors import InvalidInput, NeuronServeError
 from ...model import CompiledModel
 from ...runtime.lone import LoneRequests

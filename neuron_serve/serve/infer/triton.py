@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from prometheus_client import multiprocess
 
 from ... import metrics
-from ...config import ModelConfig
+from ...config.schema import ModelConfig
 
 EXTENSIONS = ["binary_tensor_data", "generate", "model_configuration", "statistics"]
 DURATION_STATS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")

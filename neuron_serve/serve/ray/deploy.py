@@ -14,7 +14,7 @@ import ray
 from ray import serve
 from ray.experimental import internal_kv
 
-from ...config import ModelConfig
+from ...config.schema import ModelConfig
 from ..http import auth
 from . import failure, ingress, readiness
 from .cluster import head_processes

@@ -20,7 +20,7 @@ from ray import serve
 
 from ... import logs, metrics
 from ...compile.cache import CACHE_ENV
-from ...config import ModelConfig, parse_config
+from ...config.schema import ModelConfig, parse_config
 from ...targets.pjrt import neuron_devices_present
 from ...errors import ConfigError
 from ..infer.plane import ModelDataPlane
@@ -108,7 +108,7 @@ class ModelServer:
 
 
 def _build_plane(config: ModelConfig, base_dir: str | None, replica: str) -> ModelDataPlane:
-    from ...build import build  # noqa: PLC0415 - the compiler is loaded by replicas only
+    from ...build.from_config import build  # noqa: PLC0415 - the compiler is loaded by replicas only
 
     return ModelDataPlane(config, build(config, base_dir), replica)
 
@@ -307,7 +307,7 @@ def server_application(configs: list[ModelConfig], grpc: dict | None = None, por
 
 def build_model_app(args: dict):
     """``neuron_serve.serve.ray.deployment:build_model_app`` with ``{"config": "model.yaml"}``."""
-    from ...config import load_deployment  # noqa: PLC0415
+    from ...config.schema import load_deployment  # noqa: PLC0415
 
     return model_application(*load_deployment(args["config"]))
 
@@ -318,6 +318,6 @@ def build_server_app(args: dict | None = None):
     ``{"configs": ["a/model.yaml", ...]}`` names the models served beside it, whose
     bearer token the server app then requires too (as `neuron-serve deploy` does).
     """
-    from ...config import load_deployment  # noqa: PLC0415
+    from ...config.schema import load_deployment  # noqa: PLC0415
 
     return server_application([load_deployment(path)[0] for path in (args or {}).get("configs", [])])

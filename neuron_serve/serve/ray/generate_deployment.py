@@ -20,8 +20,8 @@ from typing import AsyncIterator
 from ray import serve
 
 from ... import logs
-from ...config import ModelConfig, parse_config
-from ...config_generation import GenerationSettings
+from ...config.schema import ModelConfig, parse_config
+from ...config.generation import GenerationSettings
 from ...errors import ModelNotReady
 from ..http import auth
 from ..generate import plane as generate_plane

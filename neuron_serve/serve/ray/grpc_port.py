@@ -19,7 +19,7 @@ from typing import Any
 import ray
 from ray.experimental import internal_kv
 
-from ...config import ModelConfig
+from ...config.schema import ModelConfig
 
 NAMESPACE = "neuron-serve"  # the deployment's Ray namespace (deployment.SERVER_APP)
 LISTENING_KEY = "grpc-server-app-listening"

@@ -14,7 +14,7 @@ import generation_models as gm
 from example_models import tiny_llama
 from neuron_serve.buckets.generation import GenerationBuckets
 from neuron_serve.compile import cache as compile_cache
-from neuron_serve.config import load_deployment
+from neuron_serve.config.schema import load_deployment
 from neuron_serve.errors import ArtifactError
 from neuron_serve.generation import SamplingParams
 from neuron_serve.generation.model import compile_generation

@@ -8,7 +8,7 @@ import torch
 import neuron_serve
 from neuron_serve.analysis import placement
 from neuron_serve.compile import cache as compile_cache
-from neuron_serve.progress import BuildProgress, reporting
+from neuron_serve.build.progress import BuildProgress, reporting
 from reference_models import MLP
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import generation_models as gm
-from neuron_serve.config import parse_config
+from neuron_serve.config.schema import parse_config
 from neuron_serve.errors import ConfigError
 from neuron_serve.generation import GenerationBuckets, SamplingParams, engine_for
 

@@ -9,7 +9,7 @@ from prometheus_client import REGISTRY
 
 import generation_models as gm
 from neuron_serve.errors import ConfigError
-from neuron_serve.config import parse_config
+from neuron_serve.config.schema import parse_config
 from neuron_serve.generation import SamplingParams, engine_for
 from neuron_serve.generation.speculative import accept_greedy, accept_sampled, ngram_proposals
 

@@ -19,7 +19,7 @@ import pytest
 import generation_models as gm
 from neuron_serve.buckets.generation import GenerationBuckets
 from neuron_serve.compile.subgraph import compile_count
-from neuron_serve.config import parse_config
+from neuron_serve.config.schema import parse_config
 from neuron_serve.errors import ConfigError
 from neuron_serve.generation import SamplingParams, engine_for
 from neuron_serve.generation import tensor_parallel

@@ -8,7 +8,7 @@ import torch
 
 from neuron_serve.analysis.capture import capture
 from neuron_serve.analysis.placement import analyze_graph
-from neuron_serve.config import parse_config
+from neuron_serve.config.schema import parse_config
 from neuron_serve.partition.pipeline import CORE_MEMORY_ENV
 from neuron_serve.report import partition_report
 from neuron_serve.report.html import render

@@ -6,7 +6,7 @@ import torch
 
 import neuron_serve
 from neuron_serve.compile.subgraph import CompiledSubgraph
-from neuron_serve.config import parse_config
+from neuron_serve.config.schema import parse_config
 from neuron_serve.errors import ConfigError, PartitionError
 from neuron_serve.partition.pipeline import CORE_MEMORY_ENV
 from test_pipeline_placement import BUDGET, FourLayers
@@ -133,7 +133,7 @@ def test_every_shape_bucket_is_pipelined_and_answers_as_eager(model, monkeypatch
 
 
 def test_an_artifact_built_pipelined_is_refused_by_a_model_yaml_asking_to_replicate(traced, tmp_path):
-    from neuron_serve.build import build  # noqa: PLC0415
+    from neuron_serve.build.from_config import build  # noqa: PLC0415
     from neuron_serve.errors import ArtifactError  # noqa: PLC0415
 
     neuron_serve.save(traced, tmp_path / "four")

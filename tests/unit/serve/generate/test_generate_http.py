@@ -7,7 +7,7 @@ import json
 import pytest
 
 import generation_models as gm
-from neuron_serve.config import parse_config
+from neuron_serve.config.schema import parse_config
 from neuron_serve.generation import engine_for
 from neuron_serve.serve.http import auth
 from neuron_serve.serve.generate import plane as generate_plane

@@ -44,13 +44,13 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from .buckets.shape import BucketSpec
-from .compiler_args import parse_compiler_args
-from .compile.subgraph import CompiledSubgraph
-from .errors import ArtifactError, ConfigError
-from .model import Bucket, CompiledModel, Partition
-from .model.state import Alias, DeviceState
-from .targets.pjrt import emulated, versions, xla
+from ..buckets.shape import BucketSpec
+from ..config.compiler_args import parse_compiler_args
+from ..compile.subgraph import CompiledSubgraph
+from ..errors import ArtifactError, ConfigError
+from ..model import Bucket, CompiledModel, Partition
+from ..model.state import Alias, DeviceState
+from ..targets.pjrt import emulated, versions, xla
 
 logger = logging.getLogger("neuron_serve")
 

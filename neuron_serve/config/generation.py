@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
-from .buckets.generation import GenerationBuckets
-from .errors import ConfigError
+from ..buckets.generation import GenerationBuckets
+from ..errors import ConfigError
 
 DEFAULT_MAX_NUM_SEQS = 8
 DEFAULT_MAX_WAITING = 256
@@ -31,7 +31,7 @@ INFER_ONLY = {"inputs": _TOKENS, "outputs": _TOKENS, "buckets": _BUCKETS, "batch
 class FieldError(ValueError):
     """A model-level check's error that belongs to ``field`` (a dotted path below the validated model).
 
-    neuron_serve.config reports it as ``<field>: <message>`` instead of under the model."""
+    neuron_serve.config.schema reports it as ``<field>: <message>`` instead of under the model."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)

@@ -17,8 +17,8 @@ import sys
 import time
 from typing import Iterator, Sequence
 
-from . import logs
-from .model import Partition
+from .. import logs
+from ..model import Partition
 
 logger = logging.getLogger("neuron_serve")
 

@@ -15,14 +15,14 @@ import time
 from pathlib import Path
 
 from . import artifact, progress
-from .api import dynamic_batch, trace, trace_buckets
-from .buckets.shape import BucketSpec, as_dims
-from .compile import cache as compile_cache
-from .compile.subgraph import compile_count
-from .config import ModelConfig, build_model
-from .errors import ArtifactError, ConfigError
-from .model import CompiledModel
-from .model.signature import output_names
+from ..api import dynamic_batch, trace, trace_buckets
+from ..buckets.shape import BucketSpec, as_dims
+from ..compile import cache as compile_cache
+from ..compile.subgraph import compile_count
+from ..config.schema import ModelConfig, build_model
+from ..errors import ArtifactError, ConfigError
+from ..model import CompiledModel
+from ..model.signature import output_names
 from .weights import check_state_dict, is_weight_separated, replace_weights
 
 logger = logging.getLogger("neuron_serve")

@@ -16,11 +16,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .compiler_args import parse_compiler_args
-from .errors import ConfigError
-from .config_generation import FieldError, GenerationSettings, check_task
-from .buckets.batch_sizes import check_batch_sizes, default_batch_sizes
-from .partition.config import DEFAULT_SUPPORT_THRESHOLD, NO_LIMIT, PartitionerConfig
-from .partition.placement import ModelPlacement
+from ..errors import ConfigError
+from .generation import FieldError, GenerationSettings, check_task
+from ..buckets.batch_sizes import check_batch_sizes, default_batch_sizes
+from ..partition.config import DEFAULT_SUPPORT_THRESHOLD, NO_LIMIT, PartitionerConfig
+from ..partition.placement import ModelPlacement
 
 DTYPES = {
     "float32": torch.float32,

@@ -18,7 +18,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 NO_EFFECT = "no effect in emulation"
 EMULATED = "emulated"

@@ -13,10 +13,10 @@ from typing import Any, Iterator
 
 import torch
 
-from .compile.subgraph import CompiledSubgraph
-from .errors import ConfigError
-from .model import Bucket, CompiledModel
-from .targets.pjrt import use_device, xla
+from ..compile.subgraph import CompiledSubgraph
+from ..errors import ConfigError
+from ..model import Bucket, CompiledModel
+from ..targets.pjrt import use_device, xla
 
 
 def check_inline_weights(value: Any) -> bool:
