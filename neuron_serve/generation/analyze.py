@@ -16,7 +16,6 @@ import torch
 
 from ..analysis.capture import CapturedGraph, capture
 from ..analysis.placement import GraphAnalysis, analyze_graph
-from ..analysis.report import build_report
 from ..config.schema import ModelConfig, _under
 from ..config.generation import GenerationSettings
 from ..targets import get_target
@@ -72,14 +71,3 @@ def forms(config: ModelConfig, base_dir: str | Path | None = None) -> Iterator[F
         analysis = analyze_graph(captured, target)
         print(f"analyzed {label} ({index}/{len(every)})", file=sys.stderr, flush=True)
         yield Form(label, model, captured, analysis, split)
-
-
-def analyze_generation(config: ModelConfig, base_dir: str | Path | None = None) -> dict:
-    """{"prefill_32": report, ..., "decode_8x256": report}: torch-neuronx's analyze format for each compiled model,
-    with its ``tensor_parallel`` split when the model.yaml sets one."""
-    reports = {}
-    for form in forms(config, base_dir):
-        reports[form.label] = build_report(form.analysis)
-        if form.split is not None:
-            reports[form.label]["tensor_parallel"] = form.split
-    return reports
