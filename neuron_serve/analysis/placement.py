@@ -73,10 +73,6 @@ class GraphAnalysis:
     def unsupported(self) -> list[OpRecord]:
         return [r for r in self.counted if not r.supported]
 
-    def unsupported_placed(self) -> list[OpRecord]:
-        """Unsupported operators, ignored ones included: what must run on CPU."""
-        return [r for r in self.records if not r.supported]
-
 
 def analyze_graph(
     captured: CapturedGraph,
