@@ -64,9 +64,12 @@ def placement(analysis: GraphAnalysis) -> Placement:
     return Placement(
         ops={r.node: r.op for r in analysis.records},
         supported=frozenset(r.node for r in analysis.records if r.supported),
-        ignored=frozenset(r.node for r in analysis.records if r.op in analysis.ignored),
         target=analysis.target.name,
         device_label=analysis.target.device_label,
+        supported_count=analysis.supported_count,
+        total=analysis.total,
+        support_fraction=analysis.support_fraction,
+        support_percentage=analysis.support_percentage,
     )
 
 

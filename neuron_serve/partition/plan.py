@@ -36,30 +36,19 @@ class Placement:
     """What the planner needs from the analysis, as plain data.
 
     ``ops`` maps every arithmetic node (by name) to its operator ("aten::linear");
-    ``supported`` names the nodes the target can run.
+    ``supported`` names the nodes the target can run. The support figures, which the
+    model support percentage threshold is checked against, are the analysis's
+    (``GraphAnalysis`` counts them, leaving out ``additional_ignored_ops``).
     """
 
     ops: dict[str, str]
     supported: frozenset[str]
     target: str  # "neuron"
     device_label: str  # "Device.NEURON", as torch-neuronx logs it
-    ignored: frozenset[str] = frozenset()  # nodes placed but not counted (additional_ignored_ops)
-
-    @property
-    def supported_count(self) -> int:
-        return len(self.supported - self.ignored)
-
-    @property
-    def total(self) -> int:
-        return len(self.ops) - len(self.ignored)
-
-    @property
-    def support_fraction(self) -> float:
-        return self.supported_count / self.total if self.total else 1.0
-
-    @property
-    def support_percentage(self) -> str:
-        return f"{100 * self.support_fraction:.2f}%"
+    supported_count: int
+    total: int
+    support_fraction: float
+    support_percentage: str  # "85.71%"
 
 
 @dataclass(frozen=True)
