@@ -43,6 +43,22 @@ def eager_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> 
     return out[0, len(prompt):].tolist()
 
 
+def eager_sampled(model: torch.nn.Module, prompt: list[int], new_tokens: int, params) -> list[int]:
+    """The tokens a sampled request (``params``: SamplingParams with a seed, on the core's path: no penalties,
+    bias or logprobs) must get: each from transformers' own logits of the sequence so far, chosen by the
+    sampler the compiled calls end in, run eagerly (the host's choice where it leaves the row to it)."""
+    from neuron_serve.generation.sampler import row_parameters, sample, sample_on_host  # noqa: PLC0415
+
+    ids = list(prompt)
+    with torch.no_grad():
+        for index in range(new_tokens):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            choice = params.choice(index)
+            token, done = sample(logits[None], *row_parameters([choice], 1))
+            ids.append(int(token[0]) if bool(done[0]) else sample_on_host(logits, choice))
+    return ids[len(prompt):]
+
+
 def byte_tokenizer():
     """A byte-level BPE tokenizer of exactly VOCAB ids (the 256 bytes), trained here from local text.
 

@@ -21,6 +21,8 @@ import generation_models as gm
 from neuron_serve.generation import SamplingParams, engine_for
 from neuron_serve.generation.artifact import load_generation, save_generation
 from neuron_serve.generation.engine import Engine
+from neuron_serve.generation.frontend import Frontend
+from neuron_serve.generation.group import describe
 
 SHAPES = {"max_num_seqs": 4, "max_model_len": 48, "prefill_buckets": [16, 48], "decode_batch_buckets": [1, 4],
           "decode_context_buckets": [24, 48]}
@@ -37,11 +39,12 @@ def prompts() -> list[list[int]]:
 def _artifact_round_trip(engine, want: list[list[int]]) -> list[bool]:
     """Save the split model as ``neuron-serve build`` does, load it over the same two cores, generate again."""
     with tempfile.TemporaryDirectory() as folder:
-        save_generation(engine.model, Path(folder) / "built", eos_token_ids=[])
+        save_generation(engine.engines.model, Path(folder) / "built", eos_token_ids=[])
         model, _, _ = load_generation(Path(folder) / "built")
-    loaded = Engine(model)
+    engine = Engine(model)
+    loaded = Frontend(engine, describe([engine], 8))
     try:
-        assert loaded.model.tensor_parallel_size == 2
+        assert engine.model.tensor_parallel_size == 2
         done = loaded.generate_batch(prompts(), [SamplingParams(max_tokens=n, temperature=0) for n in NEW_TOKENS],
                                      timeout=300)
     finally:
@@ -59,12 +62,18 @@ def main(sampled_params: dict) -> None:
                                          timeout=300)
             want = [gm.eager_greedy(lm, p, n) for p, n in zip(prompts(), NEW_TOKENS)]
             result["equal"][arch] = [d.tokens == w for d, w in zip(done, want)]
-            result["split"][arch] = engine.model.sharding.describe()
-            result["memory"][arch] = engine.executor.memory()
+            result["split"][arch] = engine.engines.model.sharding.describe()
+            result["memory"][arch] = engine.engines.executor.memory()
             if arch == "llama":
-                [sampled] = engine.generate_batch([prompts()[1]], SamplingParams(**sampled_params), timeout=300)
+                # A seeded sample alone, and in a batch beside greedy and other sampled rows.
+                params = SamplingParams(**sampled_params)
+                [sampled] = engine.generate_batch([prompts()[1]], params, timeout=300)
                 result["sampled"] = sampled.tokens
-                result["cache_split"] = torch_xla._XLAC._get_xla_sharding_spec(engine.model.compiled.states[0])
+                mixed = engine.generate_batch(prompts()[:3], [SamplingParams(max_tokens=9, temperature=0), params,
+                                                              SamplingParams(max_tokens=12, temperature=1.0, seed=2)],
+                                              timeout=300)
+                result["sampled_mixed"] = mixed[1].tokens
+                result["cache_split"] = torch_xla._XLAC._get_xla_sharding_spec(engine.engines.model.compiled.states[0])
                 result["artifact_equal"] = _artifact_round_trip(engine, want)
         finally:
             engine.close()

@@ -8,10 +8,13 @@ context encoding and token generation. Defaults follow from ``max_num_seqs`` and
 (384, 768, ...); running-sequence counts are the powers of 4 below ``max_num_seqs``
 and ``max_num_seqs`` itself (as compiled batch sizes are).
 
-With ``decode_steps`` K above 1, every decode bucket is also compiled as K greedy steps
-in one call (each step's argmax fed back on the core, as vLLM's multi-step scheduling
-and on-device sampling do): a batch of greedy sequences then crosses to the host once
-per K tokens.
+Every decode bucket is compiled twice: choosing each row's token by argmax (a batch of
+greedy rows), and by the sampler, from each row's parameters (a batch with a sampled row).
+A draft model (``sampled`` False) proposes greedily and has the argmax form only.
+
+With ``decode_steps`` K above 1, every decode bucket is also compiled as K steps in one
+call (each step's token fed back on the core, as vLLM's multi-step scheduling and
+on-device sampling do): a batch of sequences then crosses to the host once per K tokens.
 
 With ``prefix_caching``, a prompt whose first tokens are already in a slot's cache is
 prefilled from there: its remaining tokens run in an extend model, compiled per
@@ -78,6 +81,7 @@ class GenerationBuckets:
     decode_steps: int = 1
     prefix_caching: bool = False
     speculative_tokens: int = 0  # k: verify models take k + 1 tokens a row (0: none compiled)
+    sampled: bool = True  # decode and verify also compiled with the sampler (a draft's are not)
 
     @classmethod
     def build(cls, max_num_seqs: int, max_model_len: int, *, prefill: Sequence[int] | None = None,
@@ -115,7 +119,7 @@ class GenerationBuckets:
     @property
     def count(self) -> int:
         """How many models are compiled."""
-        decode = len(self.decode_rows) * len(self.decode_context)
+        decode = len(self.decode_rows) * len(self.decode_context) * (2 if self.sampled else 1)
         return (len(self.prefill) + decode * (2 if self.decode_steps > 1 else 1) + len(self.extend)
                 + (decode if self.speculative_tokens else 0))
 
@@ -130,7 +134,7 @@ class GenerationBuckets:
         """A speculative draft's buckets: the same prefill and decode shapes, each decode also compiled as k + 1
         greedy steps (k proposals, and the last one fed too, so the draft's cache holds every accepted token)."""
         return GenerationBuckets(self.max_num_seqs, self.max_model_len, self.prefill, self.decode_rows,
-                                 self.decode_context, self.speculative_tokens + 1)
+                                 self.decode_context, self.speculative_tokens + 1, sampled=False)
 
     def describe(self) -> dict:
         return {"max_num_seqs": self.max_num_seqs, "max_model_len": self.max_model_len,

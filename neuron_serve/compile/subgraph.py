@@ -13,9 +13,8 @@ import contextlib
 import copy
 import logging
 import os
-import threading
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.fx
@@ -33,27 +32,6 @@ from .replay import direct_replay
 logger = logging.getLogger("neuron_serve")
 
 _compiles = 0  # executables compiled in this process; replace_weights must not add any
-
-
-_meanwhile = threading.local()  # per thread: work to run while the next execution computes
-
-
-def while_computing(work: Callable[[], None]) -> None:
-    """Run ``work`` on this thread once the next subgraph call here has started its
-    execution, before waiting for its outputs.
-
-    Executions are asynchronous: the call returns at once and the wait is for the
-    outputs. Work that would otherwise contend with the caller for the GIL (the
-    generation engine handing tokens to the event loop) then overlaps the computation.
-    Replaces work set earlier and not yet run; the caller runs it if no call comes.
-    """
-    _meanwhile.work = work
-
-
-def take_meanwhile() -> Callable[[], None] | None:
-    """The work :func:`while_computing` left on this thread and no call has run (cleared)."""
-    work, _meanwhile.work = getattr(_meanwhile, "work", None), None
-    return work
 
 
 def compile_count() -> int:
@@ -268,9 +246,6 @@ class CompiledSubgraph(torch.nn.Module):
             on_device = self._to_device(args)
             self._donate(on_device)
             outputs = self._run(on_device + self._weights_on_device)
-            work = take_meanwhile()
-            if work is not None:
-                work()
             return self._outputs(outputs)
 
     def timed(self, *args: torch.Tensor) -> tuple[Any, dict[str, float]]:

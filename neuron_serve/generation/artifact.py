@@ -23,6 +23,9 @@ from .model import GenerationModel
 
 TOKENIZER_DIR = "tokenizer"
 DRAFT_DIR = "draft"
+# The compiled families an artifact holds: 2 since every prefill samples on the core and each decode and
+# verify bucket has a greedy and a sampled model (model.shapes_of). An artifact of another layout is refused.
+FAMILIES = 2
 
 
 def save_generation(model: GenerationModel, path: str | Path, *, eos_token_ids: list[int], tokenizer: Any = None,
@@ -33,7 +36,8 @@ def save_generation(model: GenerationModel, path: str | Path, *, eos_token_ids: 
     stored = CompiledModel(list(model.compiled.buckets))
     extra = {"generation": {**model.buckets.describe(), "vocab_size": model.vocab_size,
                             "eos_token_ids": list(eos_token_ids), "tokenizer": tokenizer is not None,
-                            "weight_bytes": model.weight_bytes,
+                            "weight_bytes": model.weight_bytes, "families": FAMILIES,
+                            "sampled": model.buckets.sampled,
                             "draft": DRAFT_DIR if model.draft is not None else None}}
     if model.sharding is not None:  # loaded again over a group of as many cores, split the same way
         plan = model.sharding
@@ -56,6 +60,9 @@ def load_generation(path: str | Path) -> tuple[GenerationModel, list[int], str |
     if described is None:
         raise ArtifactError(f"artifact {root} holds a task: infer model; serve it with task: infer, or build the "
                             f"generate model.yaml again.")
+    if described.get("families") != FAMILIES:
+        raise ArtifactError(f"artifact {root} was built by an older neuron-serve, before its models chose tokens on "
+                            f"the core; build it again (neuron-serve build) from its model.yaml.")
     split = described.get("sharding")
     plan = None
     if split is not None:  # one program over a group of cores: this process's cores must be that group
@@ -67,7 +74,7 @@ def load_generation(path: str | Path) -> tuple[GenerationModel, list[int], str |
     buckets = GenerationBuckets(described["max_num_seqs"], described["max_model_len"], described["prefill_buckets"],
                                 described["decode_batch_buckets"], described["decode_context_buckets"],
                                 described.get("decode_steps", 1), described.get("enable_prefix_caching", False),
-                                described.get("speculative_tokens", 0))
+                                described.get("speculative_tokens", 0), described["sampled"])
     tokenizer = str(root / TOKENIZER_DIR) if described["tokenizer"] else None
     model = GenerationModel(compiled, buckets, described["vocab_size"], plan, described.get("weight_bytes"))
     if described.get("draft"):

@@ -7,6 +7,11 @@ slots, copy a slot over another. :class:`CoreGroupExecutor` runs them on one cor
 (tensor_parallel_size 1) or, as one SPMD program, on a group of cores whose weights
 and cache are split by the model's tensor-parallel plan (``tensor_parallel.py``). The
 engine never sees which: outputs are the same tokens and logits either way.
+
+A call returns as soon as the core has it: its :class:`~.model.StepOutput` holds the
+outputs on the core, and reading its tokens waits for them. What the engine does
+between the two (handing the last step's events to their requests) overlaps the
+computation, with no side channel.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any, Sequence
 
 from ..targets.pjrt import use_device
 from .model import GenerationModel, Shape, StepOutput
+from .sampler import GREEDY, RowChoice
 
 
 class Executor(abc.ABC):
@@ -35,32 +41,37 @@ class Executor(abc.ABC):
         """Prepare the calling thread to drive the cores; the engine's thread calls it once, first."""
 
     @abc.abstractmethod
-    def prefill(self, prompt: Sequence[int], slot: int) -> tuple[StepOutput, Shape]:
-        """Write ``prompt`` into ``slot``; the output at its last token and the bucket run."""
+    def prefill(self, prompt: Sequence[int], slot: int, choice: RowChoice = GREEDY) -> tuple[StepOutput, Shape]:
+        """Write ``prompt`` into ``slot``; the output at its last token (chosen as ``choice`` says) and the
+        bucket run."""
 
     @abc.abstractmethod
-    def extend(self, prompt: Sequence[int], slot: int, cached: int) -> tuple[StepOutput, Shape]:
+    def extend(self, prompt: Sequence[int], slot: int, cached: int,
+               choice: RowChoice = GREEDY) -> tuple[StepOutput, Shape]:
         """Write ``prompt[cached:]`` after the ``cached`` tokens ``slot`` holds (prefix caching); as :meth:`prefill`."""
 
     @abc.abstractmethod
-    def prefill_scored(self, prompt: Sequence[int], slot: int) -> tuple[StepOutput, Shape, Any]:
+    def prefill_scored(self, prompt: Sequence[int], slot: int,
+                       choice: RowChoice = GREEDY) -> tuple[StepOutput, Shape, Any]:
         """:meth:`prefill`, and the logits at every prompt position (len(prompt), vocab) on the host."""
 
     @abc.abstractmethod
-    def decode(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-               steps: int = 1) -> tuple[StepOutput, Shape]:
-        """One token (or ``steps`` greedy ones) for each running sequence; outputs in the order given."""
+    def decode(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int], steps: int = 1,
+               choices: Sequence[RowChoice] | None = None) -> tuple[StepOutput, Shape]:
+        """One token (or ``steps``) for each running sequence, by argmax, or sampled with ``choices``
+        (one a sequence); outputs in the order given."""
 
     @abc.abstractmethod
-    def verify(self, rows: Sequence[Sequence[int]], positions: Sequence[int], slots: Sequence[int]) \
-            -> tuple[StepOutput, Shape]:
+    def verify(self, rows: Sequence[Sequence[int]], positions: Sequence[int], slots: Sequence[int],
+               choices: Sequence[RowChoice] | None = None) -> tuple[StepOutput, Shape]:
         """Each running sequence's last token and its proposals in one call; every position's output."""
 
     @abc.abstractmethod
     def draft(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
               steps: int) -> list[list[int]]:
         """A speculative draft's greedy tokens for each running sequence (``steps`` of them, its last token fed at
-        its position first); the draft's cache takes what it fed."""
+        its position first); the draft's cache takes what it fed. Its proposals are certain, so the model
+        accepts them by its own choice alone (speculation.py)."""
 
     @abc.abstractmethod
     def move(self, src: int, dst: int) -> None:
@@ -98,32 +109,34 @@ class CoreGroupExecutor(Executor):
         self.model.move(0, 0)
         self.model.warm_up()
 
-    def prefill(self, prompt: Sequence[int], slot: int) -> tuple[StepOutput, Shape]:
+    def prefill(self, prompt: Sequence[int], slot: int, choice: RowChoice = GREEDY) -> tuple[StepOutput, Shape]:
         if self.model.draft is not None:  # the draft's cache holds every prompt too
             self.model.draft.prefill(prompt, slot)
-        return self.model.prefill(prompt, slot)
+        return self.model.prefill(prompt, slot, choice)
 
-    def extend(self, prompt: Sequence[int], slot: int, cached: int) -> tuple[StepOutput, Shape]:
-        return self.model.extend(prompt, slot, cached)
+    def extend(self, prompt: Sequence[int], slot: int, cached: int,
+               choice: RowChoice = GREEDY) -> tuple[StepOutput, Shape]:
+        return self.model.extend(prompt, slot, cached, choice)
 
-    def prefill_scored(self, prompt: Sequence[int], slot: int) -> tuple[StepOutput, Shape, Any]:
+    def prefill_scored(self, prompt: Sequence[int], slot: int,
+                       choice: RowChoice = GREEDY) -> tuple[StepOutput, Shape, Any]:
         if self.model.draft is not None:
             self.model.draft.prefill(prompt, slot)
-        return self.model.prefill_scored(prompt, slot)
+        return self.model.prefill_scored(prompt, slot, choice)
 
-    def decode(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-               steps: int = 1) -> tuple[StepOutput, Shape]:
-        return self.model.decode(tokens, positions, slots, steps)
+    def decode(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int], steps: int = 1,
+               choices: Sequence[RowChoice] | None = None) -> tuple[StepOutput, Shape]:
+        return self.model.decode(tokens, positions, slots, steps, choices)
 
-    def verify(self, rows: Sequence[Sequence[int]], positions: Sequence[int], slots: Sequence[int]) \
-            -> tuple[StepOutput, Shape]:
-        return self.model.verify(rows, positions, slots)
+    def verify(self, rows: Sequence[Sequence[int]], positions: Sequence[int], slots: Sequence[int],
+               choices: Sequence[RowChoice] | None = None) -> tuple[StepOutput, Shape]:
+        return self.model.verify(rows, positions, slots, choices)
 
     def draft(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
               steps: int) -> list[list[int]]:
         out, _ = self.model.draft.decode(tokens, positions, slots, steps)
-        greedy = out.greedy
-        return greedy if steps > 1 else [[token] for token in greedy]
+        chosen = out.tokens
+        return chosen if steps > 1 else [[token] for token in chosen]
 
     def move(self, src: int, dst: int) -> None:
         self.model.move(src, dst)

@@ -1,11 +1,18 @@
-"""Per-request sampling: parameters, checked at submission, and the sampler applied to a step's logits.
+"""Per-request sampling parameters, and the token choice of a row whose logits need the host.
 
-Every running sequence of a decode step carries its own parameters; the sampler
-works on the step's logits on the host (the decode executable returns them), row by
-row where parameters differ. A sampled request draws from its own
-``torch.Generator``, seeded by ``seed``, so it gives the same tokens alone or in any
-batch. Log-probabilities are those of the model's distribution (before temperature,
-penalties and truncation), as vLLM and OpenAI report them.
+Temperature, top-k, top-p and min-p are applied on the core (``sampler.py``). A row
+needs its logits on the host only for what depends on more than them:
+
+- repetition, presence and frequency penalties (the tokens the sequence holds),
+- a logit bias and ``min_tokens``' ban of the end tokens (a few ids of a row),
+- a structured output's grammar (xgrammar walks it on the host, token by token),
+- log-probabilities (the top n need a sort of the vocabulary, which neuronx-cc has not;
+  the chosen token's comes with them, from the same logits).
+
+There :func:`sample_row` applies them, then chooses as the core would
+(``sampler.sample_on_host``), from the same random stream: a seed gives the same tokens
+whichever side chose them. Log-probabilities are those of the model's distribution
+(before temperature, penalties and truncation), as vLLM and OpenAI report them.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from typing import Any
 import torch
 
 from ..errors import InvalidInput
+from .sampler import GREEDY, RowChoice, sample_on_host
 
 MAX_LOGPROBS = 20
 
@@ -28,6 +36,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: no limit
+    min_p: float = 0.0  # tokens below min_p times the likeliest token's probability are dropped
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -51,6 +60,7 @@ class SamplingParams:
             (self.temperature >= 0, "temperature", ">= 0 (0 is greedy)"),
             (0 < self.top_p <= 1, "top_p", "in (0, 1]"),
             (isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "an integer >= 0 (0: no limit)"),
+            (0 <= self.min_p <= 1, "min_p", "in [0, 1]"),
             (self.repetition_penalty > 0, "repetition_penalty", "> 0 (1 is none)"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]"),
@@ -78,10 +88,18 @@ class SamplingParams:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
     def on_host(self, generated: int) -> bool:
-        """Whether the next token needs the logits on the host (the core's argmax is not the whole choice):
-        sampling, penalties, logprobs, a logit bias, or end tokens still banned by ``min_tokens``."""
-        return (not self.greedy or self.logprobs is not None or self.penalized or bool(self.logit_bias)
+        """Whether the next token needs the row's logits on the host (see the module docstring): penalties,
+        a logit bias, end tokens still banned by ``min_tokens``, a grammar, or logprobs."""
+        return (self.logprobs is not None or self.penalized or bool(self.logit_bias)
                 or generated < self.min_tokens or self.structured is not None)
+
+    def choice(self, counter: int) -> RowChoice:
+        """The core's parameters for the token of index ``counter`` of the output (the seed is the front
+        end's: a request without one has one drawn for it)."""
+        if self.greedy:
+            return GREEDY
+        return RowChoice(self.temperature, self.top_p, self.min_p, self.top_k,
+                         self.seed if self.seed is not None else 0, counter)
 
 
 @dataclass
@@ -107,20 +125,6 @@ def _penalize(logits: torch.Tensor, params: SamplingParams, prompt: list[int], o
     return logits
 
 
-def _truncate(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1:
-        ordered, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(ordered, dim=-1)
-        # Keep the smallest prefix whose probability reaches top_p (the first token always).
-        drop = (probs.cumsum(-1) - probs) >= top_p
-        logits = logits.clone()
-        logits[order[drop]] = float("-inf")
-    return logits
-
-
 def _bias(logits: torch.Tensor, params: SamplingParams, output: list[int], ends: frozenset[int]) -> torch.Tensor:
     """``logit_bias`` added, and the end tokens banned while fewer than ``min_tokens`` are generated."""
     if not params.logit_bias and len(output) >= params.min_tokens:
@@ -135,7 +139,7 @@ def _bias(logits: torch.Tensor, params: SamplingParams, output: list[int], ends:
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int],
-               generator: torch.Generator | None, ends: frozenset[int] = frozenset(), constraint: Any = None) -> Sampled:
+               ends: frozenset[int] = frozenset(), constraint: Any = None) -> Sampled:
     """Choose the next token of one sequence from its logits (vocab,); ``ends`` are the model's EOS ids,
     ``constraint`` its structured-output grammar (a structured.RowConstraint), which masks the logits."""
     logits = logits.float()
@@ -143,12 +147,7 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, prompt: list[int], 
     if constraint is not None:
         chosen_from = constraint.mask(chosen_from.clone() if chosen_from is logits else chosen_from)
     chosen_from = _penalize(chosen_from, params, prompt, output) if params.penalized else chosen_from
-    if params.greedy:
-        token = int(chosen_from.argmax())
-    else:
-        scaled = _truncate(chosen_from / params.temperature, params.top_k, params.top_p)
-        probs = torch.softmax(scaled, dim=-1)
-        token = int(torch.multinomial(probs, 1, generator=generator))
+    token = sample_on_host(chosen_from, params.choice(len(output)))
     if params.logprobs is None:
         return Sampled(token)
     logprobs = torch.log_softmax(logits, dim=-1)
@@ -177,12 +176,3 @@ def prompt_logprobs(prompt: list[int], logits: torch.Tensor, top_n: int) -> list
                 top.append((token, logprob))
         scored.append(Sampled(token, logprob, top))
     return scored
-
-
-def generator_for(params: SamplingParams) -> torch.Generator | None:
-    """A request's own random stream: seeded when it asks, else from torch's global one."""
-    if params.greedy:
-        return None
-    generator = torch.Generator()
-    generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
-    return generator

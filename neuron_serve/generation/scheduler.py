@@ -38,8 +38,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch
-
 from .sampling import SamplingParams
 
 
@@ -54,12 +52,10 @@ class Sequence:
     arrival: float = field(default_factory=time.perf_counter)
     output: list[int] = field(default_factory=list)
     slot: int | None = None
-    generator: torch.Generator | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
-    text: Any = None  # the output's IncrementalText, when stop strings are watched
     prompt_logprobs: list | None = None  # with params.prompt_logprobs: handed out on the first event
     constraint: Any = None  # with params.structured: its structured.RowConstraint
     cached: int = 0  # prompt tokens whose keys and values its slot holds already (prefix caching)

@@ -34,6 +34,7 @@ import inspect
 import torch
 
 from . import attention
+from .sampler import sample
 
 
 class SlotCache:
@@ -108,26 +109,32 @@ class SlotLM(torch.nn.Module):
     """``lm`` with a slot KV cache as buffers ``k_0, v_0, k_1, ...``; see the module docstring.
 
     ``forward(tokens (rows, T), positions (rows, T), slots (rows,), last (rows, 1))`` returns
-    ``(logits (rows, vocab), greedy (rows,), k_0, v_0, ...)``: the logits at each row's
-    ``last`` token, their argmax, and the new caches (the aliased outputs 2, 3, ...). Each token sees the positions
+    ``(logits (rows, vocab), tokens (rows,), k_0, v_0, ...)``: the logits at each row's
+    ``last`` token, their argmax, and the new caches (the aliased outputs 2, 3, ...). Sampled
+    (``sampled``), it also takes each row's sampling parameters (``floats``, ``ints``, as
+    :func:`~.sampler.row_parameters` makes them) and returns ``(logits, tokens, done, k_0, ...)``. Each token sees the positions
     up to its own (a 4D additive mask), so what a slot held before, or a padded prompt
     wrote past its end, is never read before it is overwritten. The new keys and values
     are written into the whole cache, in place on the core (the executable aliases it).
     Decode (``context`` given) ignores ``slots``: row r is slot r; extend reads each row's slot. With ``steps`` K above 1
-    (decode only) the call runs K greedy steps, each feeding its argmax back at the next
-    position, and ``greedy`` is (rows, K); the logits are the last step's.
+    (decode only) the call runs K steps, each feeding its choice back at the next position,
+    and ``tokens`` is (rows, K); the logits are the last step's, or, sampled, every step's (rows, K,
+    vocab), for a row whose choice at some step falls to the host.
     """
 
     def __init__(self, lm: torch.nn.Module, slots: int, positions: int, context: int | None = None,
-                 steps: int = 1, every_position: bool = False, extend: bool = False) -> None:
+                 steps: int = 1, every_position: bool = False, extend: bool = False, sampled: bool = False) -> None:
         super().__init__()
         self.lm = lm
         self.context = context
         self.extend = extend  # with context: the rows' own slots, after what they hold (see the module docstring)
         self.steps = steps
         # Output 0 is the logits at every position: (1, T, vocab) of a prefill, for prompt logprobs; (rows, T,
-        # vocab) of a decode of T tokens a row, verifying speculative proposals (output 1 then every argmax).
+        # vocab) of a decode of T tokens a row, verifying speculative proposals (output 1 then every choice).
         self.every_position = every_position
+        # Sampled: each row's token chosen by sampler.sample from its parameters (inputs 4 and 5), with a
+        # ``done`` output; else the argmax, as a batch of greedy rows wants it at no more cost.
+        self.sampled = sampled
         self.kwarg = _cache_kwarg(lm)
         shape = cache_shape(lm.config, slots, positions)
         dtype = next(lm.parameters()).dtype
@@ -141,30 +148,57 @@ class SlotLM(torch.nn.Module):
         """The cache buffers in output order: k_0, v_0, k_1, v_1, ..."""
         return [getattr(self, f"{kind}_{i}") for i in range(self.layers) for kind in ("k", "v")]
 
-    def aliases(self) -> dict:
-        """input_output_aliases: cache k is updated from output 2 + k (outputs 0 and 1: logits, greedy tokens)."""
-        return {cache: 2 + i for i, cache in enumerate(self.caches())}
+    @property
+    def outputs_before_cache(self) -> int:
+        """Outputs ahead of the new caches: logits and tokens, and ``done`` when sampled."""
+        return 3 if self.sampled else 2
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, last: torch.Tensor):
+    def aliases(self) -> dict:
+        """input_output_aliases: each cache is updated from its output, after the logits, tokens (and done)."""
+        return {cache: self.outputs_before_cache + i for i, cache in enumerate(self.caches())}
+
+    def _choose(self, logits: torch.Tensor, floats: torch.Tensor | None, ints: torch.Tensor | None,
+                step: int = 0) -> tuple[torch.Tensor, ...]:
+        """(tokens,) by argmax, or (tokens, done) sampled; ``step`` is the call's step (its tokens' index)."""
+        if not self.sampled:
+            return (logits.argmax(-1),)
+        return sample(logits, floats, ints, counter_offset=step)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, last: torch.Tensor,
+                floats: torch.Tensor | None = None, ints: torch.Tensor | None = None):
         caches = self.caches()
-        if self.every_position and self.context is not None:  # verify: every token's logits and argmax
+        if self.every_position and self.context is not None:  # verify: every position's logits and choice
             logits, caches = self._step(tokens, positions, slots, None, caches)  # (rows, T, vocab)
-            return (logits, logits.argmax(-1), *caches)
+            rows, width = tokens.shape
+            if not self.sampled:
+                return (logits, logits.argmax(-1), *caches)
+            # Position j chooses the row's token j of this call: its counter advances along the row.
+            offsets = torch.stack([torch.zeros_like(positions[0]), torch.zeros_like(positions[0]),
+                                   torch.arange(width, device=tokens.device)], 1).to(ints.dtype)
+            chosen, done = sample(logits.reshape(rows * width, -1), floats.repeat_interleave(width, 0),
+                                  ints.repeat_interleave(width, 0) + offsets.repeat(rows, 1))
+            return (logits, chosen.view(rows, width), done.view(rows, width), *caches)
         if self.every_position:
             logits, caches = self._step(tokens, positions, slots, None, caches)  # (rows, T, vocab)
             at_last = logits.gather(1, last[:, :, None].expand(-1, -1, logits.shape[-1]))[:, 0]
-            return (logits, at_last.argmax(-1), *caches)
+            return (logits, *self._choose(at_last, floats, ints), *caches)
         if self.context is None or self.steps == 1:
             logits, caches = self._step(tokens, positions, slots, last, caches)
-            # Greedy choice on the core: a batch of greedy rows takes home one id a row, not the logits.
-            return (logits, logits.argmax(-1), *caches)
-        chosen = []
-        for _ in range(self.steps):  # unrolled: each step's token and cache feed the next, on the core
+            # The choice on the core: a call takes home one id a row (and a flag), not the logits.
+            return (logits, *self._choose(logits, floats, ints), *caches)
+        chosen, done, every = [], [], []
+        for step in range(self.steps):  # unrolled: each step's token and cache feed the next, on the core
             logits, caches = self._step(tokens, positions, slots, last, caches)
-            tokens = logits.argmax(-1, keepdim=True)
+            choice = self._choose(logits, floats, ints, step)
+            tokens = choice[0][:, None]
             chosen.append(tokens)
+            if self.sampled:  # a row a step could not choose is chosen on the host, from that step's logits
+                done.append(choice[1])
+                every.append(logits)
             positions = positions + 1
-        return (logits, torch.cat(chosen, dim=1), *caches)
+        if not self.sampled:
+            return (logits, torch.cat(chosen, dim=1), *caches)
+        return (torch.stack(every, 1), torch.cat(chosen, dim=1), torch.stack(done, 1), *caches)
 
     def _step(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, last: torch.Tensor,
               caches: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:

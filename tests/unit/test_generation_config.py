@@ -144,10 +144,12 @@ def test_settings_to_buckets_defaults():
     assert (given.prefill, given.decode_rows, given.decode_context) == ([8, 32], [2], [32])
     cached = GenerationSettings(max_num_seqs=2, prefill_buckets=[16, 64], decode_context_buckets=[32, 64],
                                 enable_prefix_caching=True).to_buckets(Positions(64))
-    assert cached.extend == [(16, 32), (16, 64), (64, 64)] and cached.count == 2 + 2 * 2 + 3
+    # Two prefill buckets, four decode buckets greedy and sampled, three extend buckets.
+    assert cached.extend == [(16, 32), (16, 64), (64, 64)] and cached.count == 2 + 2 * 2 * 2 + 3
     speculating = GenerationSettings(max_num_seqs=2, decode_context_buckets=[32, 64], speculative_config={
         "num_speculative_tokens": 3}).to_buckets(Positions(64))
-    assert speculating.speculative_tokens == 3 and speculating.count == 2 + 2 * 2 + 2 * 2  # a verify per decode
+    # A verify, greedy and sampled, per decode bucket.
+    assert speculating.speculative_tokens == 3 and speculating.count == 2 + 2 * 2 * 2 + 2 * 2 * 2
 
 
 def test_settings_to_buckets_refusals_name_the_field():
@@ -193,7 +195,7 @@ def test_build_engine_generates_what_transformers_generates(pretrained):
     config = parse_config(with_(GENERATE, tokenizer="words", generation={**SMALL, "request_timeout_s": 90}))
     engine = build_engine(config, pretrained)
     try:
-        [one] = engine.engines  # one core: one engine
+        [one] = engine.engines.engines  # one core: one engine
         assert one.tokenizer("w3 w9").input_ids == [3, 9]
         assert (one.name, one.request_timeout_s) == ("tiny-llama", 90)
         prompt = [5, 17, 99, 3, 42, 7]

@@ -26,6 +26,7 @@ class GenerateParameters(BaseModel):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
@@ -61,7 +62,8 @@ def parse(body: bytes) -> GenerateRequest:
 def sampling(request: GenerateRequest) -> SamplingParams:
     p = request.parameters
     return SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                          repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+                          min_p=p.min_p, repetition_penalty=p.repetition_penalty,
+                          presence_penalty=p.presence_penalty,
                           frequency_penalty=p.frequency_penalty, seed=p.seed,
                           stop=tuple([p.stop] if isinstance(p.stop, str) else p.stop),
                           stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos, logprobs=p.logprobs)

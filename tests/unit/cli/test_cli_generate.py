@@ -45,7 +45,8 @@ def _cli(*args):
                                             "PYTHONPATH": str(ROOT / "deployments")})
 
 
-COMPILED = ["prefill_32", "prefill_64", "decode_1x64", "decode_4x64"]  # what LLM_YAML's buckets compile
+# What LLM_YAML's buckets compile: each decode bucket by argmax and with the sampler.
+COMPILED = ["prefill_32", "prefill_64", "decode_1x64", "decode_4x64", "decode_1x64_sampled", "decode_4x64_sampled"]
 
 
 def test_analyze_reports_every_compiled_model(llm_yaml, tmp_path):
@@ -66,7 +67,7 @@ def test_analyze_reports_every_compiled_model(llm_yaml, tmp_path):
         assert data["accepted"] is True
         page = (tmp_path / f"report-{label}.html").read_text()
         assert f"<title>Partition report: tiny-llm ({label})</title>" in page
-        assert f"analyzed {label} ({COMPILED.index(label) + 1}/4)" in done.stderr
+        assert f"analyzed {label} ({COMPILED.index(label) + 1}/{len(COMPILED)})" in done.stderr
 
 
 def test_analyze_refuses_what_applies_to_infer_models_only(llm_yaml):
@@ -81,12 +82,12 @@ def test_a_built_artifact_generates_as_the_model_does(llm_yaml, tmp_path):
     out = tmp_path / "built"
     built = _cli("build", llm_yaml, "-o", out)
     assert built.returncode == 0, built.stderr
-    assert "neuron_serve: compiled tiny-llm prefill_32 (1 of 4) in " in built.stderr
-    assert "neuron_serve: compiled tiny-llm decode_4x64 (4 of 4) in " in built.stderr
-    assert "neuron_serve: placement of tiny-llm (4 compiled models): 4 accelerator subgraphs, 0 CPU subgraphs;" \
+    assert "neuron_serve: compiled tiny-llm prefill_32 (1 of 6) in " in built.stderr
+    assert "neuron_serve: compiled tiny-llm decode_4x64_sampled (6 of 6) in " in built.stderr
+    assert "neuron_serve: placement of tiny-llm (6 compiled models): 6 accelerator subgraphs, 0 CPU subgraphs;" \
         in built.stderr
     assert "Num Partitions" not in built.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["bucket_0", "bucket_1", "bucket_2", "bucket_3", "manifest.json",
+    assert sorted(p.name for p in out.iterdir()) == [*(f"bucket_{i}" for i in range(6)), "manifest.json",
                                                     "manifest.sha256", "model.yaml", "states.pt"]
     config, folder = load_deployment(out)
     assert config.model.artifact == "." and config.generation.max_num_seqs == 4
@@ -130,7 +131,7 @@ def test_the_llm_example_is_made_locally_and_generates_as_transformers_does(tmp_
     config, folder = load_deployment(tmp_path / "llm.yaml")
     group = build_engine(config, folder)
     try:
-        [engine] = group.engines
+        [engine] = group.engines.engines
         tokenizer = engine.tokenizer
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What does neuron-serve compile?"}],
                                                add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -206,8 +207,10 @@ def test_analyze_and_build_carry_every_model_family_and_the_draft(tmp_path):
     done = _cli("analyze", tmp_path / "spec.yaml")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    # The verify model, the multi-step decode, and the draft's own (its decode runs k + 1 steps a call).
-    assert list(report) == ["prefill_32", "decode_2x32", "decode_2x32_steps2", "verify_2x32_tokens3",
+    # The verify model, the multi-step decode, each greedy and sampled, and the draft's own (greedy only: its
+    # decode runs k + 1 steps a call).
+    assert list(report) == ["prefill_32", "decode_2x32", "decode_2x32_steps2", "decode_2x32_sampled",
+                            "decode_2x32_steps2_sampled", "verify_2x32_tokens3", "verify_2x32_tokens3_sampled",
                             "draft_prefill_32", "draft_decode_2x32", "draft_decode_2x32_steps3"]
     writes = {label: form["supported_operators"]["aten"]["aten::index_put"] for label, form in report.items()}
     assert writes["decode_2x32"] == 4 and writes["decode_2x32_steps2"] == 8 and writes["draft_decode_2x32_steps3"] == 12

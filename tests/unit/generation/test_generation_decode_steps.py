@@ -36,11 +36,11 @@ class Calls:
     """The steps of every decode call the engine makes (recorded around the model's decode)."""
 
     def __init__(self, engine) -> None:
-        self.model, self.steps = engine.model, []
+        self.model, self.steps = engine.engines.model, []
         decode = self.model.decode
 
-        def recording(tokens, positions, slots, steps=1):
-            out, shape = decode(tokens, positions, slots, steps)
+        def recording(tokens, positions, slots, steps=1, choices=None):
+            out, shape = decode(tokens, positions, slots, steps, choices)
             self.steps.append(shape.steps)
             return out, shape
 
@@ -96,15 +96,18 @@ def test_the_last_positions_of_the_context_run_one_step_a_call(llama):
     assert calls.steps == [STEPS] * 4 + [1]
 
 
-def test_a_sampling_or_logprobs_request_makes_every_call_one_step(llama):
+def test_sampled_requests_take_several_steps_a_call_and_the_tokens_of_one_at_a_time(llama):
+    """Each step samples with its token's index: the tokens of eager sampling, token for token, whatever
+    else runs beside them; a request whose tokens need the host (logprobs) makes every call one step."""
     lm, engine = llama
-    seeded = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=7)
-    alone = engine.generate_batch([prompts()[0]], seeded)[0].tokens
+    seeded = [SamplingParams(max_tokens=13, temperature=0.9, top_p=0.9, seed=7),
+              SamplingParams(max_tokens=11, temperature=1.0, top_k=20, min_p=0.01, seed=8)]
     with Calls(engine) as calls:
-        done = engine.generate_batch([prompts()[0], prompts()[1]], [seeded, greedy(6)])
-    assert done[0].tokens == alone
-    assert done[1].tokens == gm.eager_greedy(lm, prompts()[1], 6)
-    assert set(calls.steps) == {1}
+        done = engine.generate_batch([prompts()[0], prompts()[1], prompts()[2]], [*seeded, greedy(6)])
+    assert [d.tokens for d in done[:2]] == [gm.eager_sampled(lm, p, 13 if i == 0 else 11, s)
+                                            for i, (p, s) in enumerate(zip(prompts(), seeded))]
+    assert done[2].tokens == gm.eager_greedy(lm, prompts()[2], 6)
+    assert STEPS in calls.steps
     with Calls(engine) as calls:
         [scored] = engine.generate_batch([prompts()[1]], greedy(6, logprobs=0))
     assert set(calls.steps) == {1} and len(scored.logprobs) == 6 and None not in scored.logprobs
@@ -112,9 +115,11 @@ def test_a_sampling_or_logprobs_request_makes_every_call_one_step(llama):
 
 def test_each_decode_bucket_is_compiled_once_per_call_form(llama):
     _, engine = llama
-    labels = [s.label for s in engine.model.shapes]
+    labels = [s.label for s in engine.engines.model.shapes]
     assert "decode_4x48" in labels and f"decode_4x48_steps{STEPS}" in labels
-    assert engine.model.buckets.count == len(labels) == 2 + 2 * 2 * 2
+    assert "decode_4x48_sampled" in labels and f"decode_4x48_steps{STEPS}_sampled" in labels
+    # Two prefill buckets; each of the four decode buckets greedy and sampled, one step and STEPS.
+    assert engine.engines.model.buckets.count == len(labels) == 2 + 4 * 2 * 2
 
 
 @pytest.mark.parametrize("steps", [0, 17])
@@ -130,12 +135,16 @@ def test_decode_steps_out_of_range_is_refused_naming_the_field(steps):
 def test_an_artifact_keeps_decode_steps_and_generates_the_same_tokens(llama, tmp_path):
     from neuron_serve.generation.artifact import load_generation, save_generation  # noqa: PLC0415
     from neuron_serve.generation.engine import Engine  # noqa: PLC0415
+    from neuron_serve.generation.frontend import Frontend  # noqa: PLC0415
+    from neuron_serve.generation.group import describe  # noqa: PLC0415
 
     lm, engine = llama
-    save_generation(engine.model, tmp_path / "built", eos_token_ids=[])  # the engine is idle between tests
+    save_generation(engine.engines.model, tmp_path / "built", eos_token_ids=[])  # the engine is idle between tests
     model, _, _ = load_generation(tmp_path / "built")
-    assert model.decode_steps == STEPS and [s.label for s in model.shapes] == [s.label for s in engine.model.shapes]
-    loaded = Engine(model)
+    built = [s.label for s in engine.engines.model.shapes]
+    assert model.decode_steps == STEPS and [s.label for s in model.shapes] == built
+    core = Engine(model)
+    loaded = Frontend(core, describe([core], 8))
     try:
         with Calls(loaded) as calls:
             [done] = loaded.generate_batch([prompts()[2]], greedy(9))

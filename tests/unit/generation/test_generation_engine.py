@@ -71,15 +71,15 @@ def test_sequences_left_above_a_smaller_decode_bucket_move_down_and_still_equal_
     lm, engine = llama
     news = (3, 3, 3, 20)
     engine.generate_batch([prompts()[0]], greedy(1))  # the engine thread's own first move (its warm-up) is done
-    model, moves, rows = engine.model, [], []
+    model, moves, rows = engine.engines.model, [], []
     move, decode = model.move, model.decode
 
     def recording_move(src, dst):
         moves.append((src, dst))
         move(src, dst)
 
-    def recording_decode(tokens, positions, slots, steps=1):
-        out, shape = decode(tokens, positions, slots, steps)
+    def recording_decode(tokens, positions, slots, steps=1, choices=None):
+        out, shape = decode(tokens, positions, slots, steps, choices)
         rows.append(shape.rows)
         return out, shape
 
@@ -95,7 +95,7 @@ def test_sequences_left_above_a_smaller_decode_bucket_move_down_and_still_equal_
 
 def test_a_slot_move_copies_the_cache_on_the_core(llama):
     _, engine = llama
-    model = engine.model
+    model = engine.engines.model
     before_cache = [t.cpu() for t in model.compiled.states]
     before = _transferred()
     model.move(1, 2)  # the engine's thread is idle between tests
@@ -124,24 +124,35 @@ def _transferred() -> float:
 
 
 def test_the_cache_never_leaves_the_core_during_decode(llama):
-    """Per decode step only tokens and positions go in and one greedy id a row comes out; the logits cross
-    only when a row asks for them."""
+    """Per decode step only tokens and positions (and a sampled row's parameters) go in and one id a row
+    (and whether the core chose it) comes out; the logits cross only when a row asks for them."""
+    from neuron_serve.generation.sampler import RowChoice
+
     _, engine = llama
-    model = engine.model
+    model = engine.engines.model
     smallest_cache = min(t.numel() * t.element_size() for t in model.compiled.states)
-    model.decode([1, 2], [3, 4], [0, 1])[0].greedy  # warm-up
+    model.decode([1, 2], [3, 4], [0, 1])[0].tokens  # warm-up
     before = _transferred()
     steps = 50
     for i in range(steps):
         out, shape = model.decode([1, 2], [5 + i % 10, 6], [0, 1])
-        assert len(out.greedy) == 2
+        assert len(out.tokens) == 2
     per_step = (_transferred() - before) / steps
-    # In: tokens, positions, last (int64 per row; a decode row is its slot); out: the greedy ids (int64 per row).
+    # In: tokens, positions, last (int64 per row; a decode row is its slot); out: the chosen ids (int64 per row).
     assert per_step == shape.rows * 8 * 3 + shape.rows * 8, per_step
     assert per_step < smallest_cache  # not even one layer's keys crossed
+    sampled = [RowChoice(temperature=0.8, top_p=0.9, seed=1, counter=3), RowChoice(temperature=1.0, top_k=5, seed=2)]
+    model.decode([1, 2], [3, 4], [0, 1], choices=sampled)[0].tokens  # warm-up
+    before = _transferred()
+    for i in range(steps):
+        out, shape = model.decode([1, 2], [5 + i % 10, 6], [0, 1], choices=sampled)
+        assert len(out.tokens) == 2 and len(out.done) == 2
+    per_step = (_transferred() - before) / steps
+    # And the rows' sampling parameters (3 floats, 3 int32 a row) in, whether each token is final (a bool) out.
+    assert per_step == shape.rows * 8 * 3 + shape.rows * 24 + shape.rows * 8 + shape.rows, per_step
     before = _transferred()
     out, shape = model.decode([1, 2], [5, 6], [0, 1])
-    assert out.logits.shape == (2, gm.VOCAB)
+    assert len(out.tokens) == 2 and out.logits.shape == (2, gm.VOCAB)
     # The same step's transfers and the logits, asked for.
     assert _transferred() - before == shape.rows * 8 * 3 + shape.rows * 8 + shape.rows * gm.VOCAB * 4
 
@@ -221,7 +232,7 @@ def test_an_abort_frees_the_slot_at_the_next_step(llama):
     asyncio.run(stream_then_leave())
     [after] = engine.generate_batch([prompts()[1]], greedy(2), timeout=60)  # the engine keeps serving
     assert after.finish_reason == "length"
-    assert engine.running == 0 and len(engine.scheduler.free) == SHAPES["max_num_seqs"]
+    assert engine.running == 0 and len(engine.engines.scheduler.free) == SHAPES["max_num_seqs"]
     assert len(events) == 3
 
 
@@ -247,8 +258,8 @@ def test_a_request_past_its_timeout_is_aborted_and_its_slot_freed():
             assert last.error.startswith("the request timed out: it was not finished 0.3s after it arrived")
             assert last.completion_tokens < 40
         assert events[ids[-1]][-1].completion_tokens == 0  # it never left the queue
-        assert engine.running == 0 and len(engine.scheduler.free) == SHAPES["max_num_seqs"]
-        engine.request_timeout_s = None
+        assert engine.running == 0 and len(engine.engines.scheduler.free) == SHAPES["max_num_seqs"]
+        engine.engines.request_timeout_s = None
         [after] = engine.generate_batch([prompts()[1]], greedy(3), timeout=60)
         assert after.finish_reason == "length" and len(after.tokens) == 3
     finally:
@@ -383,27 +394,34 @@ def test_a_failing_event_sink_aborts_its_request_and_the_engine_keeps_serving(ll
 
 def test_a_steps_tokens_reach_their_sinks_while_the_next_model_call_computes(llama, monkeypatch):
     # The event loop that streams them then holds the GIL while the core computes, not
-    # while the engine prepares its next call. Only the events of the last step, with
+    # while the engine prepares its next call: a call returns once the core has it, and
+    # the events go out before its tokens are read. Only the events of the last step, with
     # no call after them, are handed over once the engine is idle. A prefill's first
     # token is handed over at once, before the decode call of its own step is prepared.
-    from neuron_serve.compile.subgraph import CompiledSubgraph
-
     lm, engine = llama
-    forward = CompiledSubgraph.forward.__code__
     decodes = [0]
-    decode = engine.model.decode
+    computing = [False]  # a decode call launched whose tokens are not read yet
+    decode = engine.engines.model.decode
 
     def counted(*args, **kwargs):
         decodes[0] += 1
-        return decode(*args, **kwargs)
+        out, shape = decode(*args, **kwargs)
+        computing[0] = True
+        home = out._outputs.home
 
-    monkeypatch.setattr(engine.model, "decode", counted)
-    seen: list[tuple[int | None, bool, bool, int]] = []  # (token, finished, inside a model call, decodes begun)
+        def read():
+            computing[0] = False
+            return home()
+
+        out._outputs.home = read
+        return out, shape
+
+    monkeypatch.setattr(engine.engines.model, "decode", counted)
+    seen: list[tuple[int | None, bool, bool, int]] = []  # (token, finished, while a call computes, decodes begun)
     done = threading.Event()
 
     def sink(event):
-        inside = any(frame.frame.f_code is forward for frame in inspect.stack(0))
-        seen.append((event.token, event.finished, inside, decodes[0]))
+        seen.append((event.token, event.finished, computing[0], decodes[0]))
         if event.finished:
             done.set()
 
