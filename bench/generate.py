@@ -286,7 +286,7 @@ def measure(quick: bool, log) -> dict:
               "engine_tpot_p99_over_p50": e["tpot_p99_s"] / e["tpot_p50_s"]}
     lengths = sorted(map(len, prompts))
     return {"mode": "quick" if quick else "full", "repeats": repeats, "torch_threads": torch.get_num_threads(),
-            "load_average": load, "engine_compile_s": compile_s, "engine_buckets": engine.model.buckets.count,
+            "load_average": load, "engine_compile_s": compile_s, "engine_buckets": engine.engines.model.buckets.count,
             "transformers_cb_attention": CB_ATTENTION,
             "workload": {"requests": len(prompts), "prompt_tokens": f"{lengths[0]}-{lengths[-1]}",
                          "new_tokens": f"{min(news)}-{max(news)}", "output_tokens": sum(news)},

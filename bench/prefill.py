@@ -84,7 +84,7 @@ def in_process(runs: int, log) -> dict:
                     eager.append(time.perf_counter() - started)
             ours_s, eager_s = statistics.median(ours[2:]), statistics.median(eager[2:])
             figures[n] = {"engine_s": ours_s, "eager_forward_s": eager_s, "ratio": ours_s / eager_s,
-                          "bucket": next(b for b in engine.executor.model.buckets.prefill if b >= n)}
+                          "bucket": next(b for b in engine.engines.executor.model.buckets.prefill if b >= n)}
             log(f"  {n:4d} tokens ({figures[n]['bucket']} bucket): engine {ours_s * 1e3:.2f} ms, eager forward "
                 f"{eager_s * 1e3:.2f} ms, {figures[n]['ratio']:.2f}x")
     finally:

@@ -15,13 +15,16 @@ import generation_models as gm
 from neuron_serve.buckets.generation import GenerationBuckets
 from neuron_serve.generation import SamplingParams
 from neuron_serve.generation.model import compile_generation
+from neuron_serve.generation.frontend import Frontend
 from neuron_serve.generation.group import EngineGroup
+from neuron_serve.generation.protocol import EngineRequest
 
 
 def main() -> None:
     lm = gm.build("llama")
     buckets = GenerationBuckets.build(4, 48, prefill=[16, 48], decode_rows=[1, 4], decode_context=[24, 48])
     group = EngineGroup.on_cores(compile_generation(lm, buckets), 2)
+    frontend = Frontend(group, group.info)
     served = [0, 0]
     lock = threading.Lock()
     for index, engine in enumerate(group.engines):  # count what each engine admits
@@ -35,7 +38,7 @@ def main() -> None:
         engine.scheduler.admit = counted
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, gm.VOCAB, (n,), generator=generator).tolist() for n in (3, 9, 14, 5, 20, 7, 11, 2)]
-    done = group.generate_batch(prompts, SamplingParams(max_tokens=10, temperature=0), timeout=300)
+    done = frontend.generate_batch(prompts, SamplingParams(max_tokens=10, temperature=0), timeout=300)
     equal = [d.tokens == gm.eager_greedy(lm, p, 10) for d, p in zip(done, prompts)]
     at_once = list(served)
     finished = threading.Semaphore(0)
@@ -45,15 +48,15 @@ def main() -> None:
             finished.release()
 
     long = SamplingParams(max_tokens=30, temperature=0)
-    for _ in range(3):
-        group.engines[0].submit(prompts[0], long, sink)
+    for i in range(3):
+        group.engines[0].submit(EngineRequest(f"long-{i}", prompts[0], long), sink)
     routed = []
     for _ in range(3):
-        rid = group.submit(prompts[1], long, sink)
-        routed.append(group.engines.index(group.admission.get(rid)))
+        rid = frontend.submit(prompts[1], long, sink)
+        routed.append(group.engines.index(group._members[rid]))
     for _ in range(6):
         finished.acquire(timeout=300)
-    group.close()
+    frontend.close()
     print(json.dumps({"equal": equal, "served": at_once, "routed": routed,
                       "devices": [str(e.executor.device) for e in group.engines]}))
 

@@ -21,7 +21,7 @@ from .sampling import SamplingParams
 if TYPE_CHECKING:
     import torch
 
-    from .engine import Engine
+    from .frontend import Frontend
 
 # The engine and the compiled model (.engine, .model) load the compiler: import them from
 # their modules. This package stays light, as the replica imports it without the compiler.
@@ -44,8 +44,10 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
                max_waiting: int = 256, request_timeout_s: float | None = None, tokenizer: Any = None,
                target: str = "neuron", name: str = "model", tensor_parallel_size: int = 1,
                enable_prefix_caching: bool = False, speculative_config: Any = None,
-               draft: torch.nn.Module | None = None) -> Engine:
-    """Compile ``lm`` for generation and start an engine over it (see :class:`Engine`).
+               draft: torch.nn.Module | None = None) -> Frontend:
+    """Compile ``lm`` for generation and start an engine over it, behind its front end (which checks and
+    admits requests, and with a ``tokenizer`` detokenizes and applies stop strings; its ``engines`` is the
+    :class:`~.engine.Engine`).
 
     The arguments are model.yaml's ``generation`` fields; a KV cache that does not fit
     next to the weights on one core is refused with the bytes, as there.
@@ -56,6 +58,8 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
     from . import tensor_parallel  # noqa: PLC0415
     from .build import check_cache_fits  # noqa: PLC0415
     from .engine import Engine  # noqa: PLC0415
+    from .frontend import Frontend  # noqa: PLC0415
+    from .group import describe  # noqa: PLC0415
     from .model import compile_generation  # noqa: PLC0415
     from ..config.generation import SpeculativeConfig  # noqa: PLC0415
 
@@ -78,6 +82,7 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
         check_draft(lm, draft, enable_prefix_caching, field="draft")
         model.draft = compile_generation(draft.eval(), buckets.for_draft(), target=target,
                                          tensor_parallel_size=tensor_parallel_size)
-    return Engine(model, eos_token_ids=eos_token_ids(lm), tokenizer=tokenizer,
-                  max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,
-                  request_timeout_s=request_timeout_s, name=name, speculative_config=speculative_config)
+    engine = Engine(model, eos_token_ids=eos_token_ids(lm), tokenizer=tokenizer,
+                    max_num_batched_tokens=max_num_batched_tokens, request_timeout_s=request_timeout_s, name=name,
+                    speculative_config=speculative_config)
+    return Frontend(engine, describe([engine], max_waiting), tokenizer)

@@ -21,6 +21,7 @@ from ..errors import ArtifactError, ConfigError
 from ..partition.pipeline import core_memory_bytes
 from . import eos_token_ids
 from . import tensor_parallel
+from .frontend import Frontend
 from .group import EngineGroup
 from .model import GenerationModel, compile_generation
 from .slots import kv_cache_bytes
@@ -225,8 +226,8 @@ def _from_artifact(config: ModelConfig, base_dir: str | Path | None) -> tuple[Ge
     return model, eos, tokenizer
 
 
-def build_engine(config: ModelConfig, base_dir: str | Path | None = None, *, replica: str = "0",
-                 cores: int | None = None) -> EngineGroup:
+def build_engines(config: ModelConfig, base_dir: str | Path | None = None, *, replica: str = "0",
+                  cores: int | None = None) -> EngineGroup:
     """Load (or compile), check and start the engines of a ``task: generate`` model.yaml over ``cores`` cores
     (default: the replica's): one per core, or one per group of ``generation.tensor_parallel_size`` cores.
 
@@ -245,3 +246,10 @@ def build_engine(config: ModelConfig, base_dir: str | Path | None = None, *, rep
                                 tokenizer=tokenizer, max_num_batched_tokens=settings.max_num_batched_tokens,
                                 max_waiting=settings.max_waiting, request_timeout_s=settings.request_timeout_s,
                                 name=config.name, replica=replica, speculative_config=settings.speculative_config)
+
+
+def build_engine(config: ModelConfig, base_dir: str | Path | None = None, *, replica: str = "0",
+                 cores: int | None = None) -> Frontend:
+    """:func:`build_engines`, behind their front end (its ``engines``), to serve in this process."""
+    group = build_engines(config, base_dir, replica=replica, cores=cores)
+    return Frontend(group, group.info, group.engines[0].tokenizer)

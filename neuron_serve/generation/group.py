@@ -10,6 +10,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence as Seq
 
+from ..config.generation import DEFAULT_MAX_WAITING
 from ..targets.pjrt import use_device, xla
 from .engine import Engine
 from .model import GenerationModel
@@ -27,29 +28,45 @@ def copies_on_cores(model: GenerationModel, cores: int) -> list[tuple[Generation
     return placed
 
 
-class EngineGroup(Dispatcher):
-    """Engines over several cores behind one ``submit``/``abort``/``generate`` API."""
+def describe(engines: Seq[Engine], max_waiting: int) -> dict[str, Any]:
+    """What the front end needs to know of ``engines`` (alike: copies of one model), ``max_waiting``
+    requests of each waiting for a slot at most."""
+    first = engines[0]
+    executor = first.executor
+    return {"engines": len(engines), "slots": executor.slots, "max_waiting": max_waiting,
+            "vocab_size": executor.vocab_size, "max_model_len": executor.max_model_len,
+            "eos_token_ids": sorted(first.eos_token_ids), "tensor_parallel_size": executor.tensor_parallel_size,
+            "memory_per_core": executor.memory()}
 
-    def __init__(self, engines: Seq[Engine]) -> None:
+
+class EngineGroup(Dispatcher):
+    """Engines over several cores behind one ``submit``/``abort``; ``max_waiting`` requests per engine may
+    wait for a slot (the front end's bound, named in :attr:`info`)."""
+
+    def __init__(self, engines: Seq[Engine], max_waiting: int = DEFAULT_MAX_WAITING) -> None:
         if not engines:
             raise ValueError("an engine group needs at least one engine")
         super().__init__()
         self.engines = list(engines)
+        self.max_waiting = max_waiting
 
     @classmethod
-    def on_cores(cls, model: GenerationModel, cores: int, **engine_options: Any) -> "EngineGroup":
+    def on_cores(cls, model: GenerationModel, cores: int, max_waiting: int = DEFAULT_MAX_WAITING,
+                 **engine_options: Any) -> "EngineGroup":
         """An engine per core, ``model`` on the first and a copy on each of the others; one engine over
         all ``cores`` when ``model`` is tensor-parallel over them."""
         if model.tensor_parallel_size > 1:
-            return cls([Engine(model, **engine_options)])
-        return cls([Engine(m, device=device, **engine_options) for m, device in copies_on_cores(model, cores)])
+            return cls([Engine(model, **engine_options)], max_waiting)
+        return cls([Engine(m, device=device, **engine_options) for m, device in copies_on_cores(model, cores)],
+                   max_waiting)
 
     def choose(self) -> Engine:
         return max(self.engines, key=lambda e: e.free_slots)
 
     @property
-    def vocab_size(self) -> int:
-        return self.engines[0].vocab_size
+    def info(self) -> dict[str, Any]:
+        """What the front end needs to know of these engines (frontend.Frontend)."""
+        return describe(self.engines, self.max_waiting)
 
     @property
     def running(self) -> int:

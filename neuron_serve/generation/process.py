@@ -7,12 +7,11 @@ gives it up (each call into torch-xla) it may wait for the loop to give it back,
 step that every stream waits for grows by the loop's work. Apart, the two run on their
 own cores and the GIL of each is its own; what crosses is one message a step.
 
-:class:`EngineProcess` is the replica's side: the same ``submit``/``abort``/``generate``
-API as an engine (:class:`~.engine.Streams`). A request is checked here, with the
-engine's own checks and queue bound, so its errors come back at once as they would from
-an engine in process; the worker (``worker.py``) builds and runs the engines. If the
-worker dies, every open request ends with an error event, and new ones are refused
-with 503 until Serve replaces the replica (``alive`` is its health).
+:class:`EngineProcess` is the replica's side: engines (:class:`~.protocol.Engines`) that
+take the requests the replica's front end admitted and send them on; the worker
+(``worker.py``) builds and runs the engines. If the worker dies, every open request ends
+with an error event, and new ones are refused with 503 until Serve replaces the replica
+(``alive`` is its health).
 """
 
 from __future__ import annotations
@@ -30,8 +29,7 @@ from typing import Any, Callable, Sequence as Seq
 
 from ..errors import ModelNotReady
 from ..targets.pjrt import neuron_devices_present
-from .protocol import Admission, Dispatcher, Streams, TokenEvent, check_prompt
-from .sampling import SamplingParams
+from .protocol import Dispatcher, EngineRequest, Engines, TokenEvent
 
 logger = logging.getLogger("neuron_serve")
 
@@ -39,7 +37,7 @@ WORKER = "neuron_serve.generation.worker"
 CLOSE_WAIT_S = 60.0
 
 
-class EngineProcess(Streams):
+class EngineProcess(Engines):
     """Start the worker, build the engines of ``config`` (a model.yaml dict) in it, and wait until they serve.
 
     Raises what building raised (a ConfigError naming the field, a compile error, ...).
@@ -63,60 +61,48 @@ class EngineProcess(Streams):
             self.process.wait()
             self._conn.close()
             raise pickle.loads(payload)
-        self.engines: int = payload["engines"]
-        self.slots: int = payload["slots"]
-        self.vocab_size: int = payload["vocab_size"]
-        self.max_model_len: int = payload["max_model_len"]
-        self.tokenizer: Any = payload["tokenizer"]
+        self.tokenizer: Any = payload.pop("tokenizer")
         self.info: dict = payload
-        # Past this many open requests an engine in process would refuse: each engine's
-        # slots and its queue, the group choosing the engine with the most free slots.
-        self.admission = Admission(self.engines * self.slots, self.engines * payload["max_waiting"])
+        self._sinks: dict[str, Callable[[TokenEvent], None]] = {}  # open requests' sinks
+        self._lock = threading.Lock()  # orders every send, and the sinks' records
+        self._ended: str | None = None  # why the worker is gone, once it is
         self._reader = threading.Thread(target=self._read, name="engine-process-reader", daemon=True)
         self._reader.start()
 
     # -- the API --------------------------------------------------------------------------
 
-    def submit(self, prompt: Seq[int], params: SamplingParams, sink: Callable[[TokenEvent], None],
-               request_id: str | None = None) -> str:
-        ids = check_prompt(prompt, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
-                           has_tokenizer=self.tokenizer is not None)
-
-        def send(rid: str) -> None:  # under the admission's lock, which orders every send
+    def submit(self, request: EngineRequest, sink: Callable[[TokenEvent], None]) -> None:
+        with self._lock:
+            if self._ended is not None:
+                raise ModelNotReady(f"the generation engine process has ended ({self._ended}); the replica is being "
+                                    f"replaced, retry shortly.")
             try:
-                self._conn.send(("submit", rid, ids, params))
+                self._conn.send(("submit", request))
             except OSError as exc:
                 raise ModelNotReady(f"the generation engine process is not reachable ({exc}); retry shortly.") from None
+            self._sinks[request.request_id] = sink
 
-        return self.admission.admit(request_id, sink, send)
-
-    def abort(self, request_id: str) -> None:
-        with self.admission.lock:
-            if request_id in self.admission.open and self.admission.ended is None:
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        with self._lock:
+            if request_id in self._sinks and self._ended is None:
                 try:
-                    self._conn.send(("abort", request_id))
+                    self._conn.send(("abort", request_id, reason))
                 except OSError:  # gone: the reader ends the request
                     pass
 
     @property
     def free(self) -> int:
-        """Requests this process takes before it refuses (its slots and queue, less what is open)."""
-        return self.admission.capacity - len(self.admission)
-
-    @property
-    def running(self) -> int:
-        """Requests open (running or waiting for a slot)."""
-        return len(self.admission)
+        """Requests this process takes before its engines' slots and queues are full, less what is open."""
+        return self.info["engines"] * (self.info["slots"] + self.info["max_waiting"]) - len(self._sinks)
 
     @property
     def alive(self) -> bool:
-        return self.admission.ended is None and self.process.poll() is None
+        return self._ended is None and self.process.poll() is None
 
     def close(self) -> None:
         """Stop the worker; open requests end with finish_reason "abort" (their last events still arrive)."""
-        self.admission.close()
-        with self.admission.lock:
-            if self.admission.ended is None:
+        with self._lock:
+            if self._ended is None:
                 try:
                     self._conn.send(("close",))
                 except OSError:
@@ -133,19 +119,22 @@ class EngineProcess(Streams):
     # -- the worker's events ----------------------------------------------------------------
 
     def _read(self) -> None:
+        closing = False
         try:
             while True:
                 kind, payload = self._conn.recv()
                 if kind == "closed":
+                    closing = True
                     break
                 for event in payload:
                     self._deliver(event)
         except (EOFError, OSError):
             pass
         code = self.process.wait()
-        closing = self.admission.closing
         ended = "stopped" if closing and code == 0 else f"exit code {code}"
-        left = self.admission.end(ended)
+        with self._lock:
+            self._ended = ended
+            left, self._sinks = self._sinks, {}
         if left and not closing:
             logger.error("the generation engine process exited with code %s; %d open requests end with an error",
                          code, len(left))
@@ -155,9 +144,10 @@ class EngineProcess(Streams):
 
     def _deliver(self, event: TokenEvent) -> None:
         if event.finished:
-            sink = self.admission.pop(event.request_id)
+            with self._lock:
+                sink = self._sinks.pop(event.request_id, None)
         else:
-            sink = self.admission.open.get(event.request_id)
+            sink = self._sinks.get(event.request_id)
         if sink is not None:
             self._safely(sink, event)
 
@@ -204,7 +194,7 @@ def _core_list(visible: str | None) -> list[int]:
 
 
 class ProcessGroup(Dispatcher):
-    """A replica's tensor-parallel groups, each an :class:`EngineProcess`, behind one ``submit``/``abort`` API.
+    """A replica's tensor-parallel groups, each an :class:`EngineProcess`, behind one ``submit``/``abort``.
 
     A request goes to the group with the most room (slots and queue) left, as an engine
     group picks the engine with the most free slots.
@@ -214,16 +204,11 @@ class ProcessGroup(Dispatcher):
         super().__init__()
         self.processes = list(processes)
         first = self.processes[0]
-        self.engines = sum(p.engines for p in self.processes)
-        self.slots, self.vocab_size, self.max_model_len = first.slots, first.vocab_size, first.max_model_len
-        self.tokenizer, self.info = first.tokenizer, first.info
+        self.tokenizer = first.tokenizer
+        self.info = {**first.info, "engines": sum(p.info["engines"] for p in self.processes)}
 
     def choose(self) -> EngineProcess:
         return max(self.processes, key=lambda p: p.free)
-
-    @property
-    def running(self) -> int:
-        return sum(p.running for p in self.processes)
 
     @property
     def alive(self) -> bool:
@@ -234,8 +219,10 @@ class ProcessGroup(Dispatcher):
             process.close()
 
 
-def start_engines(config: dict, base_dir: str | None, replica: str, cores: int, tensor_parallel_size: int) -> Any:
-    """The replica's engines: one process for all its cores, or one per tensor-parallel group of its ``cores``.
+def start_engines(config: dict, base_dir: str | None, replica: str, cores: int,
+                  tensor_parallel_size: int) -> EngineProcess | ProcessGroup:
+    """The replica's engines: one process for all its cores, or one per tensor-parallel group of its ``cores``
+    (``info`` and ``tokenizer`` describe them for the front end).
 
     The groups' processes build at once (each compiles its own program); if one fails, the
     others are stopped and its error is raised.

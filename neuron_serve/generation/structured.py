@@ -1,8 +1,9 @@
 """Structured outputs: a request's answer held to a JSON schema, a regex, a list of choices or a grammar.
 
 The constraint is compiled by xgrammar (the library vLLM and SGLang use) against the
-model's tokenizer into a grammar, and each constrained sequence walks it with its own
-matcher: every step the matcher's bitmask of allowed tokens is applied to the row's
+model's tokenizer into a grammar, once, by the front end (:class:`Grammars`), which hands it
+to the engine serialized; the engine (:class:`Matchers`) gives each constrained sequence its
+own matcher over it: every step the matcher's bitmask of allowed tokens is applied to the row's
 logits on the host (disallowed tokens to -inf) before greedy choice or sampling, and the
 chosen token advances the matcher. A constrained row and an unconstrained one share a
 decode call; only the constrained row's logits cross to the host. The model's EOS ids
@@ -39,6 +40,17 @@ class Constraint:
             raise InvalidInput(f"{self.field}: unknown constraint {self.kind!r}; one of {', '.join(KINDS)}.")
 
 
+def _tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> Any:
+    """xgrammar's view of the tokenizer: the same on the front end's side and the engine's, or the engine
+    refuses the grammar (its metadata must match)."""
+    import xgrammar  # noqa: PLC0415 - only structured requests need it
+
+    stops = sorted(stop_token_ids) or None  # None: xgrammar finds the tokenizer's own
+    with warnings.catch_warnings():  # it warns that it looks for them itself, which is what None asks
+        warnings.simplefilter("ignore", UserWarning)
+        return xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
+
+
 class Grammars:
     """Constraints compiled for one tokenizer and vocabulary (compiled grammars are cached by xgrammar)."""
 
@@ -47,11 +59,7 @@ class Grammars:
 
         self._xgr = xgrammar
         self.vocab_size = vocab_size
-        stops = list(stop_token_ids) or None  # None: xgrammar finds the tokenizer's own
-        with warnings.catch_warnings():  # it warns that it looks for them itself, which is what None asks
-            warnings.simplefilter("ignore", UserWarning)
-            info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
-        self._compiler = xgrammar.GrammarCompiler(info)
+        self._compiler = xgrammar.GrammarCompiler(_tokenizer_info(tokenizer, vocab_size, stop_token_ids))
 
     def compile(self, constraint: Constraint) -> Any:
         """The compiled grammar of ``constraint``; InvalidInput naming its field when the library refuses it."""
@@ -71,8 +79,22 @@ class Grammars:
             reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
             raise InvalidInput(f"{constraint.field}: the {kind.replace('_', ' ')} cannot be compiled: {reason}") from None
 
-    def matcher(self, constraint: Constraint) -> "RowConstraint":
-        return RowConstraint(self._xgr, self._xgr.GrammarMatcher(self.compile(constraint)), self.vocab_size)
+
+
+class Matchers:
+    """The engine's side: a matcher per constrained sequence, over a grammar the front end compiled and
+    serialized (deserialized here, never compiled again)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int] = ()) -> None:
+        import xgrammar  # noqa: PLC0415
+
+        self._xgr = xgrammar
+        self.vocab_size = vocab_size
+        self._info = _tokenizer_info(tokenizer, vocab_size, stop_token_ids)
+
+    def matcher(self, serialized: str) -> "RowConstraint":
+        grammar = self._xgr.CompiledGrammar.deserialize_json(serialized, self._info)
+        return RowConstraint(self._xgr, self._xgr.GrammarMatcher(grammar), self.vocab_size)
 
 
 class RowConstraint:

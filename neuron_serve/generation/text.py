@@ -1,4 +1,4 @@
-"""Output text as tokens arrive: incremental detokenizing and stop strings, for the engine and the serving edge.
+"""Output text as tokens arrive: incremental detokenizing and stop strings, for the front end.
 
 A byte-level tokenizer can split one character over several tokens, so the text of
 the tokens so far may end in an incomplete character (decoded as U+FFFD). Text is
@@ -34,8 +34,9 @@ class IncrementalText:
         self._prefix = self._read = 0
         self._stream, self._backend = _decode_stream(tokenizer)
 
-    def add(self, token: int) -> str:
-        """Take one more output token; the text it releases (possibly empty)."""
+    def add(self, token: int, watch: bool = True) -> str:
+        """Take one more output token; the text it releases (possibly empty). With ``watch`` False (the
+        request's ``min_tokens`` not yet passed) no stop string is looked for, nor held back."""
         if self.stopped is not None:
             return ""
         self.tokens.append(token)
@@ -43,7 +44,7 @@ class IncrementalText:
             piece = self._stream.step(self._backend, token)
             if piece:
                 self.text += piece
-            return self._check_stop()
+            return self._check_stop() if watch else self._release(len(self.text))
         # vLLM's incremental detokenizing: decode the new tokens after a few earlier ones (merges
         # and leading spaces depend on them) and keep the difference, once it ends in a whole
         # character. Each token costs two short decodes, not one of the whole output.
@@ -52,7 +53,7 @@ class IncrementalText:
         if len(after) > len(before) and not after.endswith(REPLACEMENT):
             self.text += after[len(before):]
             self._prefix, self._read = self._read, len(self.tokens)
-        return self._check_stop()
+        return self._check_stop() if watch else self._release(len(self.text))
 
     def _check_stop(self) -> str:
         """The text to release now: up to a stop string found, else all but a possible stop string's start."""

@@ -3,12 +3,12 @@
 ``python -m neuron_serve.generation.worker FD`` is started by :class:`~.process.EngineProcess`
 with one end of a socket pair as ``FD``. Over it (``multiprocessing.connection`` framing,
 pickled messages) the replica sends ``(config, base_dir, replica, sys_path, group)``; this
-process builds the engines, compiling or loading an artifact as ``build_engine`` does: one
+process builds the engines, compiling or loading an artifact (``build_engines``): one
 per core of the replica, or with ``group`` = (index, size) the one engine of that
 tensor-parallel group, whose cores are all this process sees. It answers ``("ready", info)`` or ``("failed", error)``. Then it reads
 
-- ``("submit", request_id, prompt_ids, params)``: a request for the engine group;
-- ``("abort", request_id)``;
+- ``("submit", EngineRequest)``: a request the replica's front end admitted, for the engine group;
+- ``("abort", request_id, reason)``;
 - ``("close",)``: stop; running requests end with finish_reason "abort";
 
 and sends ``("events", [TokenEvent, ...])``: every event that arrived while the last
@@ -93,9 +93,8 @@ def serve(conn: Connection) -> int:
     logs.configure()  # a progress line per compiled model; the operator lists with NEURON_SERVE_VERBOSE
 
     from ..config.schema import parse_config  # noqa: PLC0415 - after sys.path is set
-    from ..errors import NeuronServeError  # noqa: PLC0415
     from ..targets.pjrt import start_emulated_cores_on_threads  # noqa: PLC0415
-    from .build import build_engine  # noqa: PLC0415
+    from .build import build_engines  # noqa: PLC0415
     from .protocol import TokenEvent  # noqa: PLC0415
 
     try:
@@ -109,23 +108,11 @@ def serve(conn: Connection) -> int:
         cores = group[1] if group is not None else config.cores_per_replica
         if start_emulated_cores_on_threads(cores):
             logger.info("emulated NeuronCores: XLA:CPU computes on %d thread(s), one per core", cores)
-        engines = build_engine(config, base_dir, replica=replica, cores=cores)
+        engines = build_engines(config, base_dir, replica=replica, cores=cores)
     except BaseException as exc:  # noqa: BLE001 - the replica raises it in its constructor
         conn.send(("failed", _portable(exc)))
         return 1
-    first = engines.engines[0]
-    max_waiting = first.max_waiting
-    for engine in engines.engines:
-        # The replica admits requests (EngineProcess counts the open ones against the slots
-        # and this queue bound); here a request it let through is never refused for a queue
-        # that only looks full because the engine thread has not taken its inbox yet.
-        engine.admission.capacity = None
-    executor = first.executor
-    conn.send(("ready", {"engines": len(engines.engines), "slots": executor.slots,
-                         "max_waiting": max_waiting, "vocab_size": executor.vocab_size,
-                         "max_model_len": executor.max_model_len, "tokenizer": first.tokenizer,
-                         "tensor_parallel_size": executor.tensor_parallel_size,
-                         "memory_per_core": executor.memory()}))
+    conn.send(("ready", {**engines.info, "tokenizer": engines.engines[0].tokenizer}))
     outbox = Outbox(conn)
     while True:
         try:
@@ -133,13 +120,13 @@ def serve(conn: Connection) -> int:
         except (EOFError, OSError):
             break
         if message[0] == "submit":
-            _, rid, prompt, params = message
+            request = message[1]
             try:
-                engines.submit(prompt, params, outbox.post, rid)
-            except NeuronServeError as exc:  # the replica's own checks let it through: say why, as its end
-                outbox.post(TokenEvent(rid, None, finish_reason="error", error=str(exc)))
+                engines.submit(request, outbox.post)
+            except Exception as exc:  # noqa: BLE001 - said as its end (a grammar the engine cannot read, ...)
+                outbox.post(TokenEvent(request.request_id, None, finish_reason="error", error=str(exc)))
         elif message[0] == "abort":
-            engines.abort(message[1])
+            engines.abort(message[1], message[2])
         elif message[0] == "close":
             break
     engines.close()

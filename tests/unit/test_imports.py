@@ -61,6 +61,13 @@ RULES = {
                                                     "neuron_serve.generation.model", "neuron_serve.serve"),
     "neuron_serve.generation.process": COMPILER + ("neuron_serve.generation.engine", "neuron_serve.generation.executor",
                                                    "neuron_serve.generation.model", "neuron_serve.serve"),
+    # The front end runs in the replica: it checks, admits, compiles grammars and detokenizes; no engine.
+    "neuron_serve.generation.frontend": COMPILER + ("neuron_serve.generation.engine",
+                                                    "neuron_serve.generation.executor",
+                                                    "neuron_serve.generation.model", "neuron_serve.serve"),
+    # The sampler is plain torch: compiled into the models, and run on the host for the rows left to it.
+    "neuron_serve.generation.sampler": COMPILER + ("neuron_serve.generation.engine", "neuron_serve.generation.model",
+                                                   "neuron_serve.serve", "neuron_serve.config"),
     "neuron_serve.serve.generate": COMPILER + ("neuron_serve.generation.engine", "neuron_serve.generation.executor",
                                                "neuron_serve.generation.model", INFER, GRPC, RAY, SERVER_APP),
 }

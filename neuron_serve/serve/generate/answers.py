@@ -64,11 +64,12 @@ async def _first(stream: AsyncIterator[list[Piece]]) -> list[Piece]:
 # -- OpenAI ---------------------------------------------------------------------------------
 
 
-async def openai_answer(plane: GenerationPlane, kind: Literal["completions", "chat"], body: bytes) -> Answer:
-    """``POST /v1/completions`` or ``/v1/chat/completions`` on this replica's model."""
+async def openai_answer(plane: GenerationPlane, kind: Literal["completions", "chat"],
+                        request: openai.CompletionRequest | openai.ChatRequest) -> Answer:
+    """``POST /v1/completions`` or ``/v1/chat/completions`` on this replica's model, decoded (once, by the
+    route that received it: openai.parse)."""
     started = time.perf_counter()
     try:
-        request = openai.parse(kind, body)
         if request.model != plane.name:
             raise openai.unknown_model(request.model, [plane.name])
         if request.user is not None:  # who the end user is, for the operator's logs; kept nowhere else

@@ -28,6 +28,17 @@ def to_response(answer: Answer) -> Response:
     return Response(answer.body, status_code=answer.status, headers=answer.headers)
 
 
+async def _openai(plane: GenerationPlane, kind: str, body: bytes) -> Answer:
+    """An OpenAI request to the model's own base URL: decoded here, once."""
+    try:
+        request = openai.parse(kind, body)
+    except openai.OpenAIError as exc:
+        answer = openai_error(exc)
+        plane.record(answer.status, 0.0)
+        return answer
+    return await openai_answer(plane, kind, request)
+
+
 def generate_app() -> FastAPI:
     """Routes under /v2/models/{name} of a generate model, served by the replica's GenerationPlane."""
     app, plane = model_base_app("neuron-serve generate model", generate_plane.current)
@@ -53,10 +64,10 @@ def generate_app() -> FastAPI:
         return await answer(request, lambda served, body: generate_answer(served, body, stream=True))
 
     async def completions(request: Request) -> Response:
-        return await answer(request, lambda served, body: openai_answer(served, "completions", body), True)
+        return await answer(request, lambda served, body: _openai(served, "completions", body), True)
 
     async def chat(request: Request) -> Response:
-        return await answer(request, lambda served, body: openai_answer(served, "chat", body), True)
+        return await answer(request, lambda served, body: _openai(served, "chat", body), True)
 
     async def models(_: Request) -> Response:
         served = plane()

@@ -1,10 +1,11 @@
 """The data plane of one ``task: generate`` model on one replica: prompts in, text deltas out.
 
-It holds the engines (one per core) and the tokenizer, turns text and chat messages into
-prompt ids, and runs a request's choices as sequences of the engine, yielding what each
-event adds as text (incrementally detokenized, stop strings cut, never half a
-character). Protocols (OpenAI, the OIP generate extension) encode those pieces; leaving
-the stream early, as a disconnected client does, aborts every sequence of the request.
+It holds the engines' front end (``generation/frontend.py``: checks, admission, grammars,
+detokenizing and stop strings) and its tokenizer, turns text and chat messages into
+prompt ids, and runs a request's choices as requests of the front end, yielding what
+each event adds (its text never half a character, never a stop string). Protocols
+(OpenAI, the OIP generate extension) encode those pieces; leaving the stream early, as a
+disconnected client does, aborts every sequence of the request.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from typing import Any, AsyncIterator, Sequence
 from ... import metrics
 from ...config.schema import ModelConfig
 from ...config.generation import GenerationSettings
-from ...errors import InvalidInput, ModelNotReady, NeuronServeError, RequestTimeout
-from ...generation.protocol import Streams, TokenEvent
+from ...errors import InvalidInput, NeuronServeError, RequestTimeout
+from ...generation.frontend import Frontend
+from ...generation.protocol import TokenEvent
 from ...generation.sampling import SamplingParams
-from ...generation.text import IncrementalText
 from ...targets.pjrt import emulated
 from ...version import __version__
 from ...generation.mailbox import Mailbox
@@ -63,25 +64,22 @@ class GenerationFailed(NeuronServeError):
 
 
 class GenerationPlane:
-    """One generate model on one replica: its engines, tokenizer, metadata and request runs."""
+    """One generate model on one replica: its front end, tokenizer, metadata and request runs."""
 
-    def __init__(self, config: ModelConfig, engines: Streams, tokenizer: Any, max_model_len: int,
-                 replica: str | None = None, cores: int = 1, info: dict | None = None) -> None:
+    def __init__(self, config: ModelConfig, frontend: Frontend, replica: str | None = None, cores: int = 1) -> None:
         self.config = config
         self.name = config.name
-        self.engines = engines
-        self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
+        self.frontend = frontend
+        self.tokenizer = frontend.tokenizer
+        self.max_model_len = frontend.max_model_len
         self.replica = replica or str(os.getpid())
         self.cores = cores
-        info = info or {}
-        self.tensor_parallel_size = int(info.get("tensor_parallel_size", 1))
-        self.memory_per_core: dict = info.get("memory_per_core", {})
+        self.tensor_parallel_size = int(frontend.info.get("tensor_parallel_size", 1))
+        self.memory_per_core: dict = frontend.info.get("memory_per_core", {})
         self._latency = metrics.REQUEST_LATENCY.labels(model=self.name, replica=self.replica)
         self._codes: dict[str, Any] = {}
         self._mailboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._ready = False
-        self._grammars: Any = None
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -93,16 +91,11 @@ class GenerationPlane:
 
     def alive(self) -> bool:
         """False once the engines can serve no more (their process has ended)."""
-        return getattr(self.engines, "alive", True)
+        return self.frontend.alive
 
     async def stop(self) -> None:
         self._ready = False
-        await asyncio.get_running_loop().run_in_executor(None, self.engines.close)
-
-    def check_ready(self) -> "GenerationPlane":
-        if not self._ready:
-            raise ModelNotReady("model is loading or shutting down")
-        return self
+        await asyncio.get_running_loop().run_in_executor(None, self.frontend.close)
 
     def record(self, code: int, seconds: float) -> None:
         """Count one answered request by status, and its latency (to the last byte)."""
@@ -172,15 +165,10 @@ class GenerationPlane:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def check_constraint(self, constraint: Any) -> None:
-        """Compile a structured-output constraint here too, so one the library refuses is the request's 400 (the
-        engine compiles it again, in its process)."""
-        from ...generation.structured import Grammars  # noqa: PLC0415 - only structured requests need xgrammar
-
-        tokenizer = self._need_tokenizer("a structured output")
-        if self._grammars is None:
-            vocab = getattr(self.engines, "vocab_size", None) or len(tokenizer)
-            self._grammars = Grammars(tokenizer, vocab)
-        self._grammars.compile(constraint)
+        """Compile a structured-output constraint (the front end's, once per distinct constraint), so one the
+        library refuses is the request's 400."""
+        self._need_tokenizer("a structured output")
+        self.frontend.compile_grammar(constraint)
 
     def token_text(self, token: int) -> str:
         """A token's text in logprobs: its share of the output text, which leaves special tokens
@@ -195,8 +183,8 @@ class GenerationPlane:
 
         Every choice ends with a piece carrying its finish reason. Leaving the iteration
         early aborts the choices still running (their slots are free at the next step).
+        The replica's route checked readiness; the front end checks each choice.
         """
-        self.check_ready()
         if self.tokenizer is None:
             raise InvalidInput(f"model {self.name!r} has no tokenizer, so its output cannot be text; give the "
                                f"model.yaml a tokenizer: directory.")
@@ -208,18 +196,17 @@ class GenerationPlane:
                 mailbox.post(queue.put_nowait, (index, event))
             return sink
 
-        texts = [IncrementalText(self.tokenizer, p.stop) for p in params]
         running: dict[int, str] = {}
         try:
             for index, (prompt, p) in enumerate(zip(prompts, params)):
-                running[index] = self.engines.submit(prompt, p, sink_for(index))
+                running[index] = self.frontend.submit(prompt, p, sink_for(index))
             while running:
                 arrived = [await queue.get()]
                 while not queue.empty():
                     arrived.append(queue.get_nowait())
                 pieces: dict[int, Piece] = {}
                 for index, event in arrived:
-                    piece = self._piece(index, event, texts[index], params[index], prompts[index])
+                    piece = self._piece(index, event, params[index], prompts[index])
                     if event.finished:
                         running.pop(index, None)
                     if index in pieces:
@@ -229,7 +216,7 @@ class GenerationPlane:
                 yield list(pieces.values())
         finally:
             for rid in running.values():
-                self.engines.abort(rid)
+                self.frontend.abort(rid)
 
     def _mailbox(self) -> Mailbox:
         """The mailbox of the running loop (a replica serves from one loop; tests may use several)."""
@@ -239,8 +226,7 @@ class GenerationPlane:
             found = self._mailboxes[loop] = Mailbox(loop)
         return found
 
-    def _piece(self, index: int, event: TokenEvent, text: IncrementalText, params: SamplingParams,
-               prompt: list[int]) -> Piece:
+    def _piece(self, index: int, event: TokenEvent, params: SamplingParams, prompt: list[int]) -> Piece:
         if event.timed_out:
             raise RequestTimeout(event.error)
         if event.error is not None:
@@ -252,16 +238,14 @@ class GenerationPlane:
                 (self.token_text(token), None, None) if scored is None else
                 (self.token_text(token), scored[0], [(self.token_text(t), lp) for t, lp in scored[1]])
                 for token, scored in piece.prompt_scores]
+        piece.text = event.text
         if event.token is not None:
-            piece.text = text.add(event.token)
             piece.token_ids.append(event.token)
             if params.logprobs is not None:
                 # The top n, and the chosen token after them when it is not among them (as OpenAI lists it).
                 top = [(self.token_text(t), lp) for t, lp in event.top_logprobs]
                 piece.logprobs.append((self.token_text(event.token), event.logprob, top))
         if event.finished:
-            if text.stopped is None:
-                piece.text += text.finish()
             piece.finish_reason = event.finish_reason
         return piece
 

@@ -28,7 +28,7 @@ METRICS_PATH = "/metrics"
 
 ModelStates = Callable[[], Awaitable[dict[str, str]]]  # model name -> "ready" | "loading" | "failed: ..."
 # (model, "completions" | "chat", body) -> a Serve response generator: (status, headers, streamed), then bytes
-ForwardOpenAI = Callable[[str, str, bytes], Awaitable[Any]]
+ForwardOpenAI = Callable[[str, str, Any], Awaitable[Any]]  # (model, kind, the decoded request)
 # model -> what GET /v1/models says of it beyond its id (max_model_len, tensor_parallel_size)
 DescribeModel = Callable[[str], Awaitable[dict]]
 # models -> those of them whose ports (HTTP, gRPC, metrics) deploy has not yet seen answer (serve.ray.readiness)

@@ -1,10 +1,11 @@
-"""The server app's OpenAI routes at ``/v1``: find the model a request names and forward to it.
+"""The server app's OpenAI routes at ``/v1``: decode a request once, find the model it names, forward it.
 
-``/v1/completions`` and ``/v1/chat/completions`` read only the body's ``model`` here; a
-replica of that generate model decodes, runs and encodes the request
-(`generate_answers`), and its bytes are relayed as they come. A model that is not
-served is a 404 naming the served ones, as OpenAI answers; a client that leaves
-cancels the call, which aborts its sequences on the replica.
+``/v1/completions`` and ``/v1/chat/completions`` decode and check the body here (the
+JSON once; a model that is not served is a 404 naming the served ones, as OpenAI
+answers, before its other fields are looked at); a replica of that generate model runs
+the decoded request and encodes its answer (``serve/generate/answers.py``), whose bytes
+are relayed as they come. A client that leaves cancels the call, which aborts its
+sequences on the replica.
 """
 
 from __future__ import annotations
@@ -29,9 +30,8 @@ def _error(exc: openai.OpenAIError) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def requested_model(body: bytes) -> str:
-    """The ``model`` of an OpenAI request body (the rest is checked by the model's replica)."""
-    data = openai.json_object(body)
+def requested_model(data: dict) -> str:
+    """The ``model`` of a decoded OpenAI request body."""
     if "model" not in data:
         raise openai.OpenAIError("model: Field required (the name of a served model; GET /v1/models lists them)",
                                  param="model")
@@ -49,7 +49,7 @@ async def _relay(rest: Any) -> AsyncIterator[bytes]:
 
 
 def install(app: FastAPI, model_states: States, generate_states: States,
-            forward: Callable[[str, str, bytes], Awaitable[Any]],
+            forward: Callable[[str, str, Any], Awaitable[Any]],
             describe: Callable[[str], Awaitable[dict]] | None = None) -> None:
     """Add ``GET /v1/models`` and the two generation routes to the server app; ``describe(name)`` gives a
     model's fields beyond its id."""
@@ -70,8 +70,8 @@ def install(app: FastAPI, model_states: States, generate_states: States,
 
     async def answer(request: Request, kind: str) -> Response:
         try:
-            body = await read_body(request)
-            name = requested_model(body)
+            data = openai.json_object(await read_body(request))
+            name = requested_model(data)
             states = await generate_states()
             if name not in states:
                 error = openai.unknown_model(name, sorted(states))
@@ -81,12 +81,13 @@ def install(app: FastAPI, model_states: States, generate_states: States,
                 raise error
             if states[name] != "ready":
                 raise openai.OpenAIError(f"model {name!r} is not ready ({states[name]})", 503)
+            decoded = openai.validate(kind, data)
         except openai.OpenAIError as exc:
             return _error(exc)
         except Exception as exc:  # noqa: BLE001 - 413 and the like, as OpenAI error objects
             status, error = openai.error_of(exc)
             return JSONResponse(error, status_code=status)
-        call = await forward(name, kind, body)
+        call = await forward(name, kind, decoded)
         try:
             status, headers, streamed = await unless_disconnected(request, call.__anext__())
             if not streamed:

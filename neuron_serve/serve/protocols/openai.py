@@ -3,7 +3,7 @@
 Requests are decoded into prompts and the engine's `SamplingParams`; the engine's output
 (text deltas, tokens, log-probabilities, finish reasons) is encoded back into OpenAI's
 JSON objects and server-sent-event chunks. Field names, defaults and error objects are
-OpenAI's; vLLM's extra sampling fields (``top_k``, ``repetition_penalty``,
+OpenAI's; vLLM's extra sampling fields (``top_k``, ``min_p``, ``repetition_penalty``,
 ``ignore_eos``, ``stop_token_ids``) are accepted too. A field OpenAI defines that this
 server cannot honour is refused by name, never ignored.
 """
@@ -84,6 +84,7 @@ class _Sampling(_Strict):
     min_tokens: int = Field(0, ge=0)  # vLLM's: no EOS nor stop token id before this many tokens
     # vLLM's extra sampling fields
     top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
@@ -148,7 +149,11 @@ def json_object(body: bytes, error: type[NeuronServeError] = OpenAIError) -> dic
 
 def parse(kind: Literal["completions", "chat"], body: bytes) -> CompletionRequest | ChatRequest:
     """The request body decoded and checked; errors are OpenAIErrors naming the field."""
-    data = json_object(body)
+    return validate(kind, json_object(body))
+
+
+def validate(kind: Literal["completions", "chat"], data: dict) -> CompletionRequest | ChatRequest:
+    """A decoded request body checked (:func:`parse` after the JSON); errors are OpenAIErrors naming the field."""
     schema = CompletionRequest if kind == "completions" else ChatRequest
     try:
         request = schema.model_validate(data)
@@ -294,6 +299,7 @@ def sampling(request: CompletionRequest | ChatRequest, choice: int = 0,
             temperature=1.0 if request.temperature is None else request.temperature,
             top_p=1.0 if request.top_p is None else request.top_p,
             top_k=max(request.top_k or 0, 0),
+            min_p=request.min_p or 0.0,
             repetition_penalty=request.repetition_penalty or 1.0,
             presence_penalty=request.presence_penalty or 0.0,
             frequency_penalty=request.frequency_penalty or 0.0,

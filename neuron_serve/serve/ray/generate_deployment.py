@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from ray import serve
 
@@ -23,6 +23,7 @@ from ... import logs
 from ...config.schema import ModelConfig, parse_config
 from ...config.generation import GenerationSettings
 from ...errors import ModelNotReady
+from ...generation.frontend import Frontend
 from ..http import auth
 from ..generate import plane as generate_plane
 from ..generate.answers import openai_answer, openai_error
@@ -53,13 +54,14 @@ class GenerateServer:
         self.plane.start()
         generate_plane.set_current(self.plane)
 
-    async def openai(self, kind: str, body: bytes) -> AsyncIterator:
-        """An OpenAI request forwarded by the server app: (status, headers, streamed), then the body's bytes."""
+    async def openai(self, kind: str, request: Any) -> AsyncIterator:
+        """An OpenAI request the server app decoded and forwarded: (status, headers, streamed), then the
+        answer's bytes."""
         plane = generate_plane.current()
         if plane is None or not plane.ready():
             answer = openai_error(ModelNotReady("model is loading or shutting down"))
         else:
-            answer = await openai_answer(plane, kind, body)
+            answer = await openai_answer(plane, kind, request)
         yield (answer.status, answer.headers, answer.streamed)
         if not answer.streamed:
             yield answer.body
@@ -94,14 +96,15 @@ class GenerateServer:
 
 
 def build_plane(config: ModelConfig, base_dir: str | None, replica: str) -> GenerationPlane:
-    """The replica's plane over its engines, which run in a process of their own (generation/process.py)."""
+    """The replica's plane over its front end and engines, which run in a process of their own
+    (generation/process.py)."""
     from ...generation.process import start_engines  # noqa: PLC0415
 
     settings = config.generation or GenerationSettings()
     engines = start_engines(config.model_dump(mode="json", exclude_unset=True), base_dir, replica,
                             config.cores_per_replica, settings.tensor_parallel_size)
-    return GenerationPlane(config, engines, engines.tokenizer, engines.max_model_len, replica,
-                           cores=config.cores_per_replica, info=engines.info)
+    return GenerationPlane(config, Frontend(engines, engines.info, engines.tokenizer), replica,
+                           cores=config.cores_per_replica)
 
 
 def max_ongoing_requests(config: ModelConfig) -> int:
@@ -121,11 +124,12 @@ def application(config: ModelConfig, base_dir: str | None, options: dict):
 _streams: dict = {}
 
 
-async def forward_openai(name: str, kind: str, body: bytes):
-    """Call ``openai`` on a replica of generate model ``name``: a response generator (cancel it to abort)."""
+async def forward_openai(name: str, kind: str, request: Any):
+    """Call ``openai`` on a replica of generate model ``name`` with a decoded request: a response generator
+    (cancel it to abort)."""
     handle = _streams.get(name)
     if handle is None:
         found = await asyncio.get_running_loop().run_in_executor(None, serve.get_app_handle, name)
         handle = _streams[name] = found.options(stream=True)
-    return handle.openai.remote(kind, body)
+    return handle.openai.remote(kind, request)
 

@@ -1,5 +1,6 @@
-"""The engine process a generate replica runs its engines in: same answers as transformers, the
-engine's own errors at once, and what happens to open requests when the process ends."""
+"""The engine process a generate replica runs its engines in, behind the replica's front end: same answers
+as transformers, the front end's refusals at once (nothing reaches the process), and what happens to open
+requests when the process ends."""
 
 import asyncio
 import os
@@ -11,6 +12,7 @@ import pytest
 import generation_models as gm
 from neuron_serve.errors import ConfigError, InvalidInput, ModelNotReady, Overloaded
 from neuron_serve.generation import SamplingParams
+from neuron_serve.generation.frontend import Frontend
 from neuron_serve.generation.process import EngineProcess
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
@@ -31,16 +33,21 @@ def pretrained(tmp_path_factory):
     return directory
 
 
+def front(process: EngineProcess) -> Frontend:
+    """The replica's front end over an engine process."""
+    return Frontend(process, process.info, process.tokenizer)
+
+
 @pytest.fixture(scope="module")
 def engines(pretrained):
-    started = EngineProcess(_config(pretrained), None, "r0")
+    started = front(EngineProcess(_config(pretrained), None, "r0"))
     yield started
     started.close()
 
 
 def test_the_engines_run_in_their_own_process_and_generate_as_transformers_does(engines):
-    assert engines.process.pid != os.getpid() and engines.alive
-    assert (engines.engines, engines.slots, engines.max_model_len) == (1, 2, 64)
+    assert engines.engines.process.pid != os.getpid() and engines.alive
+    assert (engines.info["engines"], engines.slots, engines.max_model_len) == (1, 2, 64)
     assert engines.tokenizer.decode(engines.tokenizer.encode("neuron")) == "neuron"  # the replica decodes text
     lm = gm.build("llama")
     prompts = [[5, 9, 200, 17], list(range(40, 70)), [3]]  # three prompts over two slots: one waits its turn
@@ -104,14 +111,14 @@ def test_a_build_error_in_the_worker_is_raised_in_the_replica(tmp_path):
 
 
 def test_when_the_worker_dies_open_requests_end_with_an_error_and_new_ones_get_503(pretrained):
-    doomed = EngineProcess(_config(pretrained), None, "r1")
+    doomed = front(EngineProcess(_config(pretrained), None, "r1"))
     events = []
     ended = threading.Event()
 
     def sink(event):
         events.append(event)
         if len(events) == 2:
-            os.kill(doomed.process.pid, signal.SIGKILL)
+            os.kill(doomed.engines.process.pid, signal.SIGKILL)
         if event.finished:
             ended.set()
 
@@ -129,9 +136,9 @@ def test_when_the_worker_dies_open_requests_end_with_an_error_and_new_ones_get_5
 
 
 def test_closing_ends_open_requests_with_abort(pretrained):
-    closing = EngineProcess(_config(pretrained), None, "r2")
+    closing = front(EngineProcess(_config(pretrained), None, "r2"))
     finished = []
     closing.submit([1, 2], SamplingParams(max_tokens=60, temperature=0),
                    lambda e: e.finished and finished.append(e.finish_reason))
     closing.close()
-    assert finished == ["abort"] and closing.process.returncode == 0
+    assert finished == ["abort"] and closing.engines.process.returncode == 0

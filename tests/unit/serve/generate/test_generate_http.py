@@ -9,6 +9,7 @@ import pytest
 import generation_models as gm
 from neuron_serve.config.schema import parse_config
 from neuron_serve.generation import engine_for
+from neuron_serve.generation.frontend import Frontend
 from neuron_serve.serve.http import auth
 from neuron_serve.serve.generate import plane as generate_plane
 from neuron_serve.serve.generate.http import generate_app
@@ -26,7 +27,7 @@ def plane():
                         name="tiny")
     config = parse_config({"name": "tiny", "task": "generate", "model": {"factory": "m:f"},
                            "generation": {"max_num_seqs": 1, "max_model_len": 128, "max_waiting": 1}})
-    served = GenerationPlane(config, engine, tokenizer, 128)
+    served = GenerationPlane(config, engine)
     served.start()
     generate_plane.set_current(served)
     yield served
@@ -105,10 +106,10 @@ def _timing_out(plane, seconds: float):
     """The plane's engine with a request timeout of ``seconds``, for the length of a with block."""
     class _Limit:
         def __enter__(self):
-            plane.engines.request_timeout_s = seconds
+            plane.frontend.engines.request_timeout_s = seconds
 
         def __exit__(self, *exc):
-            plane.engines.request_timeout_s = None
+            plane.frontend.engines.request_timeout_s = None
     return _Limit()
 
 
@@ -131,7 +132,7 @@ def test_a_request_past_its_timeout_is_answered_504_and_its_slot_freed(plane):
             events = [line[len("data: "):] for line in body.decode().splitlines() if line.startswith("data: ")]
             assert status == 200 and events[-1] == "[DONE]"
             assert json.loads(events[-2])["error"]["message"].startswith("the request timed out")
-    assert plane.engines.running == 0
+    assert plane.frontend.running == 0
     # The one slot is free again: the next request is served whole.
     status, _, body = asyncio.run(call(app, "POST", "/v1/completions", completion(3)))
     assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 3
@@ -145,6 +146,7 @@ def test_a_special_tokens_logprob_text_is_empty_as_in_the_output_text():
     [marker] = tokenizer.encode("<|assistant|>", add_special_tokens=False)
     config = parse_config({"name": "tiny", "task": "generate", "model": {"factory": "m:f"},
                            "generation": {"max_num_seqs": 1, "max_model_len": 128}})
-    served = GenerationPlane(config, None, tokenizer, 128)
+    info = {"engines": 1, "slots": 1, "max_waiting": 1, "vocab_size": len(tokenizer), "max_model_len": 128}
+    served = GenerationPlane(config, Frontend(None, info, tokenizer))
     [n] = tokenizer.encode("n", add_special_tokens=False)
     assert (served.token_text(marker), served.token_text(n)) == ("", "n")
