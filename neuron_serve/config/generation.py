@@ -102,10 +102,11 @@ class GenerationSettings(BaseModel):
         description="context lengths to compile decode at (each compiled for every decode batch bucket); the "
                     "largest is max_model_len")
     decode_steps: int = Field(
-        1, ge=1, description="greedy decode steps run in one compiled call while every running sequence is greedy "
-                             "(no sampling, penalties or logprobs): the host and the core meet once per that many "
-                             "tokens; tokens past a sequence's stop, EOS or max_tokens are computed and dropped, and "
-                             "waiting prompts wait for the call; compiles each decode bucket a second time. 1: one "
+        1, ge=1, description="decode steps run in one compiled call, greedy or sampled on the core, while no "
+                             "running sequence needs the host for its next token (penalties, a logit bias, a grammar "
+                             "or logprobs): the host and the core meet once per that many tokens; tokens past a "
+                             "sequence's stop, EOS or max_tokens are computed and dropped, and waiting prompts wait "
+                             "for the call; compiles each decode bucket a second time (greedy and sampled). 1: one "
                              "token per call")
     tensor_parallel_size: int = Field(
         1, ge=1,
