@@ -15,7 +15,7 @@ KSERVE_VENV  := .venv-kserve
 KSERVE_STAMP := $(KSERVE_VENV)/.installed
 KSERVE_REQS  := tests/integration/kserve-requirements.txt
 
-.PHONY: install serve schema analyze test test-system-packages kserve-client bench bench-quick bench-latency bench-generate-http bench-guidellm soak llm-example docs
+.PHONY: install serve schema analyze test test-system-packages kserve-client bench bench-quick bench-latency bench-generate-http bench-guidellm soak llm-example embed-example docs
 
 # Serving needs only the base dependencies; the tests add their own extra.
 $(STAMP): pyproject.toml
@@ -46,7 +46,8 @@ kserve-client: $(KSERVE_STAMP)
 # The LLM example's model directory is made from local text first (llm-example).
 # exec: the server is make's own child, with no shell between, so the SIGTERM that make passes
 # on when it is stopped reaches it (make does not pass SIGINT on: Ctrl-C reaches both from the terminal).
-serve: $(STAMP) $(if $(findstring deployments/llm.yaml,$(EXAMPLE)),deployments/llm/config.json)
+serve: $(STAMP) $(if $(findstring deployments/llm.yaml,$(EXAMPLE)),deployments/llm/config.json) \
+       $(if $(findstring deployments/embedder.yaml,$(EXAMPLE))$(findstring deployments/reranker.yaml,$(EXAMPLE)),deployments/embedder/modules.json)
 	exec $(BIN)/neuron-serve deploy $(EXAMPLE)
 
 # The LLM example's model and tokenizer (deployments/llm.yaml), made from local text.
@@ -54,6 +55,12 @@ deployments/llm/config.json: deployments/example_models/make_llm.py | $(STAMP)
 	$(BIN)/python deployments/example_models/make_llm.py deployments/llm
 
 llm-example: deployments/llm/config.json
+
+# The retrieval examples' models and tokenizer (deployments/embedder.yaml, deployments/reranker.yaml), made from local text.
+deployments/embedder/modules.json: deployments/example_models/make_embedders.py | $(STAMP)
+	$(BIN)/python deployments/example_models/make_embedders.py deployments
+
+embed-example: deployments/embedder/modules.json
 
 # model.schema.json from neuron_serve/config/schema.py, and the model.yaml reference's table from it.
 schema: $(STAMP)
