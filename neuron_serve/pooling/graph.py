@@ -2,11 +2,12 @@
 
 Everything after the transformer (pooling, Dense projections, normalisation, a
 cross-encoder's activation) runs inside the compiled graph, so what crosses back from the
-core is one vector or a few scores a row, not a hidden state per token: on the example
-embedder at 16 rows of 128 tokens that is 24 KiB instead of 3 MiB, and pooling on the host
-instead cost 0.5 to 0.9 ms more a call (bench/embed_placement.py; docs/guides/embeddings.md).
-The modules are sentence-transformers' own, so the graph computes what its ``encode``
-and ``predict`` compute.
+core is one vector or a few scores a row, not a hidden state per token. Measured on a
+MiniLM-sized embedder (bench/embed_placement.py; docs/guides/embeddings.md): the compiled
+call costs the same either way, within the noise, while pooling on the host adds half a
+millisecond to tens of milliseconds of host CPU a call and 32 to 128 times the bytes crossing
+back (3 MiB instead of 24 KiB at 16 rows of 128 tokens). The modules are sentence-transformers' own, so the graph computes what its
+``encode`` and ``predict`` compute.
 """
 
 from __future__ import annotations

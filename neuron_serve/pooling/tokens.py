@@ -2,17 +2,18 @@
 
 Tokenization calls the model's Rust tokenizer (``tokenizers``) directly, as transformers'
 fast tokenizer does inside ``tokenizer(texts)`` (what sentence-transformers' ``encode`` and
-``predict`` call), without the Python around it: about 45 µs a short text instead of 130.
-A request's texts are tokenized on the event loop, since handing them to a thread and back
-costs more (about 130 µs on 2 vCPUs) than a few short texts take; a request of more text than
-``THREAD_CHARS`` goes to a thread, where the tokenizer runs without the GIL, so the loop
-keeps serving (bench/embed_placement.py measures both).
+``predict`` call), without the Python around it (bench/embed_placement.py: 69 µs for a
+text instead of 97). A request's texts are tokenized on the event loop, since handing them to
+a thread and back costs more than a few short texts take (about 100 µs on 2 vCPUs);
+a request of more text than ``THREAD_CHARS`` goes to a thread, so that the loop goes on
+taking and answering other requests meanwhile rather than stopping for it.
 
 Nothing here loads the compiler or torch-xla: a replica imports it beside its plane.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -54,6 +55,7 @@ class Tokens:
         self.side = getattr(tokenizer, "truncation_side", "right")
         self.segments = "token_type_ids" in spec.input_names
         self._truncating: OrderedDict[int, Any] = OrderedDict()
+        self._lock = threading.Lock()  # the event loop and the tokenizing thread both look truncators up
 
     def _plain(self) -> Any:
         # A copy: transformers sets truncation and padding on its own before each call; these stay off.
@@ -65,15 +67,16 @@ class Tokens:
     def _with_truncation(self, tokens: int | None) -> Any:
         if tokens is None:
             return self.backend
-        found = self._truncating.get(tokens)
-        if found is None:
-            found = self._plain()
-            found.enable_truncation(tokens, strategy="longest_first", direction=self.side)
-            self._truncating[tokens] = found
-            if len(self._truncating) > TRUNCATING_KEPT:
-                self._truncating.popitem(last=False)
-        self._truncating.move_to_end(tokens)
-        return found
+        with self._lock:
+            found = self._truncating.get(tokens)
+            if found is None:
+                found = self._plain()
+                found.enable_truncation(tokens, strategy="longest_first", direction=self.side)
+                self._truncating[tokens] = found
+                if len(self._truncating) > TRUNCATING_KEPT:
+                    self._truncating.popitem(last=False)
+            self._truncating.move_to_end(tokens)
+            return found
 
     def texts(self, texts: Sequence[str], truncate: int | None = None) -> list[Row]:
         """Each text as the tokenizer makes it (the default prompt before it), cut to ``truncate`` tokens."""
