@@ -14,8 +14,12 @@ EXAMPLE ?= deployments/mlp.yaml
 KSERVE_VENV  := .venv-kserve
 KSERVE_STAMP := $(KSERVE_VENV)/.installed
 KSERVE_REQS  := tests/integration/kserve-requirements.txt
+# infinity-emb, bench/embeddings.py's peer, in its own venv too: it pins numpy<2 and sentence-transformers<4.
+INFINITY_VENV  := .venv-infinity
+INFINITY_STAMP := $(INFINITY_VENV)/.installed
+INFINITY_REQS  := bench/peers/infinity-requirements.txt
 
-.PHONY: install serve schema analyze test test-system-packages kserve-client bench bench-quick bench-latency bench-generate-http bench-guidellm soak llm-example docs
+.PHONY: install serve schema analyze test test-system-packages kserve-client infinity-venv bench bench-quick bench-latency bench-generate-http bench-guidellm bench-embeddings soak llm-example embed-example docs
 
 # Serving needs only the base dependencies; the tests add their own extra.
 $(STAMP): pyproject.toml
@@ -43,10 +47,19 @@ $(KSERVE_STAMP): $(KSERVE_REQS)
 
 kserve-client: $(KSERVE_STAMP)
 
+$(INFINITY_STAMP): $(INFINITY_REQS)
+	test -d $(INFINITY_VENV) || $(PYTHON) -m venv $(INFINITY_VENV)
+	$(INFINITY_VENV)/bin/pip install --upgrade pip
+	$(INFINITY_VENV)/bin/pip install -r $(INFINITY_REQS)
+	touch $(INFINITY_STAMP)
+
+infinity-venv: $(INFINITY_STAMP)
+
 # The LLM example's model directory is made from local text first (llm-example).
 # exec: the server is make's own child, with no shell between, so the SIGTERM that make passes
 # on when it is stopped reaches it (make does not pass SIGINT on: Ctrl-C reaches both from the terminal).
-serve: $(STAMP) $(if $(findstring deployments/llm.yaml,$(EXAMPLE)),deployments/llm/config.json)
+serve: $(STAMP) $(if $(findstring deployments/llm.yaml,$(EXAMPLE)),deployments/llm/config.json) \
+       $(if $(findstring deployments/embedder.yaml,$(EXAMPLE))$(findstring deployments/reranker.yaml,$(EXAMPLE)),deployments/embedder/modules.json)
 	exec $(BIN)/neuron-serve deploy $(EXAMPLE)
 
 # The LLM example's model and tokenizer (deployments/llm.yaml), made from local text.
@@ -54,6 +67,12 @@ deployments/llm/config.json: deployments/example_models/make_llm.py | $(STAMP)
 	$(BIN)/python deployments/example_models/make_llm.py deployments/llm
 
 llm-example: deployments/llm/config.json
+
+# The retrieval examples' models and tokenizer (deployments/embedder.yaml, deployments/reranker.yaml), made from local text.
+deployments/embedder/modules.json: deployments/example_models/make_embedders.py | $(STAMP)
+	$(BIN)/python deployments/example_models/make_embedders.py deployments
+
+embed-example: deployments/embedder/modules.json
 
 # model.schema.json from neuron_serve/config/schema.py, and the model.yaml reference's table from it.
 schema: $(STAMP)
@@ -94,12 +113,19 @@ $(VENV)/.bench: $(TEST_STAMP)
 	command -v h2load >/dev/null || { [ "$$(id -u)" = 0 ] && s= || s=sudo; $$s apt-get install -y -qq --no-install-recommends nghttp2-client; }
 	touch $(VENV)/.bench
 
-# Both include generation over HTTP (bench/generate_http.py), which serves the LLM example.
-bench: $(VENV)/.bench llm-example
+# Both include generation over HTTP (bench/generate_http.py), which serves the LLM example, and embeddings over
+# HTTP (bench/embeddings.py) against infinity-emb, from its own venv.
+bench: $(VENV)/.bench llm-example $(INFINITY_STAMP)
 	$(BIN)/python -m bench
 
-bench-quick: $(VENV)/.bench llm-example
+bench-quick: $(VENV)/.bench llm-example $(INFINITY_STAMP)
 	$(BIN)/python -m bench --quick
+
+# Embeddings alone: neuron-serve against infinity-emb and sentence-transformers on Ray Serve, then where tokenization
+# and pooling run (bench/embed_placement.py).
+bench-embeddings: $(VENV)/.bench $(INFINITY_STAMP)
+	$(BIN)/python -m bench.embeddings
+	$(BIN)/python -m bench.embed_placement
 
 # Where one request's time goes at concurrency 1 (bench/latency.py): by stage in process, by process when served.
 bench-latency: $(VENV)/.bench

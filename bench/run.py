@@ -23,7 +23,11 @@ a 300-token prefix, served with and without caching) adds prefix_caching.md and
 prefix_caching.json; speculative decoding (bench/speculative.py: n-gram proposals on a
 repetitive workload, served with and without) adds speculative.md and speculative.json; long
 prompts (bench/prefill.py: a prefill against eager transformers' forward in process, and time
-to first token at one stream served beside transformers serve) adds prefill.md and prefill.json.
+to first token at one stream served beside transformers serve) adds prefill.md and prefill.json;
+embeddings (bench/embeddings.py: neuron-serve's /v1/embeddings against infinity-emb and
+sentence-transformers on Ray Serve, one server at a time, then bench/embed_placement.py: where
+tokenization and pooling run) adds embeddings.md, embeddings.json, embed_placement.md and
+embed_placement.json.
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-tensor-parallel", action="store_true",
                         help="skip tensor parallelism (bench/tensor_parallel.py)")
     parser.add_argument("--no-guidellm", action="store_true", help="skip guidellm (bench/guidellm.py)")
+    parser.add_argument("--no-embeddings", action="store_true",
+                        help="skip embeddings over HTTP and their placement (bench/embeddings.py, embed_placement.py)")
     parser.add_argument("--out", type=Path, help="results directory (default bench/results/<timestamp>)")
     return parser.parse_args(argv)
 
@@ -247,6 +253,16 @@ def run_prefill(quick: bool, out: Path, log) -> str | None:
     return _run_module("prefill", quick, out, log, "long prompts' time to first token (two servers in turn)", 2400)
 
 
+def run_embeddings(quick: bool, out: Path, log) -> str | None:
+    """bench/embeddings.py (neuron-serve, infinity-emb and sentence-transformers on Ray Serve in turn), then
+    bench/embed_placement.py (where tokenization and pooling run, in process)."""
+    served = _run_module("embeddings", quick, out, log, "embeddings over HTTP (three servers in turn, neuron-serve "
+                         "compiles first)", 3600)
+    placed = _run_module("embed_placement", quick, out, log, "where tokenization and pooling run (in process)", 1800,
+                         {"PJRT_DEVICE": "CPU"})
+    return "\n\n".join(part.strip() for part in (served, placed) if part) or None
+
+
 def run_guidellm(quick: bool, out: Path, log) -> str | None:
     """bench/guidellm.py (it serves the LLM example itself): its Markdown table, errors counted in it."""
     return _run_module("guidellm", quick, out, log, "guidellm against the LLM example (neuron-serve compiles first)",
@@ -292,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     speculation = None if args.no_generate else run_speculative(args.quick, out, log)
     prefill = None if args.no_generate else run_prefill(args.quick, out, log)
     guidellm = None if args.no_guidellm else run_guidellm(args.quick, out, log)
+    embedding = None if args.no_embeddings else run_embeddings(args.quick, out, log)
 
     targets = report.target_rows(rows)
     sections = [
@@ -327,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         sections += ["", prefill.strip()]
     if guidellm:
         sections += ["", guidellm.strip()]
+    if embedding:
+        sections += ["", embedding]
     markdown = "\n".join(sections) + "\n"
     (out / "results.md").write_text(markdown)
     (out / "raw.json").write_text(json.dumps({"rows": rows, "memory": memory, "internal": internal,

@@ -17,6 +17,7 @@ from .analysis.placement import analyze_graph
 from .analysis.report import build_report, log_support, write_report
 from .compile import cache as compile_cache
 from .config.compiler_args import parse_compiler_args
+from .config.pooling import POOLING_TASKS
 from .config.schema import build_model, load_config, load_deployment, parse_config
 from . import logs
 from .errors import NeuronServeError
@@ -30,6 +31,8 @@ def _analyze(args: argparse.Namespace) -> int:
     base_dir = Path(args.config).resolve().parent
     if config.task == "generate":
         return _analyze_generation(args, config, base_dir)
+    if config.task in POOLING_TASKS:
+        return _pooling_refused("analyze", config.task)
     model = build_model(config, base_dir)
     captured = capture(model, config.example_inputs())
     settings = config.partitioner_config(base_dir)
@@ -70,6 +73,13 @@ def _analyze(args: argparse.Namespace) -> int:
         print(stages.describe(), file=sys.stderr)
         report["pipeline"] = stages.to_dict()
     return _print_report(report, args.json)
+
+
+def _pooling_refused(command: str, task: str) -> int:
+    print(f"error: neuron-serve {command} takes task: infer and generate models; a task: {task} model is compiled by "
+          f"each replica from its model.pretrained directory when deployed (neuron-serve deploy), and its build "
+          f"prints its length buckets and placement", file=sys.stderr)
+    return 2
 
 
 def _print_report(report: dict, path: str | None) -> int:
@@ -122,6 +132,8 @@ def _build(args: argparse.Namespace) -> int:
         print(f"error: {args.config} already names an artifact ({config.model.artifact}); build from a model.yaml "
               "with a 'factory'.", file=sys.stderr)
         return 2
+    if config.task in POOLING_TASKS:
+        return _pooling_refused("build", config.task)
     out = Path(args.output)
     # The artifact's own model.yaml serves it as is: its model source is the artifact.
     served = config.model_dump(mode="json", exclude_none=True, exclude_unset=config.task == "generate")
@@ -216,7 +228,7 @@ def _deploy(args: argparse.Namespace) -> int:
         return max(codes)
     if grpc:
         print(f"gRPC (OIP v2) on {grpc['host']}:{grpc['port']}", file=sys.stderr)
-    if any(c.task == "generate" for c, _ in configs):
+    if any(c.task == "generate" or c.task in POOLING_TASKS for c, _ in configs):
         print(f"OpenAI API on http://{host}:{port}/v1", file=sys.stderr)
     print(f"serving {', '.join(names)} on http://{host}:{port}/v2 (metrics: /metrics; ingress: {chosen}; "
           f"Ray at {cluster.ray_address()})", file=sys.stderr, flush=True)

@@ -35,9 +35,14 @@ class UnsupportedModelError(NeuronServeError, RuntimeError):
 
 
 class InvalidInput(NeuronServeError, ValueError):
-    """Inputs do not match what the compiled model accepts."""
+    """Inputs do not match what the compiled model accepts; ``field``, when known, is the request field at fault
+    (OpenAI's error object names it as ``param``)."""
 
     http_status = 400
+
+    def __init__(self, message: str = "", field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class ModelNotFound(NeuronServeError):

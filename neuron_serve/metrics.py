@@ -171,7 +171,8 @@ E2E_REQUEST_LATENCY = Histogram(
     "neuron_serve_e2e_request_latency_seconds", "Time from a generate request's arrival to its last token",
     GEN_LABELS, buckets=LATENCY_BUCKETS,
 )
-PROMPT_TOKENS = Counter("neuron_serve_prompt_tokens", "Prompt tokens prefilled", GEN_LABELS)
+PROMPT_TOKENS = Counter("neuron_serve_prompt_tokens", "Prompt tokens prefilled (task: generate) or pooled (embed, score, "
+                                                       "classify)", GEN_LABELS)
 GENERATION_TOKENS = Counter("neuron_serve_generation_tokens", "Tokens generated", GEN_LABELS)
 # vLLM's prefix_cache_queries / prefix_cache_hits, in tokens: with generation.enable_prefix_caching.
 PREFIX_CACHE_QUERIES = Counter("neuron_serve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
@@ -213,6 +214,24 @@ STEP_TIME = Histogram(
     "neuron_serve_generation_step_seconds", "Time of one compiled prefill or decode call, by bucket",
     [*GEN_LABELS, "bucket"], buckets=LATENCY_BUCKETS,
 )
+
+# Pooling models (task: embed, score, classify): the infer metrics above count their requests, batches, chunks
+# and cores (the same request queue and runner serve them); these add what only they have. Their inputs' tokens
+# are counted in neuron_serve_prompt_tokens, as vLLM counts a pooling request's prompt tokens.
+POOLING_REQUESTS = Counter(
+    "neuron_serve_pooling_requests_total",
+    "Embedding, rerank, score and classify requests by API (embeddings, rerank, score, classify) and outcome "
+    "(HTTP status code)", ["model", "replica", "api", "code"],
+)
+POOLING_INPUTS = Counter(
+    "neuron_serve_pooling_inputs_total", "Inputs pooled (texts, token-id lists or text pairs), by API",
+    ["model", "replica", "api"],
+)
+PADDING_TOKENS = Counter(
+    "neuron_serve_padding_tokens_total", "Tokens added to fill a sequence-length bucket (pooling models): wasted work",
+    ["model", "replica"],
+)
+
 
 def scrape() -> bytes:
     """Every process's samples, merged: the body of GET /metrics."""

@@ -52,3 +52,12 @@ def pytest_collection_modifyitems(config, items):
     keeps compiled graphs per process). Run last, they change nothing another test sees.
     """
     items.sort(key=lambda item: "test_doc_examples.py" in item.nodeid)  # stable: the rest keep their order
+
+
+@pytest.fixture(scope="session")
+def pooling_dirs(tmp_path_factory):
+    """The pooling tests' model directories (tests/pooling_models.py), written on first use, shared by the unit
+    and the served tests."""
+    import pooling_models  # noqa: PLC0415
+
+    return pooling_models.Directories(tmp_path_factory.mktemp("pooling-models"))

@@ -191,12 +191,15 @@ def check_task(config: Any) -> None:
     """ModelConfig's rules of ``task``; raises FieldError naming the field and the fix."""
     source = config.model
     if config.task == "infer":
-        for name in ("generation", "tokenizer"):
-            if getattr(config, name) is not None:
-                raise FieldError(name, f"applies to task: generate; set task: generate or remove {name}")
+        if config.generation is not None:
+            raise FieldError("generation", "applies to task: generate; set task: generate or remove generation")
+        if config.tokenizer is not None:
+            raise FieldError("tokenizer", "applies to task: generate, embed, score or classify; set one of them or "
+                                          "remove tokenizer")
         if source.pretrained is not None:
-            raise FieldError("model.pretrained", "a transformers causal LM directory is served with task: generate; "
-                                                 "set task: generate, or use model.factory or model.artifact")
+            raise FieldError("model.pretrained", "a transformers model directory is served with task: generate (a "
+                                                 "causal LM) or embed, score, classify (a pooling model); set one "
+                                                 "of them, or use model.factory or model.artifact")
         if config.inputs is None:
             raise FieldError("inputs", "Field required for task: infer (add the model's inputs, each with name, "
                                        "shape and dtype)")

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .compiler_args import parse_compiler_args
 from ..errors import ConfigError
 from .generation import FieldError, GenerationSettings, check_task
+from .pooling import POOLING_TASKS, PoolingSettings, check_pooling_task
 from ..buckets.batch_sizes import check_batch_sizes, default_batch_sizes
 from ..partition.config import DEFAULT_SUPPORT_THRESHOLD, NO_LIMIT, PartitionerConfig
 from ..partition.placement import ModelPlacement
@@ -59,15 +60,18 @@ class ModelSource(_Strict):
         default=None, description="a directory written by 'neuron-serve build' (relative to the model.yaml's folder)"
     )
     pretrained: str | None = Field(
-        default=None, min_length=1, description="task: generate: a transformers causal LM directory (save_pretrained; "
-                                                "relative to the model.yaml's folder), loaded with local files only")
+        default=None, min_length=1, description="task: generate: a transformers causal LM directory; task: embed, "
+                                                "score, classify: a sentence-transformers or transformers model "
+                                                "directory (save_pretrained or save; relative to the model.yaml's "
+                                                "folder), loaded with local files only")
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSource":
         if sum(s is not None for s in (self.factory, self.artifact, self.pretrained)) != 1:
             raise ValueError(
                 "give exactly one of 'factory' (an import path 'package.module:function'), 'artifact' "
-                "(a directory written by 'neuron-serve build') or 'pretrained' (a transformers causal LM directory)"
+                "(a directory written by 'neuron-serve build') or 'pretrained' (a transformers or sentence-transformers "
+                "model directory)"
             )
         if self.factory is None and self.kwargs:
             raise ValueError("'kwargs' apply to a factory; an artifact or a pretrained directory is loaded as it is, "
@@ -263,13 +267,19 @@ class ModelConfig(_Strict):
     """One deployment: the model, its inputs and how to compile it."""
 
     name: str = Field(pattern=NAME_PATTERN, description="model name in URLs: lowercase letters, digits, '-', '_', '.'")
-    task: Literal["infer", "generate"] = Field("infer", description="infer: tensors in, tensors out; generate: a "
-                                               "causal LM generating tokens (see generation)")
+    task: Literal["infer", "generate", "embed", "score", "classify"] = Field(
+        "infer", description="infer: tensors in, tensors out; generate: a causal LM generating tokens (see "
+                             "generation); embed: text in, embeddings out (/v1/embeddings); score: a cross-encoder "
+                             "scoring text pairs (/v1/rerank, /v1/score); classify: a sequence classifier "
+                             "(/classify); the last three see pooling")
     model: ModelSource
     inputs: list[InputSpec] | None = Field(default=None, min_length=1, description="task: infer (required)")
-    tokenizer: str | None = Field(default=None, min_length=1, description="task: generate: a directory of "
-                                  "transformers tokenizer files (relative to the model.yaml; default model.pretrained)")
+    tokenizer: str | None = Field(default=None, min_length=1, description="task: generate, embed, score, classify: "
+                                  "a directory of transformers tokenizer files (relative to the model.yaml; default "
+                                  "model.pretrained)")
     generation: GenerationSettings | None = Field(default=None, description="task: generate (defaults when absent)")
+    pooling: PoolingSettings | None = Field(default=None, description="task: embed, score, classify (defaults, "
+                                            "read from the model's directory, when absent)")
     target: Literal["neuron", "xla"] = DEFAULT_TARGET
     partitioner: PartitionerSettings | None = None
     compiler_args: str | list[str] | None = Field(
@@ -306,7 +316,9 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _unique_inputs(self) -> "ModelConfig":
-        check_task(self)
+        check_pooling_task(self)
+        if self.task not in POOLING_TASKS:
+            check_task(self)
         names = [i.name for i in self.inputs or []]
         if len(set(names)) != len(names):
             raise ValueError(f"input names must be unique, got {names}")

@@ -61,6 +61,9 @@ class Server:
         env_overrides = env
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # always an embedded Ray
         env["PYTHONWARNINGS"] = "ignore"
+        # The checkout's neuron_serve in deploy and in every Ray worker it starts (they inherit the environment),
+        # also when the installed package is another worktree's.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
         # Its own metrics directory: servers of other test runs on this machine serve
         # models of the same names, and would be merged into this one's /metrics.
         (metrics_dir := tmp / "metrics").mkdir(exist_ok=True)

@@ -31,3 +31,21 @@ def eager(config):
 def built(config):
     """The model as a replica builds it: through neuron_serve.build.from_config from its model.yaml."""
     return build(config, HERE)
+
+
+@pytest.fixture(scope="session")
+def pooled(pooling_dirs):
+    """``pooled(name, **changes)``: the pooling model ``name`` of tests/pooling_models.py built as a replica builds
+    it (compiled model, spec, tokenizer), once per session for each model.yaml."""
+    from neuron_serve.pooling.build import build as build_pooling  # noqa: PLC0415
+
+    built: dict = {}
+
+    def get(name: str, source: str | None = None, **changes):
+        config = parse_config(pooling_dirs.config(name, source, **changes))
+        key = config.model_dump_json()
+        if key not in built:
+            built[key] = (config, *build_pooling(config))
+        return built[key]
+
+    return get

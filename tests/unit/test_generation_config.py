@@ -37,10 +37,10 @@ REFUSED = [
     ("generation with task infer", with_(INFER, generation={"max_num_seqs": 4}),
      "generation: applies to task: generate; set task: generate or remove generation"),
     ("tokenizer with task infer", with_(INFER, tokenizer="tok"),
-     "tokenizer: applies to task: generate; set task: generate or remove tokenizer"),
+     "tokenizer: applies to task: generate, embed, score or classify; set one of them or remove tokenizer"),
     ("pretrained with task infer", with_(INFER, model={"pretrained": "llama"}),
-     "model.pretrained: a transformers causal LM directory is served with task: generate; set task: generate, "
-     "or use model.factory or model.artifact"),
+     "model.pretrained: a transformers model directory is served with task: generate (a causal LM) or embed, "
+     "score, classify (a pooling model); set one of them, or use model.factory or model.artifact"),
     ("infer without inputs", without(INFER, "inputs"),
      "inputs: Field required for task: infer (add the model's inputs, each with name, shape and dtype)"),
     ("generate with inputs", with_(GENERATE, inputs=[{"name": "ids", "shape": [1, 8], "dtype": "int64"}]),
@@ -68,13 +68,14 @@ REFUSED = [
      "remove partitioner"),
     ("two model sources", with_(GENERATE, model={"factory": "a:b", "pretrained": "llama"}),
      "model: Value error, give exactly one of 'factory' (an import path 'package.module:function'), 'artifact' "
-     "(a directory written by 'neuron-serve build') or 'pretrained' (a transformers causal LM directory)"),
+     "(a directory written by 'neuron-serve build') or 'pretrained' (a transformers or sentence-transformers "
+     "model directory)"),
     ("no model source", with_(GENERATE, model={}), "model: Value error, give exactly one of 'factory'"),
     ("kwargs for pretrained", with_(GENERATE, model={"pretrained": "llama", "kwargs": {"a": 1}}),
      "model: Value error, 'kwargs' apply to a factory; an artifact or a pretrained directory is loaded as it is, "
      "remove 'kwargs'"),
     ("unknown task", with_(GENERATE, task="chat"),
-     "task: Input should be 'infer' or 'generate' (use one of the values listed)"),
+     "task: Input should be 'infer', 'generate', 'embed', 'score' or 'classify' (use one of the values listed)"),
     ("generation typo", with_(GENERATE, generation={"max_num_seq": 4}),
      "generation.max_num_seq: Extra inputs are not permitted (remove it or check its spelling)"),
     ("no slots", with_(GENERATE, generation={"max_num_seqs": 0}),

@@ -12,14 +12,17 @@ COMPILER = ("neuron_serve.api", "neuron_serve.build.from_config", "neuron_serve.
             "neuron_serve.build.weights", "neuron_serve.analysis", "neuron_serve.partition.plan", "neuron_serve.compile",
             "neuron_serve.report")
 
-INFER, GENERATE, GRPC, RAY = (f"neuron_serve.serve.{p}" for p in ("infer", "generate", "grpc", "ray"))
+INFER, GENERATE, POOLING, GRPC, RAY = (f"neuron_serve.serve.{p}" for p in ("infer", "generate", "pooling", "grpc", "ray"))
+# What a pooling model is built from (its directory, the graph, the compile): loaded by its replica's build only.
+POOLING_BUILD = ("neuron_serve.pooling.source", "neuron_serve.pooling.graph", "neuron_serve.pooling.build")
 SERVER_APP = "neuron_serve.serve.http.app"
 
 # The layers, lowest first: errors; buckets (compiled shapes: arithmetic only); config/ (the model.yaml
 # schema: schema.py, generation.py, compiler_args.py; of the partitioner only its settings types,
 # partition/config.py, kwargs.py and placement.py); model (the compiled model); the compiler; runtime;
 # generation; serve.
-SCHEMA = ("neuron_serve.model", "neuron_serve.generation", "neuron_serve.serve", "neuron_serve.runtime", "neuron_serve.targets",
+SCHEMA = ("neuron_serve.model", "neuron_serve.generation", "neuron_serve.pooling", "neuron_serve.serve",
+          "neuron_serve.runtime", "neuron_serve.targets",
           "neuron_serve.partition.plan", "neuron_serve.partition.pipeline", "neuron_serve.partition.balance",
           *COMPILER)
 
@@ -28,6 +31,7 @@ RULES = {
     "neuron_serve.buckets": SCHEMA + ("neuron_serve.config", "neuron_serve.model", "neuron_serve.partition"),
     "neuron_serve.config": SCHEMA,
     "neuron_serve.config.generation": SCHEMA + ("neuron_serve.config.schema", "neuron_serve.partition"),
+    "neuron_serve.config.pooling": SCHEMA + ("neuron_serve.config.schema", "neuron_serve.partition"),
     # A build's progress lines, which the compiler and the generation models report to: of the package
     # they read only logs.py and the compiled model's Partition type.
     "neuron_serve.build.progress": COMPILER + ("neuron_serve.config", "neuron_serve.buckets", "neuron_serve.partition",
@@ -37,19 +41,27 @@ RULES = {
     "neuron_serve.model": COMPILER + ("neuron_serve.config", "neuron_serve.runtime", "neuron_serve.serve"),
     # The runtime tells one observer of its work (runtime/observer.py); the metrics live at the serving edge.
     "neuron_serve.runtime": COMPILER + ("neuron_serve.serve", "neuron_serve.metrics"),
-    "neuron_serve.serve.infer": COMPILER + (GENERATE, GRPC, RAY, SERVER_APP),
+    "neuron_serve.serve.infer": COMPILER + (GENERATE, POOLING, GRPC, RAY, SERVER_APP),
     # The infer data plane takes the neutral InferRequest from every protocol's route: it knows no codec.
     f"{INFER}.plane": tuple(f"neuron_serve.serve.protocols.{codec}"
                             for codec in ("oip_rest", "oip_grpc", "oip_rest_schema", "oip_tensors")),
     "neuron_serve.serve.http": COMPILER + (RAY,),
     # Below the planes: what every app shares.
-    "neuron_serve.serve.http.base": (INFER, GENERATE, GRPC, RAY),
-    "neuron_serve.serve.http.auth": (INFER, GENERATE, GRPC, RAY),
-    "neuron_serve.serve.http.disconnect": (INFER, GENERATE, GRPC, RAY),
-    "neuron_serve.serve.http.openai_routes": (INFER, GENERATE, GRPC, RAY),
+    "neuron_serve.serve.http.base": (INFER, GENERATE, POOLING, GRPC, RAY),
+    "neuron_serve.serve.http.auth": (INFER, GENERATE, POOLING, GRPC, RAY),
+    "neuron_serve.serve.http.disconnect": (INFER, GENERATE, POOLING, GRPC, RAY),
+    "neuron_serve.serve.http.openai_routes": (INFER, GENERATE, POOLING, GRPC, RAY),
+    "neuron_serve.serve.http.pooling_routes": (INFER, GENERATE, POOLING, GRPC, RAY),
     # The codecs know no transport, plane nor orchestration.
-    "neuron_serve.serve.protocols": ("neuron_serve.serve.http", INFER, GENERATE, GRPC, RAY),
-    "neuron_serve.serve.grpc": COMPILER + (RAY, SERVER_APP),
+    "neuron_serve.serve.protocols": ("neuron_serve.serve.http", INFER, GENERATE, POOLING, GRPC, RAY),
+    "neuron_serve.serve.grpc": COMPILER + (POOLING, RAY, SERVER_APP),
+    # The pooling models: below serve/; what a replica serves them by (spec, tokens) loads no compiler.
+    "neuron_serve.pooling": ("neuron_serve.serve", "neuron_serve.generation", "neuron_serve.runtime"),
+    "neuron_serve.pooling.spec": COMPILER + POOLING_BUILD + ("neuron_serve.config", "neuron_serve.model"),
+    "neuron_serve.pooling.tokens": COMPILER + POOLING_BUILD + ("neuron_serve.config", "neuron_serve.model"),
+    # The pooling plane builds on the infer plane; the replica's deployment builds the model.
+    "neuron_serve.serve.pooling": COMPILER + POOLING_BUILD + ("neuron_serve.generation.engine", GENERATE, GRPC, RAY,
+                                                              SERVER_APP),
     "neuron_serve.targets": COMPILER + ("neuron_serve.runtime", "neuron_serve.serve"),
     "neuron_serve.analysis": ("neuron_serve.api", "neuron_serve.build.from_config", "neuron_serve.partition",
                              "neuron_serve.report", "neuron_serve.runtime", "neuron_serve.serve"),
@@ -199,6 +211,15 @@ def test_serving_a_built_model_loads_no_compiler_module():
             "print(sorted(m for m in sys.modules if m.startswith('neuron_serve')))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert [m for m in eval(loaded) if any(_under(m, c) for c in COMPILER)] == []
+
+
+def test_serving_a_built_pooling_model_loads_no_compiler_module():
+    """A pooling replica's routes, plane and tokenizer: the compiler comes only with its build."""
+    code = ("import sys, neuron_serve.serve.pooling.http, neuron_serve.serve.pooling.plane, "
+            "neuron_serve.serve.http.pooling_routes, neuron_serve.pooling.tokens; "
+            "print(sorted(m for m in sys.modules if m.startswith('neuron_serve')))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert [m for m in eval(loaded) if any(_under(m, c) for c in COMPILER + POOLING_BUILD)] == []
 
 
 def test_the_replicas_generate_path_loads_no_compiler_module_nor_torch_xla():

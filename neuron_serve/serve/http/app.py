@@ -1,7 +1,8 @@
 """The server app, mounted at ``/``: health, server metadata, ``/metrics``, the OpenAPI
-document, the OpenAI routes (forwarded to the generate model a request names), and the
-answers for models that are unknown (404) or still loading (503). Each model's own routes
-are its plane's app (`serve.infer.http`, `serve.generate.http`).
+document, the OpenAI routes (forwarded to the generate model a request names), the pooling
+routes (to the pooling model it names), and the answers for models that are unknown (404)
+or still loading (503). Each model's own routes are its plane's app (`serve.infer.http`,
+`serve.generate.http`, `serve.pooling.http`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from ... import metrics
 from ...version import __version__
 from ...errors import ModelNotFound, ModelNotReady, NeuronServeError
 from ...targets.pjrt import emulated
-from . import auth, openai_routes
+from . import auth, openai_routes, pooling_routes
 from .base import error as _error, install_error_handlers
 from ..infer import triton as triton_ext
 
@@ -31,16 +32,20 @@ ModelStates = Callable[[], Awaitable[dict[str, str]]]  # model name -> "ready" |
 ForwardOpenAI = Callable[[str, str, Any], Awaitable[Any]]  # (model, kind, the decoded request)
 # model -> what GET /v1/models says of it beyond its id (max_model_len, tensor_parallel_size)
 DescribeModel = Callable[[str], Awaitable[dict]]
+# (model, route, body) -> (status, headers, body): a pooling route's request answered by a replica of the model
+ForwardPooling = Callable[[str, str, bytes], Awaitable[tuple[int, dict, bytes]]]
 # models -> those of them whose ports (HTTP, gRPC, metrics) deploy has not yet seen answer (serve.ray.readiness)
 Unchecked = Callable[[list[str]], Awaitable[set[str]]]
 
 
 def server_app(model_states: ModelStates, generate_states: ModelStates | None = None,
                forward_openai: ForwardOpenAI | None = None, describe: DescribeModel | None = None,
-               unchecked: Unchecked | None = None) -> FastAPI:
+               unchecked: Unchecked | None = None, pooling_states: ModelStates | None = None,
+               forward_pooling: ForwardPooling | None = None) -> FastAPI:
     """Health, server metadata, metrics, the OpenAI routes (forwarded to the generate model a
-    request names) and the fallbacks for unknown or loading models. Readiness wants every model
-    ready and, with ``unchecked``, every port seen answering for each."""
+    request names), the pooling routes (to the pooling model it names) and the fallbacks for
+    unknown or loading models. Readiness wants every model ready and, with ``unchecked``, every
+    port seen answering for each."""
     app = FastAPI(
         title="neuron-serve",
         version=__version__,
@@ -123,5 +128,7 @@ def server_app(model_states: ModelStates, generate_states: ModelStates | None = 
         return Response(metrics.scrape(), media_type="text/plain; version=0.0.4")
 
     if generate_states is not None and forward_openai is not None:
-        openai_routes.install(app, model_states, generate_states, forward_openai, describe)
+        openai_routes.install(app, model_states, generate_states, forward_openai, describe, pooling_states)
+    if pooling_states is not None and forward_pooling is not None:
+        pooling_routes.install(app, model_states, pooling_states, forward_pooling)
     return app

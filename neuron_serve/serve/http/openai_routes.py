@@ -50,20 +50,24 @@ async def _relay(rest: Any) -> AsyncIterator[bytes]:
 
 def install(app: FastAPI, model_states: States, generate_states: States,
             forward: Callable[[str, str, Any], Awaitable[Any]],
-            describe: Callable[[str], Awaitable[dict]] | None = None) -> None:
+            describe: Callable[[str], Awaitable[dict]] | None = None, pooling_states: States | None = None) -> None:
     """Add ``GET /v1/models`` and the two generation routes to the server app; ``describe(name)`` gives a
-    model's fields beyond its id."""
+    model's fields beyond its id. The models listed are the generate and the pooling ones (``pooling_states``),
+    those OpenAI's API serves."""
+
+    async def listed() -> dict[str, str]:
+        return {**(await generate_states()), **(await pooling_states() if pooling_states is not None else {})}
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        states = await generate_states()
+        states = await listed()
         names = sorted(n for n, s in states.items() if s == "ready")
         details = dict(zip(names, await asyncio.gather(*(describe(n) for n in names)))) if describe else None
         return JSONResponse(openai.models_list(names, details))
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> JSONResponse:
-        states = await generate_states()
+        states = await listed()
         if states.get(model_id) != "ready":
             return _error(openai.unknown_model(model_id, sorted(n for n, s in states.items() if s == "ready")))
         return JSONResponse(openai.model_card(model_id, await describe(model_id) if describe else None))
@@ -75,7 +79,11 @@ def install(app: FastAPI, model_states: States, generate_states: States,
             states = await generate_states()
             if name not in states:
                 error = openai.unknown_model(name, sorted(states))
-                if name in await model_states():
+                if pooling_states is not None and name in await pooling_states():
+                    error = openai.OpenAIError(f"{error} ({name!r} is a pooling model, task embed, score or classify: "
+                                               f"POST /v1/embeddings, /v1/rerank, /v1/score or /classify)", 404,
+                                               "model", "model_not_found")
+                elif name in await model_states():
                     error = openai.OpenAIError(f"{error} ({name!r} is a task: infer model: POST "
                                                f"/v2/models/{name}/infer)", 404, "model", "model_not_found")
                 raise error

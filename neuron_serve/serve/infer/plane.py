@@ -74,8 +74,10 @@ class InferCall:
 class ModelDataPlane:
     """One built model on one replica: loads it on the cores, batches its requests, speaks OIP v2."""
 
-    def __init__(self, config: ModelConfig, model: CompiledModel, replica: str | None = None) -> None:
+    def __init__(self, config: ModelConfig, model: CompiledModel, replica: str | None = None,
+                 parameters: dict | None = None) -> None:
         self.config = config
+        self.parameters = dict(parameters or {})  # more of metadata's parameters (a pooling model's settings)
         self.name = config.name
         self.replica = replica or str(os.getpid())
         # The runtime's events, and the plane's, as this replica's metrics: one observer, handed down once.
@@ -137,6 +139,7 @@ class ModelDataPlane:
                 "partitions": self.runner.partitions,
                 "batch_sizes": self.runner.model.batch_sizes,
                 "neuron_serve_version": __version__,
+                **self.parameters,
             },
         }
 
@@ -189,11 +192,21 @@ class ModelDataPlane:
                 f"the request has {rows} rows; this model accepts at most "
                 f"{self.config.batching.max_batch_size} (batching.max_batch_size)."
             )
-        outputs = await self._batcher.submit((tensors, times), rows=rows)
+        outputs = await self.run(tensors, call)
         named = list(zip(self.runner.model.output_names, outputs))
         selected = select_outputs(request, named, self.name)
         call.rows = rows
         return InferResponse(self.name, "1", request.id, selected)
+
+
+    async def run(self, tensors: list[torch.Tensor], call: InferCall) -> list[torch.Tensor]:
+        """Batch and run rows already checked against the model; its outputs for them.
+
+        For a plane built on this one (the pooling plane, which makes its inputs from text):
+        the rows join other requests' in the request queue. Any number of rows: past
+        ``batching.max_batch_size`` they run as a batch of their own.
+        """
+        return await self._batcher.submit((tensors, call.times), rows=tensors[0].shape[0])
 
 
 _current: ModelDataPlane | None = None

@@ -53,7 +53,7 @@ def error_of(exc: Exception) -> tuple[int, dict]:
     if isinstance(exc, OpenAIError):
         return exc.http_status, error_body(str(exc), exc.http_status, exc.param, exc.code)
     if isinstance(exc, NeuronServeError):
-        return exc.http_status, error_body(str(exc), exc.http_status)
+        return exc.http_status, error_body(str(exc), exc.http_status, getattr(exc, "field", None))
     return 500, error_body(f"internal error: {type(exc).__name__}: {exc}", 500)
 
 

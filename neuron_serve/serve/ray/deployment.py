@@ -1,8 +1,9 @@
 """Ray Serve deployments: the model replicas and the server app, and the applications they make.
 
 Deploying and stopping them is `deploy`. Each model is its own Serve application at ``/v2/models/{name}`` (so requests go
-straight to its replicas); the ``neuron-serve`` application at ``/`` serves health,
-server metadata and metrics. Replicas ask Ray for ``neuron_cores`` when the cluster
+straight to its replicas): an infer model's replicas are here, a generate model's in
+`generate_deployment`, a pooling model's in `pooling_deployment`; the ``neuron-serve``
+application at ``/`` serves health, server metadata, metrics and the ``/v1`` routes. Replicas ask Ray for ``neuron_cores`` when the cluster
 advertises them, so each gets its own cores; in emulation each replica gets
 ``cores_per_replica`` XLA:CPU devices.
 """
@@ -13,20 +14,22 @@ import asyncio
 import logging
 import os
 import sys
-import time
 
 import ray
 from ray import serve
 
 from ... import logs, metrics
 from ...compile.cache import CACHE_ENV
+from ...config.pooling import POOLING_TASKS
 from ...config.schema import ModelConfig, parse_config
 from ...targets.pjrt import neuron_devices_present
 from ...errors import ConfigError
 from ..infer.plane import ModelDataPlane
 from ..http import auth
 from ..infer import plane as dataplane
-from . import generate_deployment
+from . import generate_deployment, pooling_deployment
+from .applications import (call_model, forward_pooling, generate_states, model_card, model_states, pooling_states,
+                           statuses)
 from ..grpc import service as grpc_service
 from . import grpc_port
 from . import cluster, readiness
@@ -37,7 +40,6 @@ logger = logging.getLogger("neuron_serve")
 
 SERVER_APP = cluster.SERVER_APP
 NEURON_CORES = "neuron_cores"  # the Ray resource each replica asks for on Neuron clusters
-STATUS_TTL_S = 1.0
 # How long a stopping replica waits for the requests it holds (Serve's graceful shutdown).
 DRAIN_S = 30
 ONGOING_PER_CAPACITY = 8
@@ -113,51 +115,6 @@ def _build_plane(config: ModelConfig, base_dir: str | None, replica: str) -> Mod
     return ModelDataPlane(config, build(config, base_dir), replica)
 
 
-_status_cache: tuple[float, dict[str, str], set[str]] = (0.0, {}, set())
-
-
-async def _statuses() -> tuple[dict[str, str], set[str]]:
-    """(every model application's state, the names of the task: generate ones), from the Serve
-    controller (cached briefly). A generate model's application holds the "generate" deployment."""
-    global _status_cache
-    stamp, cached, generating = _status_cache
-    if time.monotonic() - stamp < STATUS_TTL_S:
-        return cached, generating
-    status = await asyncio.get_running_loop().run_in_executor(None, serve.status)
-    states, generating = {}, set()
-    for name, app in status.applications.items():
-        if name == SERVER_APP:
-            continue
-        value = str(app.status.value if hasattr(app.status, "value") else app.status)
-        states[name] = {"RUNNING": "ready", "DEPLOY_FAILED": f"failed: {app.message}"}.get(value, value.lower())
-        if generate_deployment.DEPLOYMENT in app.deployments:
-            generating.add(name)
-    _status_cache = (time.monotonic(), states, generating)
-    return states, generating
-
-
-async def model_states() -> dict[str, str]:
-    """Every model application's state: "ready", "failed: ..." or Serve's state in lower case."""
-    return (await _statuses())[0]
-
-
-async def generate_states() -> dict[str, str]:
-    """The states of the task: generate models (those the OpenAI routes serve)."""
-    states, generating = await _statuses()
-    return {name: state for name, state in states.items() if name in generating}
-
-
-async def model_card(name: str) -> dict:
-    """What ``GET /v1/models`` says of generate model ``name`` beyond its id, from one of its replicas
-    (nothing when none answers: the list still names it)."""
-    try:
-        kind, meta = await call_model(name, "metadata", b"")
-    except Exception:  # noqa: BLE001 - a replica going away between the status and the call
-        return {}
-    parameters = meta.get("parameters", {}) if kind == "ok" else {}
-    return {k: parameters[k] for k in ("max_model_len", "tensor_parallel_size") if k in parameters}
-
-
 _ports_checked = False  # whether this server app's deploy checks that every port answers (readiness)
 
 
@@ -168,7 +125,7 @@ async def unchecked_models(models: list[str]) -> set[str]:
 
 @serve.deployment(name="server", num_replicas=1, ray_actor_options={"num_cpus": 0})
 @serve.ingress(server_app(model_states, generate_states, generate_deployment.forward_openai, model_card,
-                          unchecked_models))
+                          unchecked_models, pooling_states, forward_pooling))
 class Server:
     """Health, server metadata, metrics and fallbacks, and the gRPC service; holds no model.
 
@@ -217,9 +174,9 @@ class Server:
             # seldom after, since serve.status costs this replica CPU each time.
             await asyncio.sleep(GRPC_HANDOVER_S if self._grpc is not None else GRPC_RECHECK_S)
             try:
-                # A generate model's replicas serve no gRPC: only a ready infer model takes the port.
-                states, generating = await _statuses()
-                await self._listen(not any(state == "ready" and name not in generating
+                # A generate model's replicas serve no gRPC: only a ready infer or pooling model takes the port.
+                states, kinds = await statuses()
+                await self._listen(not any(state == "ready" and kinds.get(name) != "generate"
                                            for name, state in states.items()))
             except Exception as exc:  # Serve's controller busy or restarting: ask again later
                 logger.debug("gRPC hand-over check failed: %s", exc)
@@ -234,18 +191,6 @@ class Server:
                 logger.debug("gRPC address not unregistered: %s", exc)
         if getattr(self, "_grpc", None) is not None:
             await self._grpc.stop(grace=5)
-
-
-_handles: dict = {}
-
-
-async def call_model(name: str, method: str, payload: bytes) -> tuple:
-    """Forward a gRPC call to a replica of model ``name`` (its Serve application)."""
-    handle = _handles.get(name)
-    if handle is None:
-        handle = await asyncio.get_running_loop().run_in_executor(None, serve.get_app_handle, name)
-        _handles[name] = handle
-    return await handle.grpc_call.remote(method, payload)
 
 
 def replica_env(config: ModelConfig) -> dict[str, str]:
@@ -286,6 +231,8 @@ def model_application(config: ModelConfig, base_dir: str | None, grpc: dict | No
     if config.task == "generate":
         return generate_deployment.application(config, base_dir, options)
     options["max_ongoing_requests"] = max_ongoing_requests(config)
+    if config.task in POOLING_TASKS:
+        return pooling_deployment.PoolingServer.options(**options).bind(config.model_dump(), base_dir, grpc)
     return ModelServer.options(**options).bind(config.model_dump(), base_dir, grpc)
 
 

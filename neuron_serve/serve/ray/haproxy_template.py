@@ -15,13 +15,16 @@ there: :func:`patch` runs as the ``worker_process_setup_hook`` of every Ray work
    under it ends in a retry on a live replica (``retry-on empty-response``) or in the JSON
    503 error page, never in silence; later requests of a keep-alive client connection
    still share server connections.
-2. **OpenAI's routes straight to the generate model.** ``/v1/...`` belongs to the server
-   app, which reads the request's ``model`` and forwards the call to that model's replica
-   through a Serve handle. With one ``task: generate`` model served (its application's
-   ingress deployment is "generate"), HAProxy rewrites ``/v1/...`` to that application's
-   own OpenAI routes (``/v2/models/{name}/v1/...``) and sends it to its replicas directly:
-   every streamed chunk then skips two process hops (measured: 2.7x the tokens per second
-   at 32 concurrent streams). With several, the body decides, so the server app forwards.
+2. **OpenAI's routes straight to the one model that serves them.** ``/v1/...`` belongs to
+   the server app, which reads the request's ``model`` and forwards the call to that model's
+   replica through a Serve handle. With one ``task: generate`` model served (its
+   application's ingress deployment is "generate"), HAProxy rewrites the completion routes
+   to that application's own OpenAI routes (``/v2/models/{name}/v1/...``) and sends them to
+   its replicas directly: every streamed chunk then skips two process hops (measured: 2.7x
+   the tokens per second at 32 concurrent streams). With one pooling model (deployment
+   "pooling"), its routes (``/v1/embeddings``, ``/v1/rerank``, ...) go straight to it alike.
+   ``/v1/models`` goes to the one such model when it is the only generate or pooling model.
+   With several of a kind, the body decides, so the server app forwards.
 3. **The gRPC port** (when ``deploy`` sets ``NEURON_SERVE_GRPC_FRONT`` to its host:port):
    HAProxy speaks HTTP/2 to gRPC clients and passes each call to a replica's gRPC-over-
    HTTP/1.1 listener (``grpc_h1``), so the HTTP/2 work is HAProxy's C, not grpcio's
@@ -44,12 +47,28 @@ SAFE = "http-reuse safe"
 GENERATE_DEPLOYMENT = "generate"  # generate_deployment.DEPLOYMENT (not imported: it imports Ray Serve)
 ROUTES_ANCHOR = "    # Per-backend path ACLs"
 # ACLs are evaluated where they are used, so the backend rules below see the rewritten path.
+POOLING_DEPLOYMENT = "pooling"  # applications.POOLING (not imported: it imports Ray Serve)
+# serve/protocols/openai_pooling.py's ROUTES (not imported: this module is loaded by every Ray worker; a test
+# keeps the two equal).
+POOLING_ROUTES = ("/v1/embeddings", "/rerank", "/v1/rerank", "/v2/rerank", "/score", "/v1/score", "/classify",
+                  "/v1/classify")
 OPENAI_ROUTES = (
     "{%- set generating = backends | selectattr('ingress_deployment_name', 'equalto', '" + GENERATE_DEPLOYMENT
     + "') | list %}\n"
+    "{%- set pooling = backends | selectattr('ingress_deployment_name', 'equalto', '" + POOLING_DEPLOYMENT
+    + "') | list %}\n"
     "{%- if generating | length == 1 %}\n"
-    "    # neuron-serve: OpenAI's routes go straight to the one task: generate model's replicas\n"
-    "    http-request set-path {{ generating[0].path_prefix }}%[path] if { path_beg /v1/ }\n"
+    "    # neuron-serve: OpenAI's completion routes go straight to the one task: generate model's replicas\n"
+    "    http-request set-path {{ generating[0].path_prefix }}%[path] if { path_beg /v1/completions "
+    "/v1/chat/completions }\n"
+    "{%- endif %}\n"
+    "{%- if pooling | length == 1 %}\n"
+    "    # neuron-serve: the pooling routes go straight to the one pooling model's replicas\n"
+    "    http-request set-path {{ pooling[0].path_prefix }}%[path] if { path " + " ".join(POOLING_ROUTES) + " }\n"
+    "{%- endif %}\n"
+    "{%- set listed = generating + pooling %}\n"
+    "{%- if listed | length == 1 %}\n"
+    "    http-request set-path {{ listed[0].path_prefix }}%[path] if { path_beg /v1/models }\n"
     "{%- endif %}\n"
 )
 HOOK = f"{__name__}.patch"

@@ -170,12 +170,19 @@ def test_the_template_hook_turns_serves_always_into_safe_and_routes_openai_and_g
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.parametrize("deployments,rewritten", [
-    (["model", "generate"], "/v2/models/b"),   # one generate model: /v1 goes to it
-    (["generate", "generate"], None),          # several: the server app reads the body's model
-    (["model"], None),
+@pytest.mark.parametrize("deployments, rewritten", [
+    # one generate model: its completion routes and the model list go to it
+    (["model", "generate"], {"/v1/completions": "/v2/models/b", "/v1/models": "/v2/models/b"}),
+    (["generate", "generate"], {}),  # several: the server app reads the body's model
+    (["model"], {}),
+    # one pooling model: its routes go to it; the model list to the server app when it lists two
+    (["pooling", "generate"], {"/v1/embeddings": "/v2/models/a", "/v2/rerank": "/v2/models/a",
+                               "/v1/completions": "/v2/models/b", "/v1/models": None}),
+    (["pooling", "model"], {"/v1/score": "/v2/models/a", "/v1/models": "/v2/models/a"}),
+    (["pooling", "pooling"], {"/v1/embeddings": None}),
 ])
-def test_openai_routes_go_to_the_one_generate_model(deployments, rewritten):
+def test_openai_routes_go_to_the_one_model_that_serves_them(deployments, rewritten):
+    import re
     from types import SimpleNamespace
 
     from jinja2 import Environment
@@ -185,7 +192,21 @@ def test_openai_routes_go_to_the_one_generate_model(deployments, rewritten):
     backends = [SimpleNamespace(ingress_deployment_name=d, path_prefix=f"/v2/models/{name}")
                 for d, name in zip(deployments, "ab")]
     rendered = Environment().from_string(haproxy_template.OPENAI_ROUTES).render(backends=backends)
-    if rewritten is None:
+    rules = re.findall(r"set-path (\S+)%\[path\] if \{ (path_beg|path) ([^}]+) \}", rendered)
+
+    def routed(path: str) -> str | None:  # HAProxy's first matching rule
+        for prefix, kind, paths in rules:
+            if any(path.startswith(p) if kind == "path_beg" else path == p for p in paths.split()):
+                return prefix
+        return None
+
+    assert {path: routed(path) for path in rewritten} == rewritten
+    if not rewritten:
         assert "set-path" not in rendered
-    else:
-        assert f"http-request set-path {rewritten}%[path] if {{ path_beg /v1/ }}" in rendered
+
+
+def test_the_pooling_routes_haproxy_sends_to_a_pooling_model_are_the_codec_s():
+    from neuron_serve.serve.protocols.openai_pooling import ROUTES
+    from neuron_serve.serve.ray import haproxy_template
+
+    assert set(haproxy_template.POOLING_ROUTES) == set(ROUTES)

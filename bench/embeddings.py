@@ -1,0 +1,301 @@
+"""Embeddings over HTTP: neuron-serve against infinity-emb and sentence-transformers behind Ray Serve, same model.
+
+    python -m bench.embeddings [--quick] [--out DIR] [--servers a,b] [--seconds S]   # also a part of python -m bench
+
+One model directory, written first to ``<out>/embed-model``: a BERT of all-MiniLM-L6-v2's shape
+(hidden 384, 6 layers, 12 heads) with random weights, mean pooling and normalisation,
+``max_seq_length`` 128, and the WordPiece tokenizer of deployments/example_models/make_embedders.py,
+saved in the layout the hub's sentence-transformers models have (``sentence_transformers.models``
+modules), which sentence-transformers 3 (infinity's) and 6 (neuron-serve's) both read.
+The servers, one at a time (each started, measured and stopped before the next):
+
+1. ``neuron-serve``: ``neuron-serve deploy`` of ``task: embed`` over that directory, 2 cores,
+   ``batching.max_batch_size`` 16 (length buckets 32, 64, 128 from ``max_seq_length``; batch
+   sizes 1, 4, 16), measured on the model's own URL ``/v2/models/embedder/v1/embeddings``
+   (HAProxy straight to the replica) and, as ``neuron-serve-v1``, on the server's ``/v1/embeddings``
+   (one more hop: the server app forwards to the replica through a Serve handle).
+2. ``infinity``: ``infinity_emb v2`` (torch engine on CPU, batch size 16) from ``.venv-infinity``
+   (``make infinity-venv``: its pins, numpy<2 and sentence-transformers<4, clash with ours).
+3. ``ray``: sentence-transformers' ``encode`` behind Ray Serve with ``@serve.batch`` (16 texts,
+   2 ms; bench/peers/ray_embed_app.py), Serve's default HTTP proxy.
+
+Workload: one text a request, ``{"model": "embedder", "input": text}`` on ``/v1/embeddings``,
+from a seeded list of lines of this repository's docs of 8 to 64 tokens, the same files for
+every server; wrk (closed loop) at concurrency 1 and 16, a 1 s warm-up first. Each server's
+answers to the first texts are checked against sentence-transformers' ``encode`` in this
+process (``max |diff|``), so every server computes the same embeddings. Figures: requests/s,
+p50 and p99 latency; then neuron-serve's requests/s at concurrency 16 and p50 at 1 against
+the better peer's. Writes embeddings.md (printed too) and embeddings.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from . import loadgen, servers
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+INFINITY = ROOT / ".venv-infinity" / "bin" / "infinity_emb"
+CONCURRENCY = (1, 16)
+TOKENS = (8, 64)
+TEXTS = 256
+BATCH = 16
+CHECKED = 4  # texts each server's answers are compared on
+TOLERANCE = 1e-4
+SHAPE = {"hidden": 384, "layers": 6, "heads": 12}  # all-MiniLM-L6-v2's
+MAX_SEQ_LENGTH = 128
+MODEL = "embedder"
+PEERS = ("infinity", "ray")
+
+
+def write_model(out: Path, shape: dict | None = None) -> Path:
+    """The bench's embedder, in the hub's sentence-transformers layout (see the module's docstring); ``shape``
+    (hidden, layers, heads) replaces all-MiniLM-L6-v2's."""
+    sys.path.insert(0, str(ROOT / "deployments" / "example_models"))
+    import make_embedders  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    if (out / "modules.json").is_file():
+        return out
+    tok = make_embedders.tokenizer()
+    torch.manual_seed(0)
+    shape = shape or SHAPE
+    transformers.BertModel(make_embedders.bert_config(tok, **shape)).save_pretrained(out)
+    tok.save_pretrained(out)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    (out / "modules.json").write_text(json.dumps(modules, indent=2))
+    (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": MAX_SEQ_LENGTH,
+                                                               "do_lower_case": False}))
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    modes = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")
+    pooling = {"word_embedding_dimension": shape["hidden"],
+               **{f"pooling_mode_{m}": m == "mean_tokens" for m in modes}, "include_prompt": True}
+    (out / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2))
+    (out / "2_Normalize").mkdir(exist_ok=True)
+    return out
+
+
+def workload(tokenizer, count: int = TEXTS, seed: int = 0) -> list[str]:
+    """``count`` lines of the docs (joined when short, cut at a word when long) of 8 to 64 tokens."""
+    sys.path.insert(0, str(ROOT / "deployments" / "example_models"))
+    import make_embedders  # noqa: PLC0415
+
+    lines = [line.strip() for line in make_embedders.corpus() if len(line.split()) > 2]
+    rng = random.Random(seed)
+    texts = []
+    while len(texts) < count:
+        words = []
+        while len(tokenizer(" ".join(words))["input_ids"]) < TOKENS[0]:
+            words += rng.choice(lines).split()
+        while len(tokenizer(" ".join(words))["input_ids"]) > TOKENS[1]:
+            words = words[:-1]
+        texts.append(" ".join(words))
+    return texts
+
+
+def write_bodies(texts: list[str], directory: Path) -> Path:
+    """One request file per text and wrk's manifest (bench/loadgen.lua)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i, text in enumerate(texts):
+        path = directory / f"{i:04d}.json"
+        path.write_text(json.dumps({"model": MODEL, "input": text}))
+        lines.append(f"{path} 0")
+    (manifest := directory / "manifest.txt").write_text("\n".join(lines) + "\n")
+    return manifest
+
+
+class EmbeddingServer(servers.Server):
+    """A server under test, probed and measured on an embeddings URL."""
+
+    def __init__(self, spec: servers.ServerSpec, log_dir: Path, path: str) -> None:
+        super().__init__(spec, log_dir)
+        self.path = path
+
+    def url(self, model: str) -> str:
+        return f"http://127.0.0.1:{self.spec.port}{self.path}"
+
+
+def specs(model_dir: Path, yaml_path: Path, python: str = sys.executable) -> dict[str, tuple]:
+    """key -> (spec, [(figure key, label, the embeddings path measured)]): neuron-serve is measured on two paths."""
+    cli = str(Path(python).with_name("neuron-serve"))
+    deploy = servers.ServerSpec("neuron-serve", "neuron-serve", [cli, "deploy", str(yaml_path), "--host", "127.0.0.1",
+                                                                 "--port", "18920", "--no-grpc"], 18920,
+                                startup_s=2400, replica_marker="ray::ServeReplica:", ready_line=servers.READY_LINE)
+    infinity = servers.ServerSpec("infinity", "infinity-emb (torch, CPU)",
+                                  [str(INFINITY), "v2", "--model-id", str(model_dir), "--served-model-name", MODEL,
+                                   "--engine", "torch", "--device", "cpu", "--dtype", "float32", "--batch-size",
+                                   str(BATCH), "--no-vector-disk-cache", "--no-bettertransformer", "--url-prefix",
+                                   "/v1", "--host", "127.0.0.1", "--port", "18921"], 18921, startup_s=600,
+                                  env={"INFINITY_ANONYMOUS_USAGE_STATS": "0", "DO_NOT_TRACK": "1"})
+    ray = servers.ServerSpec("ray", "sentence-transformers on Ray Serve (@serve.batch)",
+                             [python, "-m", "bench.peers.ray_embed_app", "--model", str(model_dir), "--port", "18922",
+                              "--batch", str(BATCH)], 18922, startup_s=600, replica_marker="ray::ServeReplica:")
+    return {"neuron-serve": (deploy, [("neuron-serve", "neuron-serve, the model's URL",
+                                       f"/v2/models/{MODEL}/v1/embeddings"),
+                                      ("neuron-serve-v1", "neuron-serve, the server's /v1 (forwarded)",
+                                       "/v1/embeddings")]),
+            "infinity": (infinity, [("infinity", infinity.label, "/v1/embeddings")]),
+            "ray": (ray, [("ray", ray.label, "/v1/embeddings")])}
+
+
+def write_neuron_serve_yaml(model_dir: Path, path: Path) -> None:
+    import yaml  # noqa: PLC0415
+
+    path.write_text(yaml.safe_dump({"name": MODEL, "task": "embed", "model": {"pretrained": str(model_dir.resolve())},
+                                    "cores_per_replica": 2, "batching": {"max_batch_size": BATCH}}, sort_keys=False))
+
+
+def check(server: EmbeddingServer, texts: list[str], expected: np.ndarray) -> float:
+    """The largest difference between the server's embeddings of ``texts`` and ``expected``."""
+    worst = 0.0
+    for text, want in zip(texts, expected):
+        request = urllib.request.Request(server.url(MODEL), data=json.dumps({"model": MODEL, "input": text}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            got = np.asarray(json.load(answer)["data"][0]["embedding"], dtype=np.float32)
+        worst = max(worst, float(np.abs(got - want).max()))
+    return worst
+
+
+def measure(spec, routes: list[tuple[str, str, str]], manifest: Path, texts: list[str], expected: np.ndarray,
+            seconds: float, out: Path, log) -> dict[str, dict]:
+    """Start one server, check and measure it on each of its ``routes`` (key, label, path), stop it."""
+    server = EmbeddingServer(spec, out / "logs", routes[0][2])
+    entries = {key: {"label": label, "points": {}} for key, label, _ in routes}
+    try:
+        probe = (json.dumps({"model": MODEL, "input": texts[0]}).encode(), {"Content-Type": "application/json"})
+        try:
+            ready = server.wait_ready({MODEL: probe})
+        except RuntimeError as exc:
+            log(f"  {spec.key} failed: {exc}")
+            return {key: {**entry, "failed": str(exc)} for key, entry in entries.items()}
+        for key, _, path in routes:
+            server.path, entry = path, entries[key]
+            entry["ready_s"] = ready
+            entry["max_diff"] = check(server, texts[:CHECKED], expected)
+            log(f"  {key}: ready in {ready:.0f}s; max |diff| from encode {entry['max_diff']:.1e}")
+            for conc in CONCURRENCY:
+                loadgen.run_load(server.url(MODEL), manifest, conc, 1)  # warm-up at the same concurrency
+                point = loadgen.run_load(server.url(MODEL), manifest, conc, seconds).as_dict()
+                entry["points"][conc] = point
+                log(f"  {key:15s} c{conc:<3d} {point['rps']:8.1f} req/s  p50 {point['p50_ms']:7.1f} ms  "
+                    f"p99 {point['p99_ms']:7.1f} ms  errors {point['errors']}")
+        memory = server.memory_mb()
+        for entry in entries.values():
+            entry["memory_mb"] = memory
+    finally:
+        server.stop()
+    return entries
+
+
+def ratios(systems: dict) -> dict:
+    """neuron-serve (its model URL) against the better peer: requests/s at concurrency 16, p50 and p99 at 1."""
+    def point(key, conc):
+        found = systems.get(key, {}).get("points", {}).get(conc)
+        return found if found and found["errors"] < found["requests"] else None
+
+    result = {}
+    ours, top, one = point("neuron-serve", max(CONCURRENCY)), max(CONCURRENCY), min(CONCURRENCY)
+    theirs = [(k, p) for k in PEERS if (p := point(k, top))]
+    if ours and theirs:
+        best, p = max(theirs, key=lambda kp: kp[1]["rps"])
+        result[f"rps_c{top}"] = {"peer": best, "ratio": ours["rps"] / p["rps"]}
+    ours = point("neuron-serve", one)
+    for figure in ("p50_ms", "p99_ms"):
+        theirs = [(k, p) for k in PEERS if (p := point(k, one))]
+        if ours and theirs:
+            best, p = min(theirs, key=lambda kp: kp[1][figure])
+            result[f"{figure[:3]}_c{one}"] = {"peer": best, "ratio": p[figure] / ours[figure]}
+    return result
+
+
+def report(figures: dict) -> str:
+    systems = figures["systems"]
+    lines = ["## Embeddings over HTTP (bench/embeddings.py)", "",
+             "| server | conc | req/s | p50 ms | p99 ms | errors | max \\|diff\\| from encode |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for entry in systems.values():
+        if entry.get("failed"):
+            lines.append(f"| {entry['label']} | | failed: {entry['failed'][:80]} | | | | |")
+        for conc, p in entry.get("points", {}).items():
+            lines.append(f"| {entry['label']} | {conc} | {p['rps']:.1f} | {p['p50_ms']:.1f} | {p['p99_ms']:.1f} | "
+                         f"{p['errors']} | {entry.get('max_diff', float('nan')):.1e} |")
+    labels = {k: e["label"] for k, e in systems.items()}
+    found = figures["ratios"]
+    lines += ["", "neuron-serve (the model's URL) against the better peer of the same run (n/a: a figure is missing; "
+              "above 1 is better for neuron-serve):", ""]
+    for name, text in [(f"rps_c{max(CONCURRENCY)}", f"requests/s at concurrency {max(CONCURRENCY)}"),
+                       (f"p50_c{min(CONCURRENCY)}", "p50 latency at concurrency 1 (the peer's over ours)"),
+                       (f"p99_c{min(CONCURRENCY)}", "p99 latency at concurrency 1 (the peer's over ours)")]:
+        r = found.get(name)
+        lines.append(f"- {text}: " + (f"{r['ratio']:.2f}x against {labels[r['peer']]}" if r else "n/a"))
+    lines += ["", f"Workload: one text a request ({TOKENS[0]} to {TOKENS[1]} tokens, {TEXTS} texts), {figures['seconds']:g}"
+              f" s per point after a 1 s warm-up; model: a BERT of all-MiniLM-L6-v2's shape with random weights; load "
+              f"average {figures['load_average'][0]:.1f} at the start, {figures['load_average'][-1]:.1f} at the end on "
+              f"{os.cpu_count()} cores."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    keys = ["neuron-serve", "infinity", "ray"]
+    parser = argparse.ArgumentParser(prog="python -m bench.embeddings", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="4 s per point instead of 10")
+    parser.add_argument("--seconds", type=float, help="seconds of load per point")
+    parser.add_argument("--out", type=Path, help="results directory (default bench/results/<timestamp>)")
+    parser.add_argument("--servers", default=",".join(keys), help="comma-separated subset of: " + ", ".join(keys))
+    args = parser.parse_args(argv)
+    out = args.out or RESULTS / time.strftime("%Y%m%d-%H%M%S")
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    chosen = args.servers.split(",")
+    if unknown := set(chosen) - set(keys):
+        parser.error(f"unknown servers: {', '.join(sorted(unknown))}")
+    if "infinity" in chosen and not INFINITY.exists():
+        print(f"[embeddings] no {INFINITY}: run `make infinity-venv`; infinity is skipped", file=sys.stderr)
+        chosen.remove("infinity")
+    loadgen.wrk_binary()
+
+    def log(message: str) -> None:
+        print(f"[embeddings] {message}", flush=True)
+
+    from sentence_transformers import SentenceTransformer  # noqa: PLC0415
+
+    model_dir = write_model(out / "embed-model")
+    reference = SentenceTransformer(str(model_dir), device="cpu")
+    texts = workload(reference.tokenizer)
+    expected = reference.encode(texts[:CHECKED])
+    manifest = write_bodies(texts, out / "embed-bodies")
+    write_neuron_serve_yaml(model_dir, out / "embedder.yaml")
+    seconds = args.seconds or (4 if args.quick else 10)
+    found = specs(model_dir, out / "embedder.yaml")
+    load, systems = [os.getloadavg()[0]], {}
+    log(f"{len(chosen)} servers x concurrency {', '.join(map(str, CONCURRENCY))}, {seconds:g}s each; results in {out}")
+    for key in chosen:
+        spec, routes = found[key]
+        systems.update(measure(spec, routes, manifest, texts, expected, seconds, out, log))
+    load.append(os.getloadavg()[0])
+    figures = {"seconds": seconds, "load_average": load, "systems": systems}
+    figures["ratios"] = ratios(systems)
+    markdown = report(figures)
+    (out / "embeddings.md").write_text(markdown + "\n")
+    (out / "embeddings.json").write_text(json.dumps(figures, indent=2))
+    print(markdown, flush=True)
+    return 1 if any(e.get("failed") or any(p["errors"] for p in e["points"].values()) for e in systems.values()) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
