@@ -8,12 +8,14 @@ neuron_serve.buckets.generation.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
 from ..buckets.generation import GenerationBuckets
 from ..errors import ConfigError
+from .names import NAME_PATTERN, NAME_RULE
 
 DEFAULT_MAX_NUM_SEQS = 8
 DEFAULT_MAX_WAITING = 256
@@ -76,6 +78,57 @@ class SpeculativeConfig(BaseModel):
         return self
 
 
+# vLLM's allowed max_lora_rank values (its --max-lora-rank choices).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+DEFAULT_MAX_LORA_RANK = 16
+
+
+class LoraSettings(BaseModel):
+    """vLLM's LoRA settings: adapters of the model served beside it, each requested as a model of its own."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_loras: int = Field(
+        1, ge=1, description="adapters held on the core at once (buffers preallocated at max_lora_rank); a request "
+                             "for another adapter waits for a buffer to be free")
+    max_lora_rank: int = Field(
+        DEFAULT_MAX_LORA_RANK, json_schema_extra={"enum": list(LORA_RANKS)},
+        description=f"the largest adapter rank served (vLLM's values: {', '.join(map(str, LORA_RANKS))}); an "
+                    f"adapter of a smaller rank is zero-padded to it")
+    max_cpu_loras: int | None = Field(
+        default=None, ge=1, description="adapters kept read on the host, the least recently used evicted; at least "
+                                        "max_loras; default: max_loras")
+    lora_modules: dict[str, str] = Field(
+        default_factory=dict,
+        description="adapters served from the start: name -> PEFT adapter directory (adapter_config.json and "
+                    "adapter_model.safetensors, relative to the model.yaml's folder); a request names the adapter "
+                    "as its model")
+    allow_runtime_updates: bool = Field(
+        False, description="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes), so adapters "
+                           "are loaded and unloaded while serving")
+
+    @model_validator(mode="after")
+    def _check(self) -> "LoraSettings":
+        if self.max_lora_rank not in LORA_RANKS:
+            allowed = ", ".join(map(str, LORA_RANKS[:-1])) + f" or {LORA_RANKS[-1]}"
+            raise FieldError("max_lora_rank", f"{self.max_lora_rank} is not a rank vLLM allows; use {allowed} "
+                                              f"(an adapter of a smaller rank is zero-padded to it)")
+        if self.max_cpu_loras is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        elif self.max_cpu_loras < self.max_loras:
+            raise FieldError("max_cpu_loras", f"{self.max_cpu_loras} is fewer than max_loras ({self.max_loras}), and "
+                                              f"every adapter on the core is also kept on the host; raise "
+                                              f"max_cpu_loras to at least {self.max_loras} or lower max_loras")
+        for name, path in self.lora_modules.items():
+            if not re.match(NAME_PATTERN, name):
+                raise FieldError(f"lora_modules.{name}", f"not a valid adapter name (a request names the adapter as "
+                                                         f"its model: {NAME_RULE}); rename it")
+            if not path.strip():
+                raise FieldError(f"lora_modules.{name}", "give the adapter's directory (a PEFT adapter directory, "
+                                                         "relative to the model.yaml's folder)")
+        return self
+
+
 class GenerationSettings(BaseModel):
     """task: generate: the KV cache's slots and length, the compiled buckets and the engine's queue.
 
@@ -134,6 +187,11 @@ class GenerationSettings(BaseModel):
                     "sequence are verified by the model in one compiled call (greedy acceptance keeps exactly the "
                     "greedy output; sampled rows use rejection sampling, so their distribution is the model's); "
                     "compiles a verify model per decode bucket")
+    lora: LoraSettings | None = Field(
+        default=None,
+        description="serve LoRA adapters of the model (vLLM's settings; present, even empty as `lora:` or `lora: "
+                    "{}`, it turns LoRA on): each request names the model or one of its adapters, and one batch "
+                    "mixes them")
     tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
         default=None,
         description="how the model writes a tool call, for OpenAI's tool_choice \"auto\" (vLLM's --tool-call-parser "
@@ -146,6 +204,12 @@ class GenerationSettings(BaseModel):
         description="a request not finished this many seconds after it arrived (waiting or generating) is aborted: "
                     "its slot is free at the next engine step and it is answered 504 (a stream ends with an "
                     "error); default: no limit")
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _present_turns_lora_on(cls, value: Any) -> Any:
+        # YAML reads a bare `lora:` as null; the key being there is what asks for LoRA.
+        return {} if value is None else value
 
     @model_validator(mode="after")
     def _check(self) -> "GenerationSettings":
@@ -213,6 +277,10 @@ def check_task(config: Any) -> None:
                          f"{tp} cores per engine do not divide the replica's {config.cores_per_replica} "
                          f"(cores_per_replica); set cores_per_replica to a multiple of {tp} (each group of {tp} "
                          f"cores runs one engine)")
+    lora = config.generation.lora if config.generation is not None else None
+    if lora is not None and config.name in lora.lora_modules:
+        raise FieldError(f"generation.lora.lora_modules.{config.name}",
+                         "is the model's own name (the base model answers to it); give the adapter another name")
     if config.placement.mode == "pipeline":
         raise FieldError("placement.mode", "pipeline applies to task: infer; a generate model runs on one core; "
                                            "remove placement or use mode: replicate")

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .compiler_args import parse_compiler_args
 from ..errors import ConfigError
 from .generation import FieldError, GenerationSettings, check_task
+from .names import NAME_PATTERN
 from .pooling import POOLING_TASKS, PoolingSettings, check_pooling_task
 from ..buckets.batch_sizes import check_batch_sizes, default_batch_sizes
 from ..partition.config import DEFAULT_SUPPORT_THRESHOLD, NO_LIMIT, PartitionerConfig
@@ -43,7 +44,6 @@ DEFAULT_GRPC_PORT = 8001  # Triton's
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20
 AUTH_TOKEN_ENV = "NEURON_SERVE_AUTH_TOKEN"
 MIN_TOKEN_LENGTH = 16
-NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
 FACTORY_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
 
 

@@ -95,6 +95,28 @@ REFUSED = [
      "be used, a smaller one leaves max_model_len unreachable."),
     ("decode rows past max_num_seqs", with_(GENERATE, generation={"max_num_seqs": 4, "decode_batch_buckets": [1, 8]}),
      "generation.decode_batch_buckets: the largest bucket must be max_num_seqs (4), got 8"),
+    ("no adapter on the core", with_(GENERATE, generation={"lora": {"max_loras": 0}}),
+     "generation.lora.max_loras: Input should be greater than or equal to 1"),
+    ("a rank vLLM does not allow", with_(GENERATE, generation={"lora": {"max_lora_rank": 24}}),
+     "generation.lora.max_lora_rank: 24 is not a rank vLLM allows; use 1, 8, 16, 32, 64, 128, 256, 320 or 512 (an "
+     "adapter of a smaller rank is zero-padded to it)"),
+    ("fewer adapters on the host than on the core", with_(GENERATE, generation={"lora": {"max_loras": 4,
+                                                                                        "max_cpu_loras": 2}}),
+     "generation.lora.max_cpu_loras: 2 is fewer than max_loras (4), and every adapter on the core is also kept on "
+     "the host; raise max_cpu_loras to at least 4 or lower max_loras"),
+    ("an adapter name no URL takes", with_(GENERATE, generation={"lora": {"lora_modules": {"SQL Adapter": "sql"}}}),
+     "generation.lora.lora_modules.SQL Adapter: not a valid adapter name (a request names the adapter as its model: "
+     "lowercase letters, digits, '-', '_', '.', starting with a letter or digit, at most 63 characters); rename it"),
+    ("an adapter named as the model", with_(GENERATE, generation={"lora": {"lora_modules": {"tiny-llama": "sql"}}}),
+     "generation.lora.lora_modules.tiny-llama: is the model's own name (the base model answers to it); give the "
+     "adapter another name"),
+    ("an adapter without a directory", with_(GENERATE, generation={"lora": {"lora_modules": {"sql": " "}}}),
+     "generation.lora.lora_modules.sql: give the adapter's directory (a PEFT adapter directory, relative to the "
+     "model.yaml's folder)"),
+    ("lora typo", with_(GENERATE, generation={"lora": {"max_lora": 2}}),
+     "generation.lora.max_lora: Extra inputs are not permitted (remove it or check its spelling)"),
+    ("lora with task infer", with_(INFER, generation={"lora": {}}),
+     "generation: applies to task: generate; set task: generate or remove generation"),
 ]
 
 
@@ -121,10 +143,37 @@ def test_a_generate_model_yaml_parses_with_defaults():
     assert given.generation.model_dump() == {
         "max_num_seqs": 8, "max_model_len": None, "prefill_buckets": None, "decode_batch_buckets": None,
         "decode_context_buckets": None, "decode_steps": 1, "tensor_parallel_size": 1, "max_num_batched_tokens": None,
-        "max_waiting": 256, "enable_prefix_caching": False, "speculative_config": None, "tool_call_parser": None,
-        "request_timeout_s": None}
+        "max_waiting": 256, "enable_prefix_caching": False, "speculative_config": None, "lora": None,
+        "tool_call_parser": None, "request_timeout_s": None}
     assert parse_config(with_(GENERATE, model={"factory": "pkg.lm:build", "kwargs": {"size": 2}})).model.kwargs
     assert parse_config(INFER).task == "infer"
+
+
+def test_lora_is_on_when_present_with_vllms_defaults():
+    assert parse_config(with_(GENERATE, generation={})).generation.lora is None
+    for given in ({}, None):  # `lora: {}`, or a bare `lora:` (YAML's null)
+        assert parse_config(with_(GENERATE, generation={"lora": given})).generation.lora.model_dump() == {
+            "max_loras": 1, "max_lora_rank": 16, "max_cpu_loras": 1, "lora_modules": {},
+            "allow_runtime_updates": False}
+    lora = parse_config(with_(GENERATE, generation={"lora": {
+        "max_loras": 4, "max_lora_rank": 64, "lora_modules": {"sql": "adapters/sql", "chat-v2": "/srv/chat"},
+        "allow_runtime_updates": True}})).generation.lora
+    assert (lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras, lora.allow_runtime_updates) == (4, 64, 4, True)
+    assert lora.lora_modules == {"sql": "adapters/sql", "chat-v2": "/srv/chat"}
+    assert parse_config(with_(GENERATE, generation={"lora": {"max_loras": 2, "max_cpu_loras": 8}})).generation.lora \
+        .max_cpu_loras == 8
+
+
+@pytest.mark.parametrize("generation,model", [
+    # A base-model draft still proposes; the verify, with the row's adapter, decides: the output stays exact.
+    ({"speculative_config": {"model": "draft", "num_speculative_tokens": 2}}, {"pretrained": "llama"}),
+    ({"speculative_config": {"num_speculative_tokens": 2}, "enable_prefix_caching": True}, {"pretrained": "llama"}),
+    ({"tensor_parallel_size": 2, "decode_steps": 4}, {"pretrained": "llama"}),
+    ({}, {"artifact": "built"}),  # adapters are files of their own, beside the compiled models
+], ids=["draft model", "ngram and prefix caching", "tensor parallel, decode steps", "artifact"])
+def test_lora_combines_with_the_other_generation_settings(generation, model):
+    data = with_(GENERATE, model=model, cores_per_replica=2, generation={**generation, "lora": {"max_loras": 2}})
+    assert parse_config(data).generation.lora.max_loras == 2
 
 
 class Positions:
