@@ -45,6 +45,14 @@ class InvalidInput(NeuronServeError, ValueError):
         self.field = field
 
 
+class AdapterError(InvalidInput):
+    """A LoRA adapter cannot be served on its model: unreadable, an option that changes the math, or of another
+    base model. The message names the adapter's file, the module and the fix. Refused at start
+    (generation.lora.lora_modules) as a configuration error is; a load request gets 400."""
+
+    exit_code = 2
+
+
 class ModelNotFound(NeuronServeError):
     http_status = 404
 

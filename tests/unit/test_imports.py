@@ -26,6 +26,9 @@ SCHEMA = ("neuron_serve.model", "neuron_serve.generation", "neuron_serve.pooling
           "neuron_serve.partition.plan", "neuron_serve.partition.pipeline", "neuron_serve.partition.balance",
           *COMPILER)
 
+# A LoRA adapter is read in the engine process (torch, safetensors): never by what the replica loads.
+LORA = ("neuron_serve.generation.lora", "neuron_serve.generation.lora_config")
+
 # module (or package) -> what it must not import
 RULES = {
     "neuron_serve.buckets": SCHEMA + ("neuron_serve.config", "neuron_serve.model", "neuron_serve.partition"),
@@ -69,19 +72,22 @@ RULES = {
     "neuron_serve.compile": ("neuron_serve.analysis", "neuron_serve.partition", "neuron_serve.api",
                              "neuron_serve.report"),
     # What the replica shares with the engines: no compiler, no engine or executor (they may run elsewhere).
-    "neuron_serve.generation.protocol": COMPILER + ("neuron_serve.generation.engine", "neuron_serve.generation.executor",
-                                                    "neuron_serve.generation.model", "neuron_serve.serve"),
-    "neuron_serve.generation.process": COMPILER + ("neuron_serve.generation.engine", "neuron_serve.generation.executor",
-                                                   "neuron_serve.generation.model", "neuron_serve.serve"),
+    "neuron_serve.generation.protocol": COMPILER + LORA + ("neuron_serve.generation.engine",
+                                                           "neuron_serve.generation.executor",
+                                                           "neuron_serve.generation.model", "neuron_serve.serve"),
+    "neuron_serve.generation.process": COMPILER + LORA + ("neuron_serve.generation.engine",
+                                                          "neuron_serve.generation.executor",
+                                                          "neuron_serve.generation.model", "neuron_serve.serve"),
     # The front end runs in the replica: it checks, admits, compiles grammars and detokenizes; no engine.
-    "neuron_serve.generation.frontend": COMPILER + ("neuron_serve.generation.engine",
-                                                    "neuron_serve.generation.executor",
-                                                    "neuron_serve.generation.model", "neuron_serve.serve"),
+    "neuron_serve.generation.frontend": COMPILER + LORA + ("neuron_serve.generation.engine",
+                                                           "neuron_serve.generation.executor",
+                                                           "neuron_serve.generation.model", "neuron_serve.serve"),
     # The sampler is plain torch: compiled into the models, and run on the host for the rows left to it.
     "neuron_serve.generation.sampler": COMPILER + ("neuron_serve.generation.engine", "neuron_serve.generation.model",
                                                    "neuron_serve.serve", "neuron_serve.config"),
-    "neuron_serve.serve.generate": COMPILER + ("neuron_serve.generation.engine", "neuron_serve.generation.executor",
-                                               "neuron_serve.generation.model", INFER, GRPC, RAY, SERVER_APP),
+    "neuron_serve.serve.generate": COMPILER + LORA + ("neuron_serve.generation.engine",
+                                                      "neuron_serve.generation.executor",
+                                                      "neuron_serve.generation.model", INFER, GRPC, RAY, SERVER_APP),
 }
 
 
@@ -229,7 +235,8 @@ def test_the_replicas_generate_path_loads_no_compiler_module_nor_torch_xla():
             "print(sorted(m for m in sys.modules if m.startswith(('neuron_serve', 'torch_xla', 'transformers'))))")
     loaded = eval(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert [m for m in loaded if any(_under(m, c) for c in COMPILER) or m.startswith(("torch_xla", "transformers"))
-            or _under(m, "neuron_serve.generation.engine") or _under(m, "neuron_serve.generation.model")] == []
+            or _under(m, "neuron_serve.generation.engine") or _under(m, "neuron_serve.generation.model")
+            or m in LORA] == []
     assert "neuron_serve.generation.protocol" in loaded
 
 
