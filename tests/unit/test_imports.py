@@ -37,6 +37,12 @@ RULES = {
     "neuron_serve.build.progress": COMPILER + ("neuron_serve.config", "neuron_serve.buckets", "neuron_serve.partition",
                                                "neuron_serve.targets", "neuron_serve.runtime", "neuron_serve.generation",
                                                "neuron_serve.serve", "neuron_serve.metrics", "neuron_serve.cli"),
+    # The compile queue, which the serving edge, the data plane and the engines hand compiles to: it
+    # runs closures and knows no compiler, model or torch.
+    "neuron_serve.build.queue": COMPILER + ("neuron_serve.config", "neuron_serve.model", "neuron_serve.buckets",
+                                            "neuron_serve.partition", "neuron_serve.targets", "neuron_serve.runtime",
+                                            "neuron_serve.generation", "neuron_serve.serve", "neuron_serve.metrics",
+                                            "neuron_serve.cli", "torch"),
     "neuron_serve.generation": ("neuron_serve.serve",),
     "neuron_serve.model": COMPILER + ("neuron_serve.config", "neuron_serve.runtime", "neuron_serve.serve"),
     # The runtime tells one observer of its work (runtime/observer.py); the metrics live at the serving edge.
