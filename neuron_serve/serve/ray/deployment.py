@@ -115,12 +115,9 @@ def _build_plane(config: ModelConfig, base_dir: str | None, replica: str) -> Mod
     return ModelDataPlane(config, build(config, base_dir), replica)
 
 
-_ports_checked = False  # whether this server app's deploy checks that every port answers (readiness)
-
-
 async def unchecked_models(models: list[str]) -> set[str]:
     """Those of ``models`` whose ports deploy has not yet seen answer (none unless it checks)."""
-    return await readiness.unchecked(models) if _ports_checked else set()
+    return await readiness.unchecked(models) if readiness.checks_ports() else set()
 
 
 @serve.deployment(name="server", num_replicas=1, ray_actor_options={"num_cpus": 0})
@@ -135,8 +132,7 @@ class Server:
     """
 
     async def __init__(self, grpc_options: dict | None = None, ports_checked: bool = False) -> None:
-        global _ports_checked
-        _ports_checked = ports_checked
+        readiness.check_ports(ports_checked)
         auth.configure(auth.resolve_token(None))
         self._grpc = self._grpc_key = None
         self._grpc_options = grpc_options
