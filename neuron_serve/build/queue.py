@@ -228,7 +228,8 @@ class CompileQueue:
             except BaseException as exc:  # noqa: BLE001 - recorded and told; the worker goes on
                 job.seconds = time.perf_counter() - started
                 job.error = f"{type(exc).__name__}: {exc}"
-                logger.warning("compile of %s failed after %.1f s: %s", job.label, job.seconds, job.error)
+                what = f"compile of {job.label}" if job.kind == "compile" else job.label
+                logger.warning("%s failed after %.1f s: %s", what, job.seconds, job.error)
                 with self._cond:
                     job.state = FAILED
                     job._fn = None

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "neuron_serve"
-COMPILER = ("neuron_serve.api", "neuron_serve.build.from_config", "neuron_serve.build.artifact",
-            "neuron_serve.build.weights", "neuron_serve.analysis", "neuron_serve.partition.plan", "neuron_serve.compile",
-            "neuron_serve.report")
+COMPILER = ("neuron_serve.api", "neuron_serve.build.from_config", "neuron_serve.build.grid",
+            "neuron_serve.build.artifact", "neuron_serve.build.weights", "neuron_serve.analysis",
+            "neuron_serve.partition.plan", "neuron_serve.compile", "neuron_serve.report")
 
 INFER, GENERATE, POOLING, GRPC, RAY = (f"neuron_serve.serve.{p}" for p in ("infer", "generate", "pooling", "grpc", "ray"))
 # What a pooling model is built from (its directory, the graph, the compile): loaded by its replica's build only.
