@@ -152,6 +152,17 @@ class Server:
                 if quiet == 0:
                     time.sleep(0.5)
 
+    def output(self, *patterns: str, timeout_s: float = 30) -> str:
+        """deploy's output (colours taken out) once every one of ``patterns`` (regular expressions, per
+        line) is in it, or after ``timeout_s``: Ray forwards a replica's lines a few seconds late, holding
+        back and folding alike lines of several replicas ("[repeated 2x across cluster]")."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            text = re.sub(r"\x1b\[[0-9;]*m", "", self.log.read_text(errors="replace"))
+            if all(re.search(p, text, re.MULTILINE) for p in patterns) or time.monotonic() > deadline:
+                return text
+            time.sleep(0.5)
+
     def tail(self) -> str:
         return self.log.read_bytes()[-4000:].decode(errors="replace")
 

@@ -9,7 +9,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -51,17 +50,6 @@ def staged(server_factory, tmp_path_factory):
     srv.stop()
 
 
-def _log(server, *patterns: str, timeout_s: float = 30) -> str:
-    """deploy's output once every one of ``patterns`` is in it: Ray forwards the replicas' lines a
-    few seconds late (folding alike lines of several replicas into one, "[repeated 2x ...]")."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        log = re.sub(r"\x1b\[[0-9;]*m", "", server.log.read_text(errors="replace"))  # Ray colours its prefixes
-        if all(re.search(p, log, re.MULTILINE) for p in patterns) or time.monotonic() > deadline:
-            return log
-        time.sleep(0.5)
-
-
 def _series(server, name: str) -> list[tuple[dict, float]]:
     import urllib.request  # noqa: PLC0415
 
@@ -86,7 +74,7 @@ def test_each_replica_is_ready_on_one_model_and_names_the_background_compile_tha
     # Ray folds alike lines of several replicas ("[repeated 2x across cluster]") and holds some back
     # for seconds: each line is looked for once, from either replica.
     finished = prefix + r"model staged: background compile finished [\d.]+ s after the build began: 4 compiled models, 2 failed"
-    log = _log(staged, finished, prefix + "compile of staged bucket 2 batch [14] failed after")
+    log = staged.output(finished, prefix + "compile of staged bucket 2 batch [14] failed after")
     assert re.search(prefix + r"compiled staged bucket 3 batch 4 \(1 of 6\) in [\d.]+ s$", log, re.MULTILINE)
     built = re.search(prefix + r"model staged built in [\d.]+s; ready on 1 of 6 compiled models, the other 5 compile in "
                                r"the background$", log, re.MULTILINE)
