@@ -27,7 +27,9 @@ to first token at one stream served beside transformers serve) adds prefill.md a
 embeddings (bench/embeddings.py: neuron-serve's /v1/embeddings against infinity-emb and
 sentence-transformers on Ray Serve, one server at a time, then bench/embed_placement.py: where
 tokenization and pooling run) adds embeddings.md, embeddings.json, embed_placement.md and
-embed_placement.json.
+embed_placement.json; start-up (bench/startup.py: from deploy's launch to the first correct
+answer, ready on the first compiled models against after the whole compile, and an autoscaling
+step from one replica to two) adds startup.md and startup.json.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.set_defaults(all_up=False)
     parser.add_argument("--no-internal", action="store_true", help="skip the internal figures")
     parser.add_argument("--no-cold-warm", action="store_true", help="skip the cold/warm start figures")
+    parser.add_argument("--no-startup", action="store_true",
+                        help="skip start-up from deploy's launch and the autoscaling step (bench/startup.py)")
     generation = parser.add_mutually_exclusive_group()
     generation.add_argument("--no-generate", action="store_true", help="skip the generation benchmark")
     generation.add_argument("--generate-only", action="store_true",
@@ -188,6 +192,13 @@ def run_cold_warm(quick: bool, out: Path, log) -> str | None:
     return proc.stdout
 
 
+def run_startup(quick: bool, out: Path, log) -> str | None:
+    """bench/startup.py: from deploy's launch to the first correct answer, ready on the first compiled
+    models against after the whole compile, and an autoscaling step (it starts each deploy itself)."""
+    return _run_module("startup", quick, out, log, "start-up from deploy's launch and an autoscaling step (one "
+                       "deploy at a time)", 3600)
+
+
 def run_generate(quick: bool, out: Path, log) -> str | None:
     """bench/generate.py in its own process (its torch threads and XLA client, nothing else
     running): returns its Markdown tables; the figures are in generate.json."""
@@ -300,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, memory = measure_all(chosen, points, manifests, seconds, out, log, together=args.all_up)
     internal = None if args.no_internal else run_internal(args.quick, out, log)
     cold_warm = None if args.no_cold_warm else run_cold_warm(args.quick, out, log)
+    startup = None if args.no_startup else run_startup(args.quick, out, log)
     generation = None if args.no_generate else run_generate(args.quick, out, log)
     generation_http = None if args.no_generate_http else run_generate_http(args.quick, out, log)
     tensor_parallel = None if args.no_tensor_parallel else run_tensor_parallel(args.quick, out, log)
@@ -328,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         sections += ["", "## Internal figures", "", report.internal_tables(internal)]
     if cold_warm:
         sections += ["", "## Cold and warm start", "", cold_warm.strip()]
+    if startup:
+        sections += ["", startup.strip()]
     if generation:
         sections += ["", "## Generation (in process, bench/generate.py)", "", generation.strip()]
     if generation_http:

@@ -356,6 +356,42 @@ def trace_bucket_on_state(model: torch.nn.Module, aliases: dict, example_inputs:
                          shared_state=shared_state)
 
 
+def trace_entry(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    *,
+    buckets: BucketSpec | None = None,
+    bucket: int = 0,
+    batch_size: int | None = None,
+    batch_sizes: Sequence[int] = (),
+    partitioner_config: PartitionerConfig | None = None,
+    compiler_args: str | list[str] | None = None,
+    compiler_workdir: str | None = None,
+    target: str = "neuron",
+    inline_weights_to_neff: bool = True,
+    placement: ModelPlacement | dict | None = None,
+) -> Bucket:
+    """One compiled model of :func:`trace_buckets`' grid (or of :func:`trace` with ``batch_sizes``):
+    shape bucket ``bucket`` of ``buckets`` at ``batch_size`` rows, compiled alone, as they compile it.
+
+    For builds that compile the grid one model at a time (a compile queue, the rest in the
+    background). ``batch_sizes`` are every size of the grid (they name its compiler_workdir
+    subfolder); ``batch_size`` None keeps the example's batch.
+    """
+    example = as_args(example_inputs)
+    if buckets is not None:
+        example = buckets.example_inputs(example, bucket)
+    where = workdirs.bucket_part(bucket, len(buckets.sizes)) if buckets is not None else ()
+    if batch_size is not None:
+        flat, spec = pytree.tree_flatten(example)
+        batching.trace_batch_size([t.shape if isinstance(t, torch.Tensor) else None for t in flat], "example input")
+        example = pytree.tree_unflatten([resize_rows(t, batch_size) if isinstance(t, torch.Tensor) else t
+                                         for t in flat], spec)
+        where = (*where, *workdirs.batch_part(batch_size, len(batch_sizes)))
+    return _trace_bucket(model, example, partitioner_config, compiler_workdir, target, compiler_args, where,
+                         check_inline_weights(inline_weights_to_neff), model_placement=as_placement(placement))
+
+
 def trace_buckets(
     model: torch.nn.Module,
     example_inputs: Any,

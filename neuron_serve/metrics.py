@@ -96,6 +96,20 @@ BUILD_COMPILES = Counter(
     "each compiled size; loading an artifact compiles them again in emulation; swapping in 'weights' compiles none)",
     ["model", "replica"],
 )
+# A replica's compile queue (build/queue.py): how each compiled model went, and where the
+# model's compiles stand (a replica is ready on its first compiled models and compiles the
+# rest in the background, model.yaml's background_compile). ``bucket`` names the compiled
+# model as its progress line does ("batch 16", "bucket 2 batch 4"; the model's name alone
+# when it has one compiled model).
+COMPILE_SECONDS = Gauge(
+    "neuron_serve_compile_seconds", "Seconds one compiled model (a shape bucket at a batch size) took to compile",
+    ["model", "replica", "bucket"], multiprocess_mode="max",
+)
+COMPILED_MODELS = Gauge(
+    "neuron_serve_compiled_models",
+    "A replica's compiled models by state: compiled, pending (queued or compiling) or failed",
+    ["model", "replica", "state"], multiprocess_mode="livemax",
+)
 CACHE_HITS = Counter(
     "neuron_serve_compile_cache_hits_total", "Operator-support and compile cache hits",
     ["model", "replica", "cache"],

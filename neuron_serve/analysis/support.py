@@ -96,11 +96,14 @@ class SupportOracle:
         with self._xla_lock:
             if key in self._cache:  # another thread decided it while this one waited
                 return self._cache[key]
-            decision = self._run_on_xla(target, op, args, kwargs)
-        if store is not None:
-            store.put("support", key, {"supported": decision.supported, "failure_at": decision.failure_at,
-                                       "reason": decision.reason})
-        return decision
+            if store is None:
+                return self._run_on_xla(target, op, args, kwargs)
+
+            def decide() -> dict:
+                decision = self._run_on_xla(target, op, args, kwargs)
+                return {"supported": decision.supported, "failure_at": decision.failure_at, "reason": decision.reason}
+            # Another replica starting beside this one may be deciding the same: it is decided once.
+            return Decision(**store.get_or_compute("support", key, decide, missed=True))
 
     @staticmethod
     def _concrete_args(node: torch.fx.Node, gm: torch.fx.GraphModule) -> tuple[tuple, dict]:

@@ -6,25 +6,37 @@ compile per bucket, dynamic batch) or an artifact written by ``neuron-serve buil
 swapped into the weight-separated model without compiling. Either way the result is a
 :class:`~neuron_serve.model.CompiledModel` named after the model.yaml's inputs and
 outputs, which the runtime then runs without looking at the model.yaml again.
+
+Every compile runs on the process's compile queue (build/queue.py), one compiled model a
+job (:class:`StagedBuild`): a replica is ready on the first (model.yaml's
+``background_compile``) and takes the others as they are compiled; :func:`build` waits for
+all of them.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
+import threading
 import time
 from pathlib import Path
+from typing import Callable, TypeVar
 
-from . import artifact, progress
-from ..api import dynamic_batch, trace, trace_buckets
-from ..buckets.shape import BucketSpec, as_dims
+from . import artifact
+from .grid import Entry, GridBuild
+from .queue import BACKGROUND, COMPILED, FAILED, READY, CompileGroup, CompileJob, CompileQueue, compile_queue
+from ..api import dynamic_batch
+from ..buckets.shape import as_dims
 from ..compile import cache as compile_cache
 from ..compile.subgraph import compile_count
-from ..config.schema import ModelConfig, build_model
+from ..config.schema import ModelConfig
 from ..errors import ArtifactError, ConfigError
-from ..model import CompiledModel
+from ..model import Bucket, CompiledModel
 from ..model.signature import output_names
 from .weights import check_state_dict, is_weight_separated, replace_weights
 
+T = TypeVar("T")
 logger = logging.getLogger("neuron_serve")
 
 
@@ -33,26 +45,6 @@ def artifact_path(config: ModelConfig, base_dir: str | Path | None) -> Path | No
         return None
     path = Path(config.model.artifact).expanduser()
     return path if path.is_absolute() or base_dir is None else Path(base_dir) / path
-
-
-def _compile(config: ModelConfig, base_dir: str | Path | None) -> CompiledModel:
-    model = build_model(config, base_dir)
-    example = config.example_inputs()
-    partitioner = config.partitioner_config(base_dir)
-    inline = config.inline_weights_to_neff is not False
-    sizes = config.compiled_batch_sizes()
-    steps = len(sizes) if sizes else 1
-    if config.buckets is None:
-        with progress.reporting(progress.BuildProgress(config.name, 1, batch_sizes=steps)):
-            return trace(model, example, partitioner_config=partitioner, target=config.target, batch_sizes=sizes,
-                         compiler_args=config.compiler_args, inline_weights_to_neff=inline,
-                         placement=config.model_placement())
-    spec = BucketSpec.build(sizes=config.buckets.sizes, inputs=config.buckets.inputs,
-                            pad_values=config.buckets.pad_values, input_names=[i.name for i in config.inputs])
-    with progress.reporting(progress.BuildProgress(config.name, len(spec.sizes), batch_sizes=steps)):
-        return trace_buckets(model, example, spec, partitioner_config=partitioner, target=config.target,
-                             batch_sizes=sizes, compiler_args=config.compiler_args, inline_weights_to_neff=inline,
-                             placement=config.model_placement())
 
 
 def _check_inputs(module: CompiledModel, config: ModelConfig, path: Path) -> None:
@@ -116,7 +108,21 @@ def check_weights(config: ModelConfig, base_dir: str | Path | None) -> None:
         raise _weights_error(config, checkpoint, str(exc)) from None
 
 
+def _name(module: CompiledModel, config: ModelConfig) -> None:
+    """Give the compiled inputs and outputs the model.yaml's names."""
+    module.input_names = [i.name for i in config.inputs]
+    module.output_names = output_names(module.first.out_spec, config.outputs)
+    if module.spec is not None and config.buckets and config.buckets.outputs:
+        names = module.output_names
+        unknown = sorted(set(config.buckets.outputs) - set(names))
+        if unknown:
+            raise ConfigError(f"buckets.outputs: unknown outputs {unknown}; outputs are {names}.")
+        module.spec.outputs = {names.index(k): as_dims(v) for k, v in config.buckets.outputs.items()}
+
+
+
 def _swap_weights(module: CompiledModel, config: ModelConfig, base_dir: str | Path | None) -> None:
+    """An artifact's executables handed the ``weights`` checkpoint (nothing compiled for it)."""
     checkpoint = config.weights_path(base_dir)
     state = artifact.read_weights(checkpoint, "weights")
     if not is_weight_separated(module):
@@ -131,43 +137,183 @@ def _swap_weights(module: CompiledModel, config: ModelConfig, base_dir: str | Pa
                 checkpoint, len(state), compile_count() - before)
 
 
-def _name(module: CompiledModel, config: ModelConfig) -> None:
-    """Give the compiled inputs and outputs the model.yaml's names."""
-    module.input_names = [i.name for i in config.inputs]
-    module.output_names = output_names(module.first.out_spec, config.outputs)
-    if module.spec is not None and config.buckets and config.buckets.outputs:
-        names = module.output_names
-        unknown = sorted(set(config.buckets.outputs) - set(names))
-        if unknown:
-            raise ConfigError(f"buckets.outputs: unknown outputs {unknown}; outputs are {names}.")
-        module.spec.outputs = {names.index(k): as_dims(v) for k, v in config.buckets.outputs.items()}
-
-
-def build(config: ModelConfig, base_dir: str | Path | None = None) -> CompiledModel:
-    """Compile (or load) the model of ``config``; logs progress per bucket and subgraph."""
-    started = time.perf_counter()
-    compiles = compile_count()
-    store = compile_cache.current()  # opens the persistent cache before anything compiles
-    path = artifact_path(config, base_dir)
-    if path is not None:
-        check_weights(config, base_dir)  # before the artifact's subgraphs compile
-        module = artifact.load(path)
-        _check_inputs(module, config, path)
-        _check_separation(is_weight_separated(module), config, path)
-    else:
-        module = _compile(config, base_dir)
+def load_artifact(config: ModelConfig, base_dir: str | Path | None, path: Path) -> CompiledModel:
+    """The artifact ``path`` loaded and checked against ``config``, its ``weights`` swapped in."""
+    check_weights(config, base_dir)  # before the artifact's subgraphs compile
+    module = artifact.load(path)
+    _check_inputs(module, config, path)
+    _check_separation(is_weight_separated(module), config, path)
     if config.weights is not None:
         _swap_weights(module, config, base_dir)
     # An artifact keeps its stages' cores; whether to copy the pipeline onto idle cores is the deployment's choice.
     module.saturate_host = config.model_placement().saturates_host
     if config.dynamic_batch:
         dynamic_batch(module)
-    _name(module, config)
-    module.build_info.seconds = time.perf_counter() - started
-    module.build_info.compiles = compile_count() - compiles
-    module.build_info.weights = config.weights_path(base_dir)
-    module.build_info.artifact = str(path) if path is not None else None
-    module.build_info.cache_hits = {kind: s.hits for kind, s in (store.stats.items() if store is not None else ())}
-    logger.info("model %s built in %.1fs%s", config.name, module.build_info.seconds,
-                f" from artifact {path}" if path else "")
     return module
+
+
+_builds = itertools.count(1)
+
+
+class StagedBuild:
+    """A model.yaml's build on the process's compile queue, one job per compiled model.
+
+    The models the replica needs to answer every request (the largest shape bucket at the
+    largest batch size: see buckets/order.py) compile first; with ``background`` (model.yaml
+    ``background_compile``, the default) the replica is then ready, and the rest compile
+    behind, most padding saved first, each handed to ``grow`` once compiled. Without it
+    everything compiles before the replica is ready. An artifact is loaded in one job (in
+    emulation its models compile again on load), before ready.
+    """
+
+    def __init__(self, config: ModelConfig, base_dir: str | Path | None = None, *,
+                 background: bool | None = None, queue: CompileQueue | None = None) -> None:
+        self.config = config
+        self.base_dir = base_dir
+        self.background = config.background_compile if background is None else background
+        # This build's jobs; a process may build a model of the same name twice (tests, bench).
+        self.compiles: CompileGroup = (queue or compile_queue()).group(f"{config.name}#{next(_builds)}")
+        self.path = artifact_path(config, base_dir)
+        self.grid: GridBuild | None = None
+        self.started = time.perf_counter()
+        self.ready_seconds: float | None = None  # from the build's start to the start-up models compiled
+        self.finished = threading.Event()  # every compile has ended, and every compiled model has joined
+        self._lock = threading.Lock()
+        self._open = 0  # compiles not yet ended and compiled models not yet handed to grow
+        self._artifact_module: CompiledModel | None = None
+        self._store = compile_cache.current()  # opens the persistent cache before anything compiles
+        self._compiles = compile_count()
+
+    def start(self, load: Callable[[CompiledModel], T] = lambda model: model,
+              grow: Callable[[CompiledModel], None] | None = None) -> T:
+        """Queue every compile; once the start-up ones are compiled (every one without
+        background), return ``load(model)``, run on the queue's thread (loading onto cores
+        compiles too). Raises the error of a start-up compile that failed, after dropping the
+        other compiles. Each later compiled model goes to ``grow(model)`` (on the queue's thread),
+        ``model`` then holding every model compiled so far.
+        """
+        if self.path is not None:
+            needed = [self.compiles.submit(f"{self.config.name} (artifact {self.path})", self._load_artifact,
+                                           priority=READY)]
+            loading = self.compiles.submit(f"load {self.config.name}", functools.partial(self._load, needed, load),
+                                           priority=READY, kind="load")
+            return self._ready(needed, loading)
+        self.grid = GridBuild(self.config, self.base_dir, self._weights_swapper(), staged=self.background)
+        early = [e for e in self.grid.order if e in self.grid.ready or not self.background]
+        self._open = len(self.grid.order)
+        needed = [self._submit(entry, READY, grow) for entry in early]
+        # The load is queued before any background compile, so that none can run ahead of it.
+        loading = self.compiles.submit(f"load {self.config.name}", functools.partial(self._load, needed, load),
+                                       priority=READY, kind="load")
+        for entry in self.grid.order:
+            if entry not in early:
+                self._submit(entry, BACKGROUND, grow)
+        return self._ready(needed, loading)
+
+    def _submit(self, entry: Entry, priority: int, grow: Callable[[CompiledModel], None] | None) -> CompileJob:
+        return self.compiles.submit(self.grid.label(entry), functools.partial(self._compile, entry, grow),
+                                    priority=priority)
+
+    def _weights_swapper(self) -> Callable[[CompiledModel], None] | None:
+        """What hands each compiled model the ``weights`` checkpoint (read once), when there is one."""
+        if self.config.weights is None:
+            return None
+        checkpoint = self.config.weights_path(self.base_dir)
+        state = artifact.read_weights(checkpoint, "weights")
+
+        def swap(module: CompiledModel) -> None:
+            try:
+                replace_weights(module, state)
+            except ConfigError as exc:
+                raise _weights_error(self.config, checkpoint, str(exc)) from None
+        logger.info("model %s: weights from %s (%d tensors) are swapped into each compiled model; nothing is "
+                    "compiled for them", self.config.name, checkpoint, len(state))
+        return swap
+
+    def _ready(self, needed: list[CompileJob], loading: CompileJob) -> T:
+        self.compiles.wait([*needed, loading])
+        failed = next((j for j in needed if j.state == FAILED), None)
+        try:
+            if failed is not None:
+                raise failed.future.exception()
+            return loading.future.result()
+        except BaseException:
+            self.compiles.cancel()  # nothing more to compile for a replica that will not serve
+            raise
+
+    def _load(self, needed: list[CompileJob], load: Callable[[CompiledModel], T]) -> T | None:
+        if any(j.state != COMPILED for j in needed):
+            # The replica will not serve: drop the other compiles before the worker takes one
+            # (_ready raises the failed compile's own error).
+            self.compiles.cancel()
+            return None
+        model = self.model()
+        self.ready_seconds = time.perf_counter() - self.started
+        counts = self.compiles.counts()
+        waiting = counts.pending + counts.running
+        if not waiting:
+            if self.grid is not None:
+                self.grid.finish()  # every model compiled: the placement line, as a build has always ended
+            self.finished.set()
+        logger.info("model %s built in %.1fs%s", self.config.name, self.ready_seconds,
+                    f" from artifact {self.path}" if self.path else
+                    f"; ready on {counts.compiled} of {counts.compiled + waiting} compiled models, the other "
+                    f"{waiting} compile in the background" if waiting else "")
+        return load(model)
+
+    def _compile(self, entry: Entry, grow: Callable[[CompiledModel], None] | None) -> Bucket:
+        background = self.ready_seconds is not None
+        try:
+            bucket = self.grid.compile(entry)
+        except Exception:
+            if background:  # logged and counted by the queue; the replica serves on the others
+                self._ended()
+            raise
+        if background and grow is not None:  # joins the runtime next, before the next compile
+            self.compiles.submit(f"load {self.grid.label(entry)}", functools.partial(self._grow, grow),
+                                 priority=READY, kind="load")
+        else:
+            self._ended()
+        return bucket
+
+    def _grow(self, grow: Callable[[CompiledModel], None]) -> None:
+        try:
+            grow(self.model())
+        finally:
+            self._ended()
+
+    def _ended(self) -> None:
+        """One compile ended or one compiled model joined; the last logs the end of the background compile."""
+        with self._lock:
+            self._open -= 1
+            last = self._open == 0 and self.ready_seconds is not None and not self.finished.is_set()
+        if last:
+            self.grid.finish()
+            counts = self.compiles.counts()
+            failed = "".join(f"; {label} failed: {reason}" for label, reason in self.compiles.failures())
+            logger.info("model %s: background compile finished %.1f s after the build began: %d compiled models, "
+                        "%d failed%s", self.config.name, time.perf_counter() - self.started, counts.compiled,
+                        counts.failed, failed)
+            self.finished.set()
+
+    def _load_artifact(self) -> CompiledModel:
+        self._artifact_module = load_artifact(self.config, self.base_dir, self.path)
+        return self._artifact_module
+
+    def model(self) -> CompiledModel:
+        """The models compiled so far, as one CompiledModel named as the model.yaml says."""
+        module = self._artifact_module if self.path is not None else self.grid.model()
+        _name(module, self.config)
+        module.build_info.seconds = time.perf_counter() - self.started
+        module.build_info.compiles = compile_count() - self._compiles
+        module.build_info.weights = self.config.weights_path(self.base_dir)
+        module.build_info.artifact = str(self.path) if self.path is not None else None
+        module.build_info.cache_hits = {kind: s.hits for kind, s in (self._store.stats.items()
+                                                                     if self._store is not None else ())}
+        return module
+
+
+def build(config: ModelConfig, base_dir: str | Path | None = None) -> CompiledModel:
+    """Compile (or load) the model of ``config``, every compiled model of it; logs progress per
+    compiled model and subgraph. The compiles run on the process's compile queue."""
+    return StagedBuild(config, base_dir, background=False).start()

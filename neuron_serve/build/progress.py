@@ -37,6 +37,7 @@ class BuildProgress:
         self.batch: int | None = None  # the batch size being compiled, when several are
         self.tty = _on_terminal() if tty is None else tty
         self.partitions: list[list[Partition]] = []  # each compiled model's, in compile order
+        self._at: int | None = None  # the shape bucket being compiled, when told (at); else counted
         self._step_started = time.perf_counter()
         self._bar = None
         if self.tty:
@@ -58,9 +59,15 @@ class BuildProgress:
         if self._bar is None:
             logger.debug("compiled %s in %.1fs", where, time.perf_counter() - started)
 
+    def at(self, bucket: int, batch: int | None) -> None:
+        """The next compiled model is shape bucket ``bucket`` (0-based) at batch size ``batch``: for
+        builds that compile them in another order than bucket by bucket (a compile queue's)."""
+        self._at, self.batch = bucket, batch
+        self._step_started = time.perf_counter()
+
     def step_label(self) -> str:
         """The compiled model being built: its shape bucket (when several) and batch size (when several)."""
-        index = self.bucket // self.batch_sizes
+        index = self._at if self._at is not None else self.bucket // self.batch_sizes
         parts = []
         if self.labels is not None and index < len(self.labels):
             parts.append(self.labels[index])
@@ -100,6 +107,13 @@ class BuildProgress:
         if self._bar is not None:
             self._bar.close()
 
+    def finish(self) -> None:
+        """Close the bar and log the placement line (when anything was compiled)."""
+        self.close()
+        if self.partitions:
+            hint = "" if logs.operator_lists_shown() else "; --verbose lists them"
+            logger.info("%s%s", self.summary(), hint)
+
 
 def _on_terminal() -> bool:
     """Whether stderr is a terminal, by its file descriptor: a Ray Serve replica's stderr,
@@ -127,10 +141,18 @@ def reporting(progress: BuildProgress) -> Iterator[BuildProgress]:
         progress.close()
         raise
     else:
-        progress.close()
-        if progress.partitions:
-            hint = "" if logs.operator_lists_shown() else "; --verbose lists them"
-            logger.info("%s%s", progress.summary(), hint)
+        progress.finish()
+    finally:
+        _CURRENT.reset(token)
+
+
+@contextlib.contextmanager
+def current(progress: BuildProgress) -> Iterator[BuildProgress]:
+    """Make ``progress`` the current one for one step of a build whose steps run apart (compile
+    queue jobs); unlike :func:`reporting`, leaving it neither closes it nor logs the placement."""
+    token = _CURRENT.set(progress)
+    try:
+        yield progress
     finally:
         _CURRENT.reset(token)
 

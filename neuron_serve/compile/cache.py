@@ -19,22 +19,37 @@ by XLA:CPU again on every start; the cache skips everything else.
 
 Every entry carries the SHA-256 of its key and payload; an entry that is truncated,
 edited or unreadable is logged, removed and recomputed, never used.
+
+Replicas that start together against one cache (the Helm chart's compile-cache volume,
+several replicas on a node, a replica added by autoscaling while another builds) compute
+each entry once: the process that misses an entry takes its lease (:meth:`CompileCache.lease`:
+an ``flock`` on ``leases/<kind>/<digest>.lock``), computes and writes it; the others wait on
+the lease, then read what it wrote. The kernel releases a lock when its holder dies (killed
+mid-compile, say), so a dead holder never blocks the next; on NFS (EFS) the server does, once
+the holder's NFS lease expires. neuronx-cc's NEFF cache (``neuronx-cc/``) is libneuronxla's,
+which locks each of its entries itself (``model.hlo.pb.lock`` beside each ``model.hlo.pb``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
+import socket
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 logger = logging.getLogger("neuron_serve")
 
 CACHE_ENV = "NEURON_SERVE_CACHE_DIR"
+LEASE_POLL_S = 0.02  # how often a process waiting for an entry's lease tries it again
+LEASE_NOTICE_S = 1.0  # a wait longer than this is logged at INFO
 DISABLE_VALUES = {"off", "none", "0", "false", "disabled"}
 APP_NAME = "neuron-serve"
 
@@ -63,6 +78,7 @@ class CacheStats:
     hits: int = 0
     misses: int = 0
     corrupt: int = 0
+    waited: int = 0  # misses another process was computing: this one waited and read its entry
 
 
 @dataclass
@@ -116,6 +132,83 @@ class CompileCache:
             os.replace(tmp, path)
         except OSError as exc:  # a read-only or full cache must not stop a build
             logger.warning("compile cache: cannot write %s (%s); continuing without caching it", path, exc)
+
+
+    @contextlib.contextmanager
+    def lease(self, kind: str, key: Any) -> Iterator[None]:
+        """Hold the right to compute ``key``'s entry: another process (or thread) asking for the same
+        key waits until the holder leaves (or dies: the kernel drops its lock). A cache that cannot
+        be locked (read-only, a filesystem without locks) is used without a lease."""
+        digest = key_digest(key)
+        path = self.root / "leases" / kind / f"{digest}.lock"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            logger.warning("compile cache: cannot take the lease %s (%s); computing without it", path, exc)
+            yield
+            return
+        try:
+            if not _try_lock(fd):
+                self._wait(fd, kind, digest)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _wait(self, fd: int, kind: str, digest: str) -> None:
+        """Wait for the lease's holder; said at INFO once the wait passes ``LEASE_NOTICE_S`` (most
+        entries take milliseconds, and a line each would bury the build's own)."""
+        holder, started, told = _holder(fd), time.monotonic(), False
+        logger.debug("compile cache: waiting for %s, which computes %s entry %s", holder, kind, digest[:12])
+        while not _try_lock(fd):
+            if not told and time.monotonic() - started > LEASE_NOTICE_S:
+                logger.info("compile cache: waiting for %s, which computes %s entry %s", holder, kind, digest[:12])
+                told = True
+            time.sleep(LEASE_POLL_S)
+        self._stats(kind).waited += 1
+        (logger.info if told else logger.debug)("compile cache: %s entry %s was computed by %s; waited %.1f s",
+                                                kind, digest[:12], holder, time.monotonic() - started)
+
+    def get_or_compute(self, kind: str, key: Any, compute: Callable[[], Any], *, missed: bool = False) -> Any:
+        """The entry under ``key``, computed by ``compute()`` (and stored) when missing; computed
+        once across processes: a miss takes the key's lease and looks again before computing.
+        ``missed``: the caller has just looked it up and missed (not counted twice)."""
+        stored = None if missed else self.get(kind, key)
+        if stored is not None:
+            return stored
+        with self.lease(kind, key):
+            stored = self._read_after_wait(kind, key)
+            if stored is not None:
+                return stored
+            payload = compute()
+            self.put(kind, key, payload)
+            return payload
+
+    def _read_after_wait(self, kind: str, key: Any) -> Any | None:
+        """The entry a holder wrote while this process waited for its lease (not a second miss)."""
+        stats = self._stats(kind)
+        misses = stats.misses
+        stored = self.get(kind, key)
+        stats.misses = misses - 1 if stored is not None else misses  # found after all, or the same miss
+        return stored
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _holder(fd: int) -> str:
+    """Who holds a lease, as its holder wrote it ("pid 123 on host")."""
+    try:
+        return os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+    except OSError:
+        return "another process"
 
 
 _CACHE: CompileCache | None = None

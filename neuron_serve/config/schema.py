@@ -307,6 +307,15 @@ class ModelConfig(_Strict):
                     "plus it); needs dynamic_batch",
     )
     cores_per_replica: int = Field(1, ge=1)
+    background_compile: bool = Field(
+        True,
+        description="true: a replica is ready as soon as it holds compiled models that answer every request (the "
+                    "largest shape bucket at the largest batch size: smaller requests are padded into it), and "
+                    "compiles the rest in the background, most padding saved first, each serving as soon as it is "
+                    "compiled; false: ready only once everything is compiled, for the same latency from the first "
+                    "request. Models of task generate, embed, score and classify, and artifacts, compile everything "
+                    "before they are ready either way, for now",
+    )
     placement: PlacementSettings = Field(default_factory=PlacementSettings)
     replicas: int = Field(1, ge=1)
     autoscaling: AutoscalingSettings | None = None

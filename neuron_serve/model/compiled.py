@@ -58,14 +58,13 @@ class CompiledModel(torch.nn.Module):
             raise ValueError("a compiled model needs at least one bucket")
         self.buckets = torch.nn.ModuleList(buckets)
         # Per shape bucket, the same shape compiled at the smaller batch sizes (the
-        # bucket itself holds the largest); every shape bucket has the same sizes. (Buckets
-        # of bucket_model_trace may differ in dim 0, each compiled at its one size.)
+        # bucket itself holds the largest). A finished build compiles every shape bucket at
+        # the same sizes; a model still compiling in the background may hold some sizes of
+        # one bucket and not of another. (Buckets of bucket_model_trace may differ in dim 0,
+        # each compiled at its one size.)
         self.smaller = torch.nn.ModuleList(torch.nn.ModuleList(s) for s in (smaller or [[] for _ in buckets]))
         if len(self.smaller) != len(self.buckets):
             raise ValueError("a compiled model needs the smaller batch sizes of every bucket, or none")
-        grids = {tuple(b.batch_size for b in self.grid(i)) for i in range(len(self.buckets))}
-        if len(grids) != 1 and any(len(s) for s in self.smaller):
-            raise ValueError(f"every bucket must be compiled at the same batch sizes, got {sorted(grids)}")
         # Seconds per call of each compiled size; the runner measures them when it loads,
         # a plain call without them counts rows (the least padding).
         self.costs: dict[int, float] | None = None
@@ -89,8 +88,12 @@ class CompiledModel(torch.nn.Module):
 
     @property
     def batch_sizes(self) -> list[int]:
-        """The batch sizes every shape bucket is compiled at (the first's, if they differ), smallest first."""
-        return [b.batch_size for b in self.grid(0)]
+        """The batch sizes the shape buckets are compiled at, smallest first: every bucket's when
+        they all have the same (a finished build), else any bucket's; the first's when the buckets
+        differ in dim 0 (bucket_model_trace's)."""
+        if self.spec is None and not any(len(s) for s in self.smaller):
+            return [b.batch_size for b in self.grid(0)]
+        return sorted({b.batch_size for i in range(len(self.buckets)) for b in self.grid(i)})
 
     def grid(self, bucket: int) -> list[Bucket]:
         """Shape bucket ``bucket`` at each compiled batch size, smallest first."""

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from ..model import Bucket, graph
-from ..targets.pjrt import use_device
+from ..targets.pjrt import on_this_thread, use_device
 from .cores import Core, CorePool
 from .observer import RuntimeObserver
 
@@ -36,7 +36,7 @@ class Pipeline:
     """
 
     def __init__(self, bucket: Bucket, cores: CorePool, cpu_pool: Executor, observer: RuntimeObserver | None = None,
-                 span: int = 1, copies: int | None = None):
+                 span: int = 1, copies: int | None = None, load_here: bool = False):
         self.bucket = bucket
         self.cores = cores
         self.cpu_pool = cpu_pool
@@ -51,8 +51,11 @@ class Pipeline:
         for lead in range(0, groups * span, span):
             for p in accel:
                 core = cores.cores[lead + p.core]
-                # Compile each core's copy on that core's own thread (its default device).
-                self.modules[core.index][p.name] = core.submit(gm.get_submodule(p.name).load_to, core.device).result()
+                load = functools.partial(gm.get_submodule(p.name).load_to, core.device)
+                # Each core's copy is compiled on that core's own thread (its default device), or, with
+                # load_here (a model joining while the cores serve), on this thread, whose default
+                # device is put back after: the copy then replays on its core's thread all the same.
+                self.modules[core.index][p.name] = on_this_thread(load) if load_here else core.submit(load).result()
         self.cpu_modules = {p.name: gm.get_submodule(p.name) for p in bucket.partitions if p.on_cpu}
         self.in_place: frozenset[str] = frozenset()  # CPU stages run where the previous stage ran (run_in_place)
 

@@ -10,7 +10,7 @@ import functools
 import glob
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 logger = logging.getLogger("neuron_serve")
 
@@ -91,6 +91,16 @@ def use_device(device: Any) -> None:
     subgraph loaded on xla:1 would run against xla:0.
     """
     xla()._XLAC._xla_set_default_device(str(device))
+
+
+def on_this_thread(work: Callable[[], Any]) -> Any:
+    """``work()`` on this thread, which keeps its default XLA device: loading a subgraph onto a
+    core makes that core the loading thread's default (:func:`use_device`)."""
+    before = xla()._XLAC._xla_get_default_device()
+    try:
+        return work()
+    finally:
+        use_device(before)
 
 
 def versions() -> dict[str, str]:

@@ -1,10 +1,12 @@
 """A real `neuron-serve deploy` on loopback, shared by the serving tests of a module."""
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -37,12 +39,15 @@ class Server:
 
     ``at_ready(server)`` runs the moment deploy prints its ready line, before anything here
     polls the server: what it returns is kept as ``first_calls`` (see `first_calls`).
+    ``at_first_200(server)`` runs the moment ``/v2/health/ready`` first answers 200, polled every
+    50 ms from deploy's launch on a thread of its own: kept as ``first_200_calls``.
     """
 
     def __init__(self, configs: list[str], tmp: Path, env: dict[str, str] | None = None, args: tuple = (),
-                 at_ready=None):
+                 at_ready=None, at_first_200=None, compiled: bool = True, token: str | None = None):
         self._at_ready = at_ready
-        self.first_calls = None
+        self._at_first_200 = at_first_200
+        self.first_calls = self.first_200_calls = None
         # A port that was free when drawn can be bound by another process of the machine
         # before the replicas bind it; that is the machine's doing, so draw again once.
         try:
@@ -50,6 +55,12 @@ class Server:
         except PortTaken:
             self.kill_leftovers()  # Ray workers of the failed deploy's session
             self._start(configs, tmp, env, args)
+        if compiled:  # ready on its first compiled models; the tests see every one (``compiled=False``: as ready)
+            try:
+                self.wait_compiled(token=token)
+            except BaseException:
+                self.stop()
+                raise
 
     def _start(self, configs: list[str], tmp: Path, env: dict[str, str] | None, args: tuple) -> None:
         self.port = free_port()
@@ -75,6 +86,10 @@ class Server:
             cwd=ROOT, env=env, stdout=(log := self.log.open("wb")), stderr=subprocess.STDOUT, start_new_session=True,
         )
         log.close()  # the child holds its own copy
+        prober = None
+        if self._at_first_200 is not None:
+            prober = threading.Thread(target=self._probe, daemon=True)
+            prober.start()
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -89,6 +104,8 @@ class Server:
                 try:
                     with urllib.request.urlopen(self.url + "/v2/health/ready", timeout=2) as r:
                         if r.status == 200:
+                            if prober is not None:
+                                prober.join(60)
                             return
                 except OSError:
                     pass
@@ -96,11 +113,55 @@ class Server:
         self.stop()
         raise RuntimeError(f"not ready after {READY_TIMEOUT_S}s:\n{self.tail()}")
 
+    def _probe(self) -> None:
+        """Poll readiness as a Kubernetes probe or a client script would, and call on its first 200."""
+        while self.proc.poll() is None:
+            try:
+                with urllib.request.urlopen(self.url + "/v2/health/ready", timeout=2) as r:
+                    if r.status == 200:
+                        self.first_200_calls = self._at_first_200(self)
+                        return
+            except OSError:
+                pass
+            time.sleep(0.05)
+
     def ray_address(self) -> str:
         """The embedded Ray's address, as `neuron-serve deploy` logs it."""
         match = re.search(r"Ray at ([\w.:-]+)\)", self.log.read_text(errors="replace"))
         assert match, self.tail()
         return match.group(1)
+
+    def _get(self, path: str, token: str | None) -> dict:
+        request = urllib.request.Request(self.url + path, headers={"Authorization": f"Bearer {token}"} if token else {})
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return json.load(answer)
+
+    def wait_compiled(self, timeout_s: float = READY_TIMEOUT_S, token: str | None = None) -> None:
+        """Wait until no replica of any infer model has a compile pending (a replica is ready on its
+        first compiled models and compiles the rest in the background): each model's metadata says
+        ``parameters.compile``, one replica's per answer, so several answers in a row must say none."""
+        deadline = time.monotonic() + timeout_s
+        for model in self._get("/v2", token)["models"]:
+            quiet = 0
+            while quiet < 4:
+                state = self._get(f"/v2/models/{model}", token)["parameters"].get("compile")
+                if state is None:  # a task: generate model: compiled before ready
+                    break
+                quiet = quiet + 1 if state["pending"] == 0 else 0
+                assert time.monotonic() < deadline, f"{model} still compiling: {state}\n{self.tail()}"
+                if quiet == 0:
+                    time.sleep(0.5)
+
+    def output(self, *patterns: str, timeout_s: float = 30) -> str:
+        """deploy's output (colours taken out) once every one of ``patterns`` (regular expressions, per
+        line) is in it, or after ``timeout_s``: Ray forwards a replica's lines a few seconds late, holding
+        back and folding alike lines of several replicas ("[repeated 2x across cluster]")."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            text = re.sub(r"\x1b\[[0-9;]*m", "", self.log.read_text(errors="replace"))
+            if all(re.search(p, text, re.MULTILINE) for p in patterns) or time.monotonic() > deadline:
+                return text
+            time.sleep(0.5)
 
     def tail(self) -> str:
         return self.log.read_bytes()[-4000:].decode(errors="replace")
@@ -157,10 +218,11 @@ class Server:
 
 
 def first_calls(models: list[str], infer: tuple[str, str, list[int]], token: str | None = None):
-    """An ``at_ready`` for `Server`: what a client that starts on deploy's ready line gets, each
-    call made once, with no retry: over gRPC (tritonclient.grpc) server and model readiness and
-    one inference (``infer``: model, its FP32 input, shape), over HTTP readiness and /metrics.
-    Each outcome is the call's answer or the error it raised."""
+    """An ``at_ready`` (or ``at_first_200``) for `Server`: what a client that starts on deploy's
+    ready line (or on readiness' first 200) gets, each call made once, with no retry: over gRPC
+    (tritonclient.grpc) server liveness and readiness, each model's readiness, an unknown model's
+    (NOT_FOUND) and one inference (``infer``: model, its FP32 input, shape), over HTTP readiness,
+    the model's metadata and /metrics. Each outcome is the call's answer or the error it raised."""
     def calls(server: "Server") -> dict:
         import numpy as np  # noqa: PLC0415
         import tritonclient.grpc as tgrpc  # noqa: PLC0415
@@ -179,10 +241,19 @@ def first_calls(models: list[str], infer: tuple[str, str, list[int]], token: str
             with urllib.request.urlopen(request, timeout=10) as answer:
                 return answer.status
 
-        steps = {"grpc server ready": lambda: client.is_server_ready(headers=headers),
+        def unknown_model():
+            try:
+                return client.is_model_ready("nope", headers=headers)
+            except tgrpc.InferenceServerException as exc:
+                return f"{exc.status()}: {exc.message()}"
+
+        steps = {"grpc server live": lambda: client.is_server_live(headers=headers),
+                 "grpc server ready": lambda: client.is_server_ready(headers=headers),
                  **{f"grpc {m} ready": lambda m=m: client.is_model_ready(m, headers=headers) for m in models},
+                 "grpc nope ready": unknown_model,
                  f"grpc {model} infer": one_inference,
                  "http /v2/health/ready": lambda: http("/v2/health/ready"),
+                 f"http /v2/models/{model}": lambda: http(f"/v2/models/{model}"),
                  "http /metrics": lambda: http("/metrics")}
         found = {}
         try:
@@ -253,9 +324,9 @@ def pytest_runtest_teardown(item, nextitem):
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     """mlp (sort on CPU, 2 cores) and encoder (sequence buckets) served side by side."""
+    calls = first_calls(["mlp", "encoder"], ("mlp", "x", [1, 784]))
     srv = _started["server"] = Server(["deployments/mlp.yaml", "deployments/encoder.yaml"],
-                                      tmp_path_factory.mktemp("serve"),
-                                      at_ready=first_calls(["mlp", "encoder"], ("mlp", "x", [1, 784])))
+                                      tmp_path_factory.mktemp("serve"), at_ready=calls, at_first_200=calls)
     yield srv
     srv.stop()
 
@@ -266,9 +337,9 @@ GUARDED_TOKEN = "guarded-test-token-0123456789"
 @pytest.fixture(scope="session")
 def guarded(tmp_path_factory):
     """tests/integration/models/guarded.yaml: the faulty test model behind a bearer token."""
+    calls = first_calls(["guarded"], ("guarded", "x", [1, 8]), GUARDED_TOKEN)
     srv = Server(["tests/integration/models/guarded.yaml"], tmp_path_factory.mktemp("guarded"),
-                 env={"GUARDED_TOKEN": GUARDED_TOKEN},
-                 at_ready=first_calls(["guarded"], ("guarded", "x", [1, 8]), GUARDED_TOKEN))
+                 env={"GUARDED_TOKEN": GUARDED_TOKEN}, at_ready=calls, at_first_200=calls, token=GUARDED_TOKEN)
     srv.token = GUARDED_TOKEN
     _started["guarded"] = srv
     yield srv

@@ -66,11 +66,15 @@ def eager_out(eager, data):
         return eager(torch.from_numpy(data)).numpy()
 
 
-def test_every_port_answers_at_the_ready_line(guarded):
-    """The calls made, once each, the moment deploy printed its ready line (conftest.first_calls):
-    no UNAVAILABLE from a gRPC front still starting, and HTTP agrees."""
-    assert guarded.first_calls == {"grpc server ready": True, "grpc guarded ready": True, "grpc guarded infer": [1, 4],
-                                   "http /v2/health/ready": 200, "http /metrics": 200}
+def test_every_port_answers_at_the_ready_line_and_at_the_first_ready_200(guarded):
+    """The calls made, once each, the moment deploy printed its ready line and the moment
+    /v2/health/ready first answered 200 (conftest.first_calls): no UNAVAILABLE from a gRPC front
+    still starting (server-level calls and an unknown model's included), and HTTP agrees."""
+    first = {"grpc server live": True, "grpc server ready": True, "grpc guarded ready": True,
+             "grpc nope ready": "StatusCode.NOT_FOUND: model 'nope' not found", "grpc guarded infer": [1, 4],
+             "http /v2/health/ready": 200, "http /v2/models/guarded": 200, "http /metrics": 200}
+    assert guarded.first_calls == first
+    assert guarded.first_200_calls == first
 
 
 def test_health_readiness_and_metadata(client, auth, stub):

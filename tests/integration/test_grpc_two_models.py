@@ -67,11 +67,15 @@ def on_a_new_connection(server, calls: dict[str, pb.ModelInferRequest]) -> dict[
         channel.close()
 
 
-def test_every_port_answers_for_both_models_at_the_ready_line(server):
-    """The calls made, once each, the moment deploy printed its ready line (conftest.first_calls):
-    HAProxy's gRPC front already routes the server app and both models, and HTTP agrees."""
-    assert server.first_calls == {"grpc server ready": True, "grpc mlp ready": True, "grpc encoder ready": True,
-                                  "grpc mlp infer": [1, 10], "http /v2/health/ready": 200, "http /metrics": 200}
+def test_every_port_answers_for_both_models_at_the_ready_line_and_at_the_first_ready_200(server):
+    """The calls made, once each, the moment deploy printed its ready line and the moment
+    /v2/health/ready first answered 200 (conftest.first_calls): HAProxy's gRPC front already
+    routes the server app and both models, and HTTP agrees."""
+    first = {"grpc server live": True, "grpc server ready": True, "grpc mlp ready": True, "grpc encoder ready": True,
+             "grpc nope ready": "StatusCode.NOT_FOUND: model 'nope' not found", "grpc mlp infer": [1, 10],
+             "http /v2/health/ready": 200, "http /v2/models/mlp": 200, "http /metrics": 200}
+    assert server.first_calls == first
+    assert server.first_200_calls == first
 
 
 def test_calls_for_both_models_over_new_connections_reach_their_models_replicas(server, models):

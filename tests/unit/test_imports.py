@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "neuron_serve"
-COMPILER = ("neuron_serve.api", "neuron_serve.build.from_config", "neuron_serve.build.artifact",
-            "neuron_serve.build.weights", "neuron_serve.analysis", "neuron_serve.partition.plan", "neuron_serve.compile",
-            "neuron_serve.report")
+COMPILER = ("neuron_serve.api", "neuron_serve.build.from_config", "neuron_serve.build.grid",
+            "neuron_serve.build.artifact", "neuron_serve.build.weights", "neuron_serve.analysis",
+            "neuron_serve.partition.plan", "neuron_serve.compile", "neuron_serve.report")
 
 INFER, GENERATE, POOLING, GRPC, RAY = (f"neuron_serve.serve.{p}" for p in ("infer", "generate", "pooling", "grpc", "ray"))
 # What a pooling model is built from (its directory, the graph, the compile): loaded by its replica's build only.
@@ -40,6 +40,12 @@ RULES = {
     "neuron_serve.build.progress": COMPILER + ("neuron_serve.config", "neuron_serve.buckets", "neuron_serve.partition",
                                                "neuron_serve.targets", "neuron_serve.runtime", "neuron_serve.generation",
                                                "neuron_serve.serve", "neuron_serve.metrics", "neuron_serve.cli"),
+    # The compile queue, which the serving edge, the data plane and the engines hand compiles to: it
+    # runs closures and knows no compiler, model or torch.
+    "neuron_serve.build.queue": COMPILER + ("neuron_serve.config", "neuron_serve.model", "neuron_serve.buckets",
+                                            "neuron_serve.partition", "neuron_serve.targets", "neuron_serve.runtime",
+                                            "neuron_serve.generation", "neuron_serve.serve", "neuron_serve.metrics",
+                                            "neuron_serve.cli", "torch"),
     "neuron_serve.generation": ("neuron_serve.serve",),
     "neuron_serve.model": COMPILER + ("neuron_serve.config", "neuron_serve.runtime", "neuron_serve.serve"),
     # The runtime tells one observer of its work (runtime/observer.py); the metrics live at the serving edge.

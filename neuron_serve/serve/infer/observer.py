@@ -14,6 +14,7 @@ import logging
 from typing import Any, Callable
 
 from ... import metrics
+from ...build.queue import COMPILED, CompileJob
 from ...model import CompiledModel
 from ...runtime.observer import RuntimeObserver
 from ...runtime.runner import ModelRunner
@@ -67,6 +68,8 @@ class ReplicaMetrics(RuntimeObserver):
         self._latency = metrics.REQUEST_LATENCY.labels(**self._labels)
         self._children: dict[tuple, Any] = {}
         self.deferred = DeferredMetrics()
+        self._loaded = False
+        self._counted: dict[str, int] = {"compiles": 0}  # build compiles and cache hits recorded so far
 
     def _child(self, metric: Any, **labels: str) -> Any:
         """``metric``'s child for this model and replica and ``labels``, looked up once.
@@ -82,18 +85,34 @@ class ReplicaMetrics(RuntimeObserver):
     # -- the data plane's events ------------------------------------------------------
 
     def loaded(self, model: CompiledModel, runner: ModelRunner) -> None:
-        """The model is built and on the cores: its build and load, costs and memory (recorded now)."""
+        """The model is built and on the cores, or grew (compiled models joined it): its build
+        and load (once), its costs and memory, and the compiles and cache hits since the last time."""
         labels = self._labels
-        metrics.COMPILE_TIME.labels(**labels).observe(model.build_info.seconds + runner.load_seconds)
+        if not self._loaded:
+            metrics.COMPILE_TIME.labels(**labels).observe(model.build_info.seconds + runner.load_seconds)
+        self._loaded = True
         for bucket, costs in enumerate(runner.costs):
             for size, seconds in costs.items():
                 metrics.SIZE_COST.labels(**labels, bucket=str(bucket), batch_size=str(size)).set(seconds)
         for bucket, size, stage, core, size_bytes in runner.stage_memory():
             metrics.STAGE_MEMORY.labels(**labels, bucket=str(bucket), batch_size=str(size), partition=stage,
                                         core=str(core)).set(size_bytes)
-        metrics.BUILD_COMPILES.labels(**labels).inc(model.build_info.compiles)
+        metrics.BUILD_COMPILES.labels(**labels).inc(model.build_info.compiles - self._counted["compiles"])
+        self._counted["compiles"] = model.build_info.compiles
         for kind, hits in model.build_info.cache_hits.items():
-            metrics.CACHE_HITS.labels(**labels, cache=kind).inc(hits)
+            metrics.CACHE_HITS.labels(**labels, cache=kind).inc(hits - self._counted.get(kind, 0))
+            self._counted[kind] = hits
+
+    def compile_job(self, job: CompileJob) -> None:
+        """A job of the model's compile queue started or ended: a compiled model's seconds."""
+        if job.kind == "compile" and job.state == COMPILED and job.seconds is not None:
+            bucket = job.label.removeprefix(f"{self.model} ") if job.label != self.model else self.model
+            metrics.COMPILE_SECONDS.labels(**self._labels, bucket=bucket).set(job.seconds)
+
+    def compile_counts(self, state: dict) -> None:
+        """The model's compiled models by state (``ModelDataPlane.compile_state``)."""
+        for name in ("compiled", "pending", "failed"):
+            metrics.COMPILED_MODELS.labels(**self._labels, state=name).set(state.get(name, 0))
 
     def executed(self) -> None:
         """A batch ran with at least one request answered (Triton's execution count)."""

@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from ...build.queue import CompileGroup, CompileJob
 from ...version import __version__
 from ...config.schema import ModelConfig
 from ...errors import InvalidInput, NeuronServeError
@@ -75,7 +76,7 @@ class ModelDataPlane:
     """One built model on one replica: loads it on the cores, batches its requests, speaks OIP v2."""
 
     def __init__(self, config: ModelConfig, model: CompiledModel, replica: str | None = None,
-                 parameters: dict | None = None) -> None:
+                 parameters: dict | None = None, *, compiles: CompileGroup | None = None) -> None:
         self.config = config
         self.parameters = dict(parameters or {})  # more of metadata's parameters (a pooling model's settings)
         self.name = config.name
@@ -84,10 +85,17 @@ class ModelDataPlane:
         self.observer = ReplicaMetrics(self.name, self.replica)
         self.runner = ModelRunner(model, cores=config.cores_per_replica, name=self.name, observer=self.observer)
         self.observer.loaded(model, self.runner)
+        # The model's compiles on this replica's compile queue (those still running join through grow).
+        self.compiles = compiles
+        self._unsubscribe = None
+        if compiles is not None:
+            self._unsubscribe = compiles.subscribe(self._compile_event)
+            for job in compiles.jobs():
+                self.observer.compile_job(job)
         signature = model.signature()
         self.inputs = [TensorSpec(s.name, TORCH_TO_DATATYPE[s.dtype], s.shape) for s in signature.inputs]
-        self.outputs = [{"name": s.name, "datatype": TORCH_TO_DATATYPE.get(s.dtype, "FP32"), "shape": list(s.shape)}
-                        for s in signature.outputs]
+        self.outputs = _outputs(model)
+        self.observer.compile_counts(self.compile_state())
         batching = config.batching
         self._batcher = DynamicBatcher(
             self._run_batch,
@@ -103,6 +111,7 @@ class ModelDataPlane:
         # before anything is allocated.
         self.max_elements = batching.max_batch_size * model.max_row_elements()
         self._ready = False
+        self._stopping = False
         self.lone = LoneRequests()  # the requests in flight, and whether one is alone (runs inline)
 
     # -- lifecycle ------------------------------------------------------------------
@@ -113,8 +122,28 @@ class ModelDataPlane:
         self.monitor.start()
         self._ready = True
 
+    def grow(self, model: CompiledModel) -> None:
+        """Serve ``model`` from now on: this model with more compiled models, one compiled in the
+        background (call it from the compile queue's thread: loading onto the cores compiles)."""
+        if self._stopping:  # a compile that ended as the replica stopped: nothing to serve it on
+            return
+        self.runner.grow(model)
+        self.observer.loaded(model, self.runner)
+        self.outputs = _outputs(model)
+        self.observer.compile_counts(self.compile_state())
+
+    def _compile_event(self, job: CompileJob) -> None:
+        """A job of the model's compile started or ended (on the compile queue's thread)."""
+        self.observer.compile_job(job)
+        self.observer.compile_counts(self.compile_state())
+
     async def stop(self) -> None:
+        self._stopping = True
         self._ready = False
+        if self.compiles is not None:
+            self.compiles.cancel()  # what has not started compiling never will for this replica
+        if self._unsubscribe is not None:
+            self._unsubscribe()
         await self._batcher.stop(drain=True)
         self.observer.deferred.flush()
         if getattr(self, "monitor", None) is not None:
@@ -139,9 +168,24 @@ class ModelDataPlane:
                 "partitions": self.runner.partitions,
                 "batch_sizes": self.runner.model.batch_sizes,
                 "neuron_serve_version": __version__,
+                "compile": self.compile_state(),
                 **self.parameters,
             },
         }
+
+    def compile_state(self) -> dict:
+        """This replica's compiled models by state (``compiled``, ``pending``: queued or compiling,
+        ``failed``), whether the rest compile in the background, and each failure's reason."""
+        state = {"compiled": len([b for i in range(len(self.runner.model.buckets))
+                                  for b in self.runner.model.grid(i)]), "pending": 0, "failed": 0}
+        if self.compiles is not None:
+            state = self.compiles.counts().as_dict()
+            failures = self.compiles.failures()
+            if failures:
+                state["failures"] = [{"model": label, "error": reason} for label, reason in failures]
+        # Compiled in the background only when built so (a model.yaml's grid, not an artifact or a pooling model).
+        state["background"] = self.compiles is not None and self.config.background_compile
+        return state
 
     async def _run_batch(self, items: list[tuple[list[torch.Tensor], triton_ext.RequestTimes]]) -> list:
         inline = await self.lone.alone(len(items))
@@ -207,6 +251,12 @@ class ModelDataPlane:
         ``batching.max_batch_size`` they run as a batch of their own.
         """
         return await self._batcher.submit((tensors, call.times), rows=tensors[0].shape[0])
+
+
+def _outputs(model: CompiledModel) -> list[dict]:
+    """The outputs as model metadata lists them (shapes from the compiled buckets)."""
+    return [{"name": s.name, "datatype": TORCH_TO_DATATYPE.get(s.dtype, "FP32"), "shape": list(s.shape)}
+            for s in model.signature().outputs]
 
 
 _current: ModelDataPlane | None = None

@@ -70,7 +70,9 @@ async def model_card(name: str) -> dict:
     except Exception:  # noqa: BLE001 - a replica going away between the status and the call
         return {}
     parameters = meta.get("parameters", {}) if kind == "ok" else {}
-    return {k: parameters[k] for k in ("max_model_len", "tensor_parallel_size", "task") if k in parameters}
+    # "compile": the replica's compiled models by state (an infer or pooling model's metadata says them,
+    # ModelDataPlane.compile_state; a generate model's, once its engines compile on the compile queue).
+    return {k: parameters[k] for k in ("max_model_len", "tensor_parallel_size", "task", "compile") if k in parameters}
 
 
 _handles: dict = {}

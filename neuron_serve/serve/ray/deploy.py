@@ -16,7 +16,7 @@ from ray.experimental import internal_kv
 
 from ...config.schema import ModelConfig
 from ..http import auth
-from . import failure, ingress, readiness
+from . import compile_state, failure, ingress, readiness
 from .cluster import head_processes
 from .deployment import DRAIN_S, SERVER_APP, model_application, server_application
 
@@ -106,8 +106,19 @@ def build_failure(name: str) -> str:
 
 
 def status() -> dict[str, dict]:
+    """Every application's state and message; for a model, its replicas' compiled models by state
+    (``compile``: summed over its replicas, then each replica's), while some compile in the background."""
     apps = serve.status().applications
-    return {name: {"status": str(app.status), "message": app.message} for name, app in apps.items()}
+    compiling = compile_state.read()
+    found = {}
+    for name, app in apps.items():
+        found[name] = {"status": str(app.status), "message": app.message}
+        replicas = compiling.get(name)
+        if replicas:
+            found[name]["compile"] = {state: sum(r.get(state, 0) for r in replicas.values())
+                                      for state in ("compiled", "pending", "failed")}
+            found[name]["compile"]["replicas"] = replicas
+    return found
 
 
 def shutdown(names: list[str] | None = None, progress=lambda message: None) -> None:
@@ -124,6 +135,7 @@ def shutdown(names: list[str] | None = None, progress=lambda message: None) -> N
     """
     if names:
         readiness.forget(names)  # deployed again, a model is checked again before it is called ready
+        compile_state.forget(names)
         for name in names:
             progress(f"stopping model {name!r}: waiting for its in-flight requests (at most {DRAIN_S} s)")
             serve.delete(name)
@@ -149,6 +161,7 @@ def shutdown(names: list[str] | None = None, progress=lambda message: None) -> N
         _haproxy(lambda: ingress.close_http(haproxy, progress), progress)
     progress("stopping Ray Serve (its controller and HTTP ingress)")
     readiness.forget()
+    compile_state.forget()
     _stop_serve(progress)
 
 

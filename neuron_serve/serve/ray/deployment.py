@@ -32,7 +32,7 @@ from .applications import (call_model, forward_pooling, generate_states, model_c
                            statuses)
 from ..grpc import service as grpc_service
 from . import grpc_port
-from . import cluster, readiness
+from . import cluster, compile_state, readiness
 from ..http.app import server_app
 from ..infer.http import model_app
 
@@ -72,10 +72,13 @@ class ModelServer:
         auth.configure(auth.resolve_token(parsed))  # before anything can be served
         replica = serve.get_replica_context().replica_id.unique_id
         loop = asyncio.get_running_loop()
-        # Building compiles for seconds to minutes; run it off the event loop.
+        # Building compiles for seconds to minutes; run it off the event loop. The replica is ready
+        # (this returns) once its start-up models are compiled; with background_compile the rest
+        # compile on the process's compile queue while it serves.
         self.plane = await loop.run_in_executor(None, _build_plane, parsed, base_dir, replica)
         self.plane.start()
         dataplane.set_current(self.plane)
+        self._untrack = compile_state.track(self.plane, replica)
         self._grpc = self._relay = self._grpc_key = None
         if grpc_options:
             self._grpc, self._relay, self._grpc_key = await grpc_port.start_for_replica(
@@ -94,6 +97,8 @@ class ModelServer:
         return answer
 
     async def __del__(self) -> None:
+        if getattr(self, "_untrack", None) is not None:
+            self._untrack()
         if getattr(self, "_grpc_key", None) is not None:
             try:  # no replica relays here once its list is read again (RELAY_TTL_S)
                 await grpc_port.unregister(self._grpc_key)
@@ -110,17 +115,24 @@ class ModelServer:
 
 
 def _build_plane(config: ModelConfig, base_dir: str | None, replica: str) -> ModelDataPlane:
-    from ...build.from_config import build  # noqa: PLC0415 - the compiler is loaded by replicas only
+    """The model's data plane, once the start-up models are compiled and loaded; the models still
+    compiling join it as each is compiled (all of it on the compile queue's thread)."""
+    from ...build.from_config import StagedBuild  # noqa: PLC0415 - the compiler is loaded by replicas only
 
-    return ModelDataPlane(config, build(config, base_dir), replica)
+    build = StagedBuild(config, base_dir)
+    planes: list[ModelDataPlane] = []
 
+    def load(model) -> ModelDataPlane:
+        # An artifact loads in one job: the plane counts its compiled models itself.
+        planes.append(ModelDataPlane(config, model, replica, compiles=build.compiles if build.path is None else None))
+        return planes[0]
 
-_ports_checked = False  # whether this server app's deploy checks that every port answers (readiness)
+    return build.start(load, grow=lambda model: planes[0].grow(model))
 
 
 async def unchecked_models(models: list[str]) -> set[str]:
     """Those of ``models`` whose ports deploy has not yet seen answer (none unless it checks)."""
-    return await readiness.unchecked(models) if _ports_checked else set()
+    return await readiness.unchecked(models) if readiness.checks_ports() else set()
 
 
 @serve.deployment(name="server", num_replicas=1, ray_actor_options={"num_cpus": 0})
@@ -135,8 +147,7 @@ class Server:
     """
 
     async def __init__(self, grpc_options: dict | None = None, ports_checked: bool = False) -> None:
-        global _ports_checked
-        _ports_checked = ports_checked
+        readiness.check_ports(ports_checked)
         auth.configure(auth.resolve_token(None))
         self._grpc = self._grpc_key = None
         self._grpc_options = grpc_options

@@ -16,6 +16,7 @@ import sys
 from ray import serve
 
 from ... import logs
+from ...build.queue import READY, compile_queue
 from ...config.schema import ModelConfig, parse_config
 from ...pooling.tokens import Tokens
 from ..grpc import service as grpc_service
@@ -92,9 +93,15 @@ class PoolingServer:
 
 
 def build_plane(config: ModelConfig, base_dir: str | None, replica: str) -> PoolingPlane:
-    """The replica's pooling plane over its data plane, from the model built here."""
-    from ...pooling.build import build  # noqa: PLC0415 - the compiler is loaded by replicas only
+    """The replica's pooling plane over its data plane, from the model built here: one job on the
+    process's compile queue (compiled whole, then loaded onto the cores, which compiles too)."""
 
-    model, spec, tokenizer = build(config, base_dir)
-    data = ModelDataPlane(config, model, replica, parameters=spec.describe())
-    return PoolingPlane(config, data, Tokens(tokenizer, spec), spec)
+    def build_it() -> PoolingPlane:
+        from ...pooling.build import build  # noqa: PLC0415 - the compiler is loaded by replicas only
+
+        model, spec, tokenizer = build(config, base_dir)
+        data = ModelDataPlane(config, model, replica, parameters=spec.describe())
+        return PoolingPlane(config, data, Tokens(tokenizer, spec), spec)
+
+    job = compile_queue().submit(f"{config.name} (pooling model)", build_it, priority=READY, group=config.name)
+    return job.future.result()

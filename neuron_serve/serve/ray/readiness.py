@@ -117,6 +117,28 @@ def forget(models: list[str] | None = None) -> None:
         _write(_read() - set(models))
 
 
+_checking = False  # this process's server app answers ready only for models whose ports deploy saw answer
+
+
+def check_ports(on: bool) -> None:
+    """Make this process's readiness wait for deploy's record (the server app of a ``deploy``).
+
+    Set here, from the server app's constructor, not as a global of the deployment's module:
+    Serve's decorators replace the class in its module, so the replica gets the class pickled
+    by value, and a ``global`` assigned in its methods lands in a copy of the module's globals
+    that the readiness route never reads. (It did: /v2/health/ready then answered 200 as soon as
+    Serve ran every application, before HAProxy routed gRPC to the server app, and a client
+    starting on that 200 got UNAVAILABLE "the server is starting" for its first calls.)
+    """
+    global _checking
+    _checking = on
+
+
+def checks_ports() -> bool:
+    """Whether readiness waits for deploy's record of the ports (see :func:`check_ports`)."""
+    return _checking
+
+
 _checked_cache: tuple[float, set[str]] = (float("-inf"), set())
 
 

@@ -1,0 +1,128 @@
+"""A model.yaml's grid of compiled models, compiled one model at a time.
+
+A task: infer model compiles each shape bucket (``buckets.sizes``) at each compiled batch
+size (``batch_sizes``): a grid. Here each model of the grid is compiled alone
+(:func:`~neuron_serve.api.trace_entry`, what ``trace_buckets`` does for each), so a compile
+queue can run them one job each, in the order of :func:`~neuron_serve.buckets.order.compile_order`
+(the largest shape bucket at the largest batch size first, then the most padding saved), and
+:meth:`GridBuild.model` assembles the models compiled so far into one
+:class:`~neuron_serve.model.CompiledModel`: the runtime runs a request on the smallest
+compiled bucket that holds it, as the cheapest compiled batch sizes of that bucket.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from . import progress
+from ..api import dynamic_batch, trace_entry
+from ..buckets.order import compile_order
+from ..buckets.shape import BucketSpec
+from ..config.schema import ModelConfig, build_model
+from ..model import Bucket, CompiledModel
+
+
+@dataclass(frozen=True, order=True)
+class Entry:
+    """One model of the grid: shape bucket ``bucket`` (0-based) at ``batch`` rows."""
+
+    bucket: int
+    batch: int
+
+
+class GridBuild:
+    """One model.yaml's grid: its entries in compile order, each compiled by :meth:`compile`
+    (on the compile queue's thread), and :meth:`model` of those compiled so far. ``staged``:
+    the replica is ready on ``ready`` and compiles the rest behind (else the grid's own order)."""
+
+    def __init__(self, config: ModelConfig, base_dir: str | Path | None,
+                 swap_weights: Callable[[CompiledModel], None] | None = None, staged: bool = True) -> None:
+        self.config = config
+        self.base_dir = base_dir
+        self.swap_weights = swap_weights  # hands each compiled model the model.yaml's 'weights' checkpoint
+        self.sizes = config.compiled_batch_sizes()  # None: the example's batch only
+        self.spec = None
+        if config.buckets is not None:
+            self.spec = BucketSpec.build(sizes=config.buckets.sizes, inputs=config.buckets.inputs,
+                                         pad_values=config.buckets.pad_values,
+                                         input_names=[i.name for i in config.inputs])
+        shapes = self.spec.sizes if self.spec is not None else [[1]]
+        first_shape = (config.inputs[0].shape or [1])[0]
+        batches = self.sizes or [first_shape]
+        ready = [(len(shapes) - 1, max(batches))]  # any request fits it: see buckets/order.py
+        if staged:  # what a replica needs to be ready first, then the most padding saved first
+            self.order = [Entry(b, n) for b, n in compile_order(shapes, batches, max(batches), ready)]
+        else:  # everything before ready: bucket by bucket, smallest batch first, as trace_buckets
+            self.order = [Entry(b, n) for b in range(len(shapes)) for n in sorted(batches)]
+        self.ready = [Entry(b, n) for b, n in ready]
+        self.progress = progress.BuildProgress(config.name, len(shapes), batch_sizes=len(batches))
+        self._module = None
+        self._example = config.example_inputs()  # one draw for every model of the grid, as trace_buckets
+        self._compiled: dict[Entry, Bucket] = {}
+        self._lock = threading.Lock()
+
+    def label(self, entry: Entry) -> str:
+        """The entry as its progress line names it: ``mlp batch 16``, ``encoder bucket 2 batch 4``."""
+        parts = [self.config.name]
+        if self.spec is not None and len(self.spec.sizes) > 1:
+            parts.append(f"bucket {entry.bucket + 1}")
+        if self.sizes is not None and len(self.sizes) > 1:
+            parts.append(f"batch {entry.batch}")
+        return " ".join(parts)
+
+    def compile(self, entry: Entry) -> Bucket:
+        """Compile ``entry`` (capture, analyze, partition, compile) and keep it; logs its progress line.
+
+        Runs on the compile queue's thread: torch.export is not thread-safe.
+        """
+        config = self.config
+        if self._module is None:  # the factory runs once, for the first compile
+            self._module = build_model(config, self.base_dir)
+        batch = entry.batch if self.sizes is not None else None  # None: the example's own batch
+        with progress.current(self.progress):
+            self.progress.at(entry.bucket, batch)
+            bucket = trace_entry(self._module, self._example, buckets=self.spec, bucket=entry.bucket, batch_size=batch,
+                                 batch_sizes=self.sizes or (),
+                                 partitioner_config=config.partitioner_config(self.base_dir),
+                                 compiler_args=config.compiler_args, target=config.target,
+                                 inline_weights_to_neff=config.inline_weights_to_neff is not False,
+                                 placement=config.model_placement())
+        alone = CompiledModel([bucket])
+        if self.swap_weights is not None:
+            self.swap_weights(alone)
+        if config.dynamic_batch:
+            dynamic_batch(alone)
+        with self._lock:
+            self._compiled[entry] = bucket
+        return bucket
+
+    def compiled(self) -> list[Entry]:
+        """The entries compiled so far, in grid order."""
+        with self._lock:
+            return sorted(self._compiled)
+
+    def model(self) -> CompiledModel:
+        """The models compiled so far as one CompiledModel (at least one must be): each compiled
+        shape bucket with its compiled batch sizes, the bucket spec cut to those shape buckets."""
+        with self._lock:
+            compiled = dict(self._compiled)
+        if not compiled:
+            raise RuntimeError(f"model {self.config.name}: nothing is compiled yet")
+        grids: dict[int, list[Bucket]] = {}
+        for entry in sorted(compiled):
+            grids.setdefault(entry.bucket, []).append(compiled[entry])
+        indices = sorted(grids)
+        spec = None
+        if self.spec is not None:
+            spec = BucketSpec(sizes=[self.spec.sizes[i] for i in indices], inputs=self.spec.inputs,
+                              pad_values=self.spec.pad_values, outputs=self.spec.outputs)
+        module = CompiledModel([grids[i][-1] for i in indices], smaller=[grids[i][:-1] for i in indices], spec=spec)
+        module.saturate_host = self.config.model_placement().saturates_host
+        return module
+
+    def finish(self) -> None:
+        """Every entry has ended: log the placement line of those compiled."""
+        self.progress.finish()
