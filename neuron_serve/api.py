@@ -342,7 +342,8 @@ def bucket_model_trace(
 
 
 def trace_bucket_on_state(model: torch.nn.Module, aliases: dict, example_inputs: Any, shared_state: DeviceState,
-                          *, target: str = "neuron", compiler_args: str | list[str] | None = None) -> Bucket:
+                          *, target: str = "neuron", compiler_args: str | list[str] | None = None,
+                          initial: list[torch.Tensor] | None = None) -> Bucket:
     """One more bucket model around a state that buckets compiled earlier already hold on the core.
 
     ``aliases`` name ``model``'s state tensors as ``bucket_model_trace``'s ``func`` returns
@@ -351,7 +352,10 @@ def trace_bucket_on_state(model: torch.nn.Module, aliases: dict, example_inputs:
     compiling the others again.
     """
     states = state_aliases.check_aliases(model, aliases, "trace_bucket_on_state")
-    states = state_aliases.bind_shared(states, [torch.zeros_like(t, device="cpu") for t in shared_state.tensors], 0)
+    # ``initial``: the state's shapes and dtypes as host tensors, so a compile beside a running engine never reads
+    # the state tensors the engine's calls replace.
+    states = state_aliases.bind_shared(
+        states, initial if initial is not None else [torch.zeros_like(t, device="cpu") for t in shared_state.tensors], 0)
     return _trace_bucket(model, as_args(example_inputs), None, None, target, compiler_args, states=states,
                          shared_state=shared_state)
 

@@ -3,7 +3,8 @@
 Compiles a tiny Llama once, copies it onto core 1, runs eight greedy prompts at once on
 the group and prints one JSON object: whether every answer equals transformers' greedy
 generation, how many requests each core's engine served, and which engine each of three
-requests went to once core 0 holds three long ones.
+requests went to once core 0 holds three long ones, and whether prompt logprobs asked of both engines at
+once equal transformers' log-softmax.
 """
 
 import json
@@ -14,7 +15,7 @@ import torch
 import generation_models as gm
 from neuron_serve.buckets.generation import GenerationBuckets
 from neuron_serve.generation import SamplingParams
-from neuron_serve.generation.model import compile_generation
+from neuron_serve.generation.compiling import compile_generation
 from neuron_serve.generation.frontend import Frontend
 from neuron_serve.generation.group import EngineGroup
 from neuron_serve.generation.protocol import EngineRequest
@@ -30,8 +31,8 @@ def main() -> None:
     for index, engine in enumerate(group.engines):  # count what each engine admits
         admit = engine.scheduler.admit
 
-        def counted(admit=admit, index=index):
-            admitted = admit()
+        def counted(*startable, admit=admit, index=index):
+            admitted = admit(*startable)
             with lock:
                 served[index] += len(admitted)
             return admitted
@@ -56,8 +57,18 @@ def main() -> None:
         routed.append(group.engines.index(group._members[rid]))
     for _ in range(6):
         finished.acquire(timeout=300)
+    # Prompt logprobs on both engines at once: the prefill keeping every position's logits compiles once, on
+    # the compile queue, while both wait.
+    scored = frontend.generate_batch(prompts[4:8], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0),
+                                     timeout=300)
+    logprobs_equal = []
+    for d, p in zip(scored, prompts[4:8]):
+        with torch.no_grad():
+            want = torch.log_softmax(lm(torch.tensor([p])).logits[0].float(), -1)
+        got = [lp[0] for lp in d.prompt_logprobs[1:]]
+        logprobs_equal.append(max(abs(g - float(want[i, p[i + 1]])) for i, g in enumerate(got)) < 1e-4)
     frontend.close()
-    print(json.dumps({"equal": equal, "served": at_once, "routed": routed,
+    print(json.dumps({"equal": equal, "served": at_once, "routed": routed, "scored": logprobs_equal,
                       "devices": [str(e.executor.device) for e in group.engines]}))
 
 

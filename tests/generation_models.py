@@ -47,15 +47,13 @@ def eager_sampled(model: torch.nn.Module, prompt: list[int], new_tokens: int, pa
     """The tokens a sampled request (``params``: SamplingParams with a seed, on the core's path: no penalties,
     bias or logprobs) must get: each from transformers' own logits of the sequence so far, chosen by the
     sampler the compiled calls end in, run eagerly (the host's choice where it leaves the row to it)."""
-    from neuron_serve.generation.sampler import row_parameters, sample, sample_on_host  # noqa: PLC0415
+    from neuron_serve.generation.sampler import choose_on_host  # noqa: PLC0415
 
     ids = list(prompt)
     with torch.no_grad():
         for index in range(new_tokens):
             logits = model(torch.tensor([ids])).logits[0, -1]
-            choice = params.choice(index)
-            token, done = sample(logits[None], *row_parameters([choice], 1))
-            ids.append(int(token[0]) if bool(done[0]) else sample_on_host(logits, choice))
+            ids.append(choose_on_host(logits, params.choice(index)))
     return ids[len(prompt):]
 
 

@@ -10,7 +10,8 @@ and ``max_num_seqs`` itself (as compiled batch sizes are).
 
 Every decode bucket is compiled twice: choosing each row's token by argmax (a batch of
 greedy rows), and by the sampler, from each row's parameters (a batch with a sampled row).
-A draft model (``sampled`` False) proposes greedily and has the argmax form only.
+A draft model, and a model with ``on_device_sampling: false`` (``sampled`` False), has the
+argmax form only: its sampled rows are chosen on the host.
 
 With ``decode_steps`` K above 1, every decode bucket is also compiled as K steps in one
 call (each step's token fed back on the core, as vLLM's multi-step scheduling and
@@ -87,7 +88,7 @@ class GenerationBuckets:
     def build(cls, max_num_seqs: int, max_model_len: int, *, prefill: Sequence[int] | None = None,
               decode_rows: Sequence[int] | None = None, decode_context: Sequence[int] | None = None,
               decode_steps: int = 1, prefix_caching: bool = False, speculative_tokens: int = 0,
-              field_prefix: str = "generation.") -> "GenerationBuckets":
+              sampled: bool = True, field_prefix: str = "generation.") -> "GenerationBuckets":
         """Defaults for what is not given; each list checked and sorted. Errors name the model.yaml field."""
         if max_num_seqs < 1:
             raise ConfigError(f"{field_prefix}max_num_seqs: must be at least 1, got {max_num_seqs}.")
@@ -114,7 +115,7 @@ class GenerationBuckets:
                                   f"{what} unreachable.")
             chosen[name] = sizes
         return cls(max_num_seqs, max_model_len, chosen["prefill_buckets"], chosen["decode_batch_buckets"],
-                   chosen["decode_context_buckets"], decode_steps, prefix_caching, speculative_tokens)
+                   chosen["decode_context_buckets"], decode_steps, prefix_caching, speculative_tokens, sampled)
 
     @property
     def count(self) -> int:
@@ -141,4 +142,4 @@ class GenerationBuckets:
                 "prefill_buckets": self.prefill, "decode_batch_buckets": self.decode_rows,
                 "decode_context_buckets": self.decode_context,
                 "decode_steps": self.decode_steps, "enable_prefix_caching": self.prefix_caching,
-                "speculative_tokens": self.speculative_tokens}
+                "speculative_tokens": self.speculative_tokens, "on_device_sampling": self.sampled}

@@ -161,6 +161,13 @@ class GenerationSettings(BaseModel):
                              "sequence's stop, EOS or max_tokens are computed and dropped, and waiting prompts wait "
                              "for the call; compiles each decode bucket a second time (greedy and sampled). 1: one "
                              "token per call")
+    on_device_sampling: bool = Field(
+        True,
+        description="choose sampled tokens on the core (temperature, top_k, top_p, min_p, from each row's seed), so "
+                    "only token ids come home; compiles each decode bucket twice (by argmax for batches of greedy "
+                    "rows, and with the sampler). false: each decode bucket is compiled once, by argmax, and a "
+                    "sampled row's logits go to the host, which chooses its token from the same distribution "
+                    "(the same tokens for a seed, more slowly); half the decode models to compile")
     tensor_parallel_size: int = Field(
         1, ge=1,
         description="cores one engine spans: the model's weights and KV cache are split over them (tensor "
@@ -248,7 +255,7 @@ class GenerationSettings(BaseModel):
                                        decode_steps=self.decode_steps, prefix_caching=self.enable_prefix_caching,
                                        speculative_tokens=self.speculative_config.num_speculative_tokens
                                        if self.speculative_config is not None else 0,
-                                       field_prefix=field_prefix)
+                                       sampled=self.on_device_sampling, field_prefix=field_prefix)
 
 
 def check_task(config: Any) -> None:

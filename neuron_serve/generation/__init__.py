@@ -44,7 +44,7 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
                max_waiting: int = 256, request_timeout_s: float | None = None, tokenizer: Any = None,
                target: str = "neuron", name: str = "model", tensor_parallel_size: int = 1,
                enable_prefix_caching: bool = False, speculative_config: Any = None,
-               draft: torch.nn.Module | None = None) -> Frontend:
+               draft: torch.nn.Module | None = None, on_device_sampling: bool = True) -> Frontend:
     """Compile ``lm`` for generation and start an engine over it, behind its front end (which checks and
     admits requests, and with a ``tokenizer`` detokenizes and applies stop strings; its ``engines`` is the
     :class:`~.engine.Engine`).
@@ -60,7 +60,7 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
     from .engine import Engine  # noqa: PLC0415
     from .frontend import Frontend  # noqa: PLC0415
     from .group import describe  # noqa: PLC0415
-    from .model import compile_generation  # noqa: PLC0415
+    from .compiling import compile_generation  # noqa: PLC0415
     from ..config.generation import SpeculativeConfig  # noqa: PLC0415
 
     if isinstance(speculative_config, dict):  # model.yaml's keys; ``draft``: the draft model, given as a module
@@ -69,7 +69,8 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
                                       decode_rows=decode_batch_buckets, decode_context=decode_context_buckets,
                                       decode_steps=decode_steps, prefix_caching=enable_prefix_caching,
                                       speculative_tokens=speculative_config.num_speculative_tokens
-                                      if speculative_config is not None else 0, field_prefix="")
+                                      if speculative_config is not None else 0, sampled=on_device_sampling,
+                                      field_prefix="")
     tensor_parallel.check(lm.config, tensor_parallel_size, field="tensor_parallel_size")
     check_cache_fits(lm, buckets, field_prefix="", tensor_parallel_size=tensor_parallel_size)
     model = compile_generation(lm, buckets, target=target, tensor_parallel_size=tensor_parallel_size)

@@ -21,8 +21,8 @@ from ..config.generation import GenerationSettings
 from ..targets import get_target
 from . import tensor_parallel
 from .build import DRAFT_FIELD, _pretrained, load_lm
-from .model import _example, shapes_of
-from .slots import SlotLM, kv_cache_bytes
+from .model import example_inputs, shapes_of, slot_module
+from .slots import kv_cache_bytes
 
 
 class Form(NamedTuple):
@@ -64,10 +64,8 @@ def forms(config: ModelConfig, base_dir: str | Path | None = None) -> Iterator[F
              for model, buckets, prefix, split in models for shape in shapes_of(buckets)]
     target = get_target(config.target)
     for index, (causal_lm, buckets, label, shape, split) in enumerate(every, 1):
-        context = shape.context if shape.kind != "prefill" else None
-        model = SlotLM(causal_lm, buckets.max_num_seqs, buckets.max_model_len, context, steps=shape.steps,
-                       every_position=shape.kind == "verify", extend=shape.kind == "extend").eval()
-        captured = capture(model, _example(shape))
+        model = slot_module(causal_lm, buckets, shape)
+        captured = capture(model, example_inputs(shape))
         analysis = analyze_graph(captured, target)
         print(f"analyzed {label} ({index}/{len(every)})", file=sys.stderr, flush=True)
         yield Form(label, model, captured, analysis, split)

@@ -19,7 +19,7 @@ from ..buckets.generation import GenerationBuckets
 from ..compile import sharding as spmd
 from ..errors import ArtifactError
 from ..model import CompiledModel
-from .model import GenerationModel
+from .model import GenerationModel, shapes_of
 
 TOKENIZER_DIR = "tokenizer"
 DRAFT_DIR = "draft"
@@ -33,11 +33,10 @@ def save_generation(model: GenerationModel, path: str | Path, *, eos_token_ids: 
     """Write ``model`` to directory ``path``; ``config`` is the model.yaml that serves it from there."""
     model.reset()  # the cache is saved empty: slots hold nothing across a restart
     # The engine picks buckets itself, so the models are stored without the bucket kernel (Python code).
-    stored = CompiledModel(list(model.compiled.buckets))
+    stored = CompiledModel([model.bucket(shape) for shape in shapes_of(model.buckets)])
     extra = {"generation": {**model.buckets.describe(), "vocab_size": model.vocab_size,
                             "eos_token_ids": list(eos_token_ids), "tokenizer": tokenizer is not None,
                             "weight_bytes": model.weight_bytes, "families": FAMILIES,
-                            "sampled": model.buckets.sampled,
                             "draft": DRAFT_DIR if model.draft is not None else None}}
     if model.sharding is not None:  # loaded again over a group of as many cores, split the same way
         plan = model.sharding
@@ -74,9 +73,10 @@ def load_generation(path: str | Path) -> tuple[GenerationModel, list[int], str |
     buckets = GenerationBuckets(described["max_num_seqs"], described["max_model_len"], described["prefill_buckets"],
                                 described["decode_batch_buckets"], described["decode_context_buckets"],
                                 described.get("decode_steps", 1), described.get("enable_prefix_caching", False),
-                                described.get("speculative_tokens", 0), described["sampled"])
+                                described.get("speculative_tokens", 0), described["on_device_sampling"])
     tokenizer = str(root / TOKENIZER_DIR) if described["tokenizer"] else None
-    model = GenerationModel(compiled, buckets, described["vocab_size"], plan, described.get("weight_bytes"))
+    model = GenerationModel(compiled.buckets[0].state, buckets, described["vocab_size"], plan,
+                            described.get("weight_bytes"), compiled=dict(zip(shapes_of(buckets), compiled.buckets)))
     if described.get("draft"):
         model.draft = load_generation(root / described["draft"])[0]
     return model, described["eos_token_ids"], tokenizer

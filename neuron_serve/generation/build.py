@@ -23,7 +23,9 @@ from . import eos_token_ids
 from . import tensor_parallel
 from .frontend import Frontend
 from .group import EngineGroup
-from .model import GenerationModel, compile_generation
+from ..build.queue import READY, compile_queue
+from .compiling import GenerationBuild, compile_generation
+from .model import GenerationModel
 from .slots import kv_cache_bytes
 
 logger = logging.getLogger("neuron_serve")
@@ -155,8 +157,12 @@ def check_cache_fits(lm: torch.nn.Module, buckets: GenerationBuckets, field_pref
     return check_fits(lm.config, buckets, weights, dtype_bytes, core, field_prefix, cache_share, needs)
 
 
-def compile_from_config(config: ModelConfig, base_dir: str | Path | None = None) -> tuple[GenerationModel, list[int], Any]:
-    """Load, check and compile a factory or pretrained ``task: generate`` model: (model, EOS ids, tokenizer)."""
+def compile_from_config(config: ModelConfig, base_dir: str | Path | None = None, *,
+                        background: bool = False) -> tuple[GenerationModel, list[int], Any]:
+    """Load, check and compile a factory or pretrained ``task: generate`` model: (model, EOS ids, tokenizer).
+
+    With ``background`` the model returns once the models that answer every request are compiled; the rest
+    compile on the process's compile queue and join it (compiling.py). A draft compiles whole, first."""
     settings = config.generation or GenerationSettings()
     lm = load_lm(config, base_dir)
     tokenizer = load_tokenizer(config, base_dir)
@@ -170,8 +176,9 @@ def compile_from_config(config: ModelConfig, base_dir: str | Path | None = None)
         draft = _pretrained(_under(base_dir, spec.model), DRAFT_FIELD)
         check_draft(lm, draft, settings.enable_prefix_caching)
         tensor_parallel.check(draft.config, tp, field=DRAFT_FIELD)
-    model = compile_generation(lm, buckets, target=config.target, compiler_args=config.compiler_args,
-                               tensor_parallel_size=tp, name=config.name)
+    build = GenerationBuild(lm, buckets, target=config.target, compiler_args=config.compiler_args,
+                            tensor_parallel_size=tp, name=config.name)
+    model = build.start(background=background)
     if draft is not None:
         model.draft = compile_generation(draft, buckets.for_draft(), target=config.target,
                                          compiler_args=config.compiler_args, tensor_parallel_size=tp,
@@ -227,9 +234,11 @@ def _from_artifact(config: ModelConfig, base_dir: str | Path | None) -> tuple[Ge
 
 
 def build_engines(config: ModelConfig, base_dir: str | Path | None = None, *, replica: str = "0",
-                  cores: int | None = None) -> EngineGroup:
+                  cores: int | None = None, background: bool = False) -> EngineGroup:
     """Load (or compile), check and start the engines of a ``task: generate`` model.yaml over ``cores`` cores
     (default: the replica's): one per core, or one per group of ``generation.tensor_parallel_size`` cores.
+    With ``background`` they start on the models that answer every request, and the rest join as they
+    compile (compiling.py; model.yaml's ``background_compile``).
 
     ``base_dir`` is the model.yaml's folder (relative paths and factory imports resolve
     against it). An artifact written by ``neuron-serve build`` is loaded without the
@@ -238,10 +247,12 @@ def build_engines(config: ModelConfig, base_dir: str | Path | None = None, *, re
     if config.task != "generate":
         raise ConfigError(f"task: {config.name} is a task: {config.task} model; build_engine serves task: generate.")
     settings = config.generation or GenerationSettings()
-    if config.model.artifact is not None:
-        model, eos, tokenizer = _from_artifact(config, base_dir)
+    if config.model.artifact is not None:  # loading compiles too (in emulation): on the compile queue
+        model, eos, tokenizer = compile_queue().submit(f"load {config.name} (artifact {config.model.artifact})",
+                                                       lambda: _from_artifact(config, base_dir), priority=READY,
+                                                       kind="load").future.result()
     else:
-        model, eos, tokenizer = compile_from_config(config, base_dir)
+        model, eos, tokenizer = compile_from_config(config, base_dir, background=background)
     return EngineGroup.on_cores(model, cores or config.cores_per_replica, eos_token_ids=eos,
                                 tokenizer=tokenizer, max_num_batched_tokens=settings.max_num_batched_tokens,
                                 max_waiting=settings.max_waiting, request_timeout_s=settings.request_timeout_s,
@@ -249,7 +260,7 @@ def build_engines(config: ModelConfig, base_dir: str | Path | None = None, *, re
 
 
 def build_engine(config: ModelConfig, base_dir: str | Path | None = None, *, replica: str = "0",
-                 cores: int | None = None) -> Frontend:
+                 cores: int | None = None, background: bool = False) -> Frontend:
     """:func:`build_engines`, behind their front end (its ``engines``), to serve in this process."""
-    group = build_engines(config, base_dir, replica=replica, cores=cores)
+    group = build_engines(config, base_dir, replica=replica, cores=cores, background=background)
     return Frontend(group, group.info, group.engines[0].tokenizer)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Sequence as Seq
 
 from .model import StepOutput
-from .sampler import GREEDY, RowChoice, sample_on_host
+from .sampler import GREEDY, RowChoice, choose_on_host, sample_on_host
 from .sampling import Sampled, sample_row
 
 
@@ -30,11 +30,13 @@ def for_call(seqs: Seq[Any]) -> list[RowChoice] | None:
     return [GREEDY if on_host(seq) else seq.params.choice(len(seq.output)) for seq in seqs]
 
 
-def host_choice(seq: Any, logits: Any, eos_token_ids: frozenset[int], ahead: int = 0) -> Sampled:
-    """``seq``'s token ``ahead`` tokens past its output, chosen on the host from its logits (vocab,)."""
+def host_choice(seq: Any, logits: Any, eos_token_ids: frozenset[int], ahead: int = 0, undone: bool = False) -> Sampled:
+    """``seq``'s token ``ahead`` tokens past its output, chosen on the host from its logits (vocab,): a row
+    the core left ``undone`` by the sampler's own rule, any other as the core would have chosen it."""
     if on_host(seq):
         return sample_row(logits, seq.params, seq.prompt, seq.output, eos_token_ids, seq.constraint)
-    return Sampled(sample_on_host(logits, seq.params.choice(len(seq.output) + ahead)))
+    choice = seq.params.choice(len(seq.output) + ahead)
+    return Sampled(sample_on_host(logits, choice) if undone else choose_on_host(logits, choice))
 
 
 class Taken:
@@ -44,6 +46,7 @@ class Taken:
         self.seqs = seqs
         self.tokens = out.tokens
         self.done = out.done
+        self._sampled_call = out.sampled
         self._out = out
         self._eos = eos_token_ids
         needed = any(on_host(seq) for seq in seqs) or (self.done is not None and not all(_flat(self.done)))
@@ -58,7 +61,9 @@ class Taken:
         if done and not on_host(seq):
             return Sampled(int(token))
         logits = self._logits[row] if position is None else self._logits[row][position]
-        return host_choice(seq, logits, self._eos, ahead)
+        # Undone by a sampled call: the sampler's host rule; by an argmax call (no sampled one compiled yet): the
+        # sampler itself, here.
+        return host_choice(seq, logits, self._eos, ahead, undone=self._sampled_call)
 
     def steps(self, row: int) -> list[Sampled]:
         """Row ``row``'s tokens of a call of several steps, up to the first the host had to choose (the later

@@ -40,6 +40,8 @@ from .stopping import stop_reason
 
 logger = logging.getLogger("neuron_serve")
 
+WAITING_POLL_S = 0.05  # how often requests that wait for a model still compiling look again
+
 
 class Engine(Engines):
     """Continuous batching over an executor's KV-cache slots; see the module docstring.
@@ -179,6 +181,10 @@ class Engine(Engines):
                 logger.exception("generation step failed")
                 for seq in [*self.scheduler.running.values()]:
                     self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
+            if not self.scheduler.running and self.scheduler.waiting:  # each waits for a model still compiling
+                with self._lock:
+                    if not self._inbox and not self._aborts and not self._closing:
+                        self._wake.wait(WAITING_POLL_S)
 
     def step(self, aborted: dict[str, str] | None = None) -> None:
         """One iteration: aborts, prefills under the token budget, one call for every running sequence.
@@ -214,15 +220,17 @@ class Engine(Engines):
         """One call for every running sequence: a verify round, or a decode of one or ``decode_steps`` tokens."""
         started = time.perf_counter()
         proposals = self.speculation.propose(running) if self.speculation is not None else None
-        if proposals is not None and self.speculation.wanted(proposals):
-            taken, shape = self.speculation.verify(running, proposals, meanwhile)
-        else:
+        verified = self.speculation.verify(running, proposals, meanwhile) \
+            if proposals is not None and self.speculation.wanted(proposals) else None
+        if verified is not None:
+            taken, shape = verified
+        else:  # no round this step (or its verify model still compiles): one decode
             steps = self._steps(running)
             out, shape = self.executor.decode([s.output[-1] for s in running], [s.position for s in running],
                                               [s.slot for s in running], steps, choice.for_call(running))
             meanwhile()
             tokens = choice.Taken(running, out, self.eos_token_ids)
-            taken = [tokens.steps(i) if steps > 1 else [tokens.at(i)] for i in range(len(running))]
+            taken = [tokens.steps(i) if shape.steps > 1 else [tokens.at(i)] for i in range(len(running))]
         self.metrics.observe(self.metrics.step(shape), time.perf_counter() - started)
         for seq, row in zip(running, taken):
             for sampled in row:  # the tokens after its end were computed for nothing
@@ -230,9 +238,20 @@ class Engine(Engines):
                 if seq.finish_reason is not None:
                     break
 
+    def _startable(self, seq: Sequence) -> bool:
+        """Whether ``seq`` can start now: a prompt asking for its logprobs waits for their model to compile (it
+        is queued the first time), the others go ahead; one that can never have it ends with the reason."""
+        if seq.params.prompt_logprobs is None:
+            return True
+        try:
+            return self.executor.can_score(len(seq.prompt))
+        except InvalidInput as exc:
+            self._finish(seq, "error", error=str(exc))
+            return False
+
     def _prefill(self, meanwhile: Callable[[], None]) -> None:
         """Prefill the prompts the scheduler admits, each into its slot; each first token goes out at once."""
-        for seq in self.scheduler.admit():
+        for seq in self.scheduler.admit(self._startable):
             started = time.perf_counter()
             scored = seq.params.prompt_logprobs is not None
             if seq.copy_from is not None:  # a running sequence's slot holds the prefix: copied, on the core
@@ -243,10 +262,10 @@ class Engine(Engines):
                 out, shape, logits = self.executor.prefill_scored(seq.prompt, seq.slot, row)
                 seq.prompt_logprobs = [None if s is None else (s.logprob, s.top) for s in
                                        prompt_logprobs(seq.prompt, logits, seq.params.prompt_logprobs)]
-            elif seq.cached:
-                out, shape = self.executor.extend(seq.prompt, seq.slot, seq.cached, row)
             else:
-                out, shape = self.executor.prefill(seq.prompt, seq.slot, row)
+                # A prompt whose prefix the slot holds computes only the rest, once its extend model is compiled.
+                extended = self.executor.extend(seq.prompt, seq.slot, seq.cached, row) if seq.cached else None
+                out, shape = extended or self.executor.prefill(seq.prompt, seq.slot, row)
             meanwhile()
             if scored and seq.params.max_tokens == 0:  # the prompt's logprobs were all it asked for
                 self._finish(seq, "length")

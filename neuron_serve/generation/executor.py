@@ -47,8 +47,14 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def extend(self, prompt: Sequence[int], slot: int, cached: int,
-               choice: RowChoice = GREEDY) -> tuple[StepOutput, Shape]:
-        """Write ``prompt[cached:]`` after the ``cached`` tokens ``slot`` holds (prefix caching); as :meth:`prefill`."""
+               choice: RowChoice = GREEDY) -> tuple[StepOutput, Shape] | None:
+        """Write ``prompt[cached:]`` after the ``cached`` tokens ``slot`` holds (prefix caching); as :meth:`prefill`.
+        None while no model that does it is compiled (prefill the whole prompt instead)."""
+
+    @abc.abstractmethod
+    def can_score(self, length: int) -> bool:
+        """Whether :meth:`prefill_scored` of a ``length``-token prompt can run now; if not, its model is queued
+        to compile (InvalidInput if it never can: an artifact loaded without the transformers model)."""
 
     @abc.abstractmethod
     def prefill_scored(self, prompt: Sequence[int], slot: int,
@@ -63,8 +69,9 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def verify(self, rows: Sequence[Sequence[int]], positions: Sequence[int], slots: Sequence[int],
-               choices: Sequence[RowChoice] | None = None) -> tuple[StepOutput, Shape]:
-        """Each running sequence's last token and its proposals in one call; every position's output."""
+               choices: Sequence[RowChoice] | None = None) -> tuple[StepOutput, Shape] | None:
+        """Each running sequence's last token and its proposals in one call; every position's output (None
+        while no verify model that holds them is compiled)."""
 
     @abc.abstractmethod
     def draft(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
@@ -115,8 +122,11 @@ class CoreGroupExecutor(Executor):
         return self.model.prefill(prompt, slot, choice)
 
     def extend(self, prompt: Sequence[int], slot: int, cached: int,
-               choice: RowChoice = GREEDY) -> tuple[StepOutput, Shape]:
+               choice: RowChoice = GREEDY) -> tuple[StepOutput, Shape] | None:
         return self.model.extend(prompt, slot, cached, choice)
+
+    def can_score(self, length: int) -> bool:
+        return self.model.can_score(length)
 
     def prefill_scored(self, prompt: Sequence[int], slot: int,
                        choice: RowChoice = GREEDY) -> tuple[StepOutput, Shape, Any]:
@@ -129,7 +139,7 @@ class CoreGroupExecutor(Executor):
         return self.model.decode(tokens, positions, slots, steps, choices)
 
     def verify(self, rows: Sequence[Sequence[int]], positions: Sequence[int], slots: Sequence[int],
-               choices: Sequence[RowChoice] | None = None) -> tuple[StepOutput, Shape]:
+               choices: Sequence[RowChoice] | None = None) -> tuple[StepOutput, Shape] | None:
         return self.model.verify(rows, positions, slots, choices)
 
     def draft(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],

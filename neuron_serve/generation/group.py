@@ -1,30 +1,37 @@
 """One engine per core of a replica, each owning a copy of the compiled model and its own cache.
 
 The model compiled on the first core is copied onto the others (each copy compiled for
-its core, on a thread driving that core); a request goes to the engine with the most
-free slots, so load spreads across the cores as slots fill.
+its core, on the compile queue's thread, and kept up to date with what compiles later);
+a request goes to the engine with the most free slots, so load spreads across the cores
+as slots fill.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import functools
 from typing import Any, Sequence as Seq
 
+from ..build.queue import READY, compile_queue
 from ..config.generation import DEFAULT_MAX_WAITING
-from ..targets.pjrt import use_device, xla
+from ..targets.pjrt import on_this_thread, use_device, xla
 from .engine import Engine
 from .model import GenerationModel
 from .protocol import Dispatcher
 
 
 def copies_on_cores(model: GenerationModel, cores: int) -> list[tuple[GenerationModel, Any]]:
-    """``model`` (compiled on core 0) and a copy on each further core, with each core's device."""
+    """``model`` (compiled on core 0) and a copy on each further core, with each core's device: loaded on
+    the compile queue's thread (loading traces), through the build that compiles its later models."""
     torch_xla = xla()
     placed = [(model, torch_xla.device(0))]
     for index in range(1, cores):
         device = torch_xla.device(index)
-        with ThreadPoolExecutor(1, initializer=use_device, initargs=(device,)) as driver:
-            placed.append((driver.submit(model.load_to, device).result(), device))
+        if model.build is not None:
+            placed.append((model.build.copy_to(device), device))
+            continue
+        job = compile_queue().submit(f"load onto {device}", functools.partial(on_this_thread, lambda d=device: (
+            use_device(d), model.load_to(d))[1]), priority=READY, kind="load")
+        placed.append((job.future.result(), device))
     return placed
 
 
@@ -43,12 +50,13 @@ class EngineGroup(Dispatcher):
     """Engines over several cores behind one ``submit``/``abort``; ``max_waiting`` requests per engine may
     wait for a slot (the front end's bound, named in :attr:`info`)."""
 
-    def __init__(self, engines: Seq[Engine], max_waiting: int = DEFAULT_MAX_WAITING) -> None:
+    def __init__(self, engines: Seq[Engine], max_waiting: int = DEFAULT_MAX_WAITING, build: Any = None) -> None:
         if not engines:
             raise ValueError("an engine group needs at least one engine")
         super().__init__()
         self.engines = list(engines)
         self.max_waiting = max_waiting
+        self.build = build  # what compiles the engines' later models (compiling.GenerationBuild; None: all are)
 
     @classmethod
     def on_cores(cls, model: GenerationModel, cores: int, max_waiting: int = DEFAULT_MAX_WAITING,
@@ -56,9 +64,9 @@ class EngineGroup(Dispatcher):
         """An engine per core, ``model`` on the first and a copy on each of the others; one engine over
         all ``cores`` when ``model`` is tensor-parallel over them."""
         if model.tensor_parallel_size > 1:
-            return cls([Engine(model, **engine_options)], max_waiting)
+            return cls([Engine(model, **engine_options)], max_waiting, model.build)
         return cls([Engine(m, device=device, **engine_options) for m, device in copies_on_cores(model, cores)],
-                   max_waiting)
+                   max_waiting, model.build)
 
     def choose(self) -> Engine:
         return max(self.engines, key=lambda e: e.free_slots)
@@ -73,5 +81,7 @@ class EngineGroup(Dispatcher):
         return sum(e.running for e in self.engines)
 
     def close(self) -> None:
+        if self.build is not None:  # what no engine will run is not compiled
+            self.build.compiles.cancel()
         for engine in self.engines:
             engine.close()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from .. import metrics
 from .model import Shape
@@ -93,3 +93,31 @@ class EngineMetrics:
         if reason not in self._finished:
             self._finished[reason] = metrics.REQUEST_SUCCESS.labels(**self.labels, finished_reason=reason)
         return self._finished[reason]
+
+
+def compile_state(build: Any, background: bool) -> dict:
+    """Where ``build``'s compiles stand (compiling.GenerationBuild), as a replica reports it: compiled, pending
+    (queued or compiling) and failed models, each failure's reason, and whether the rest compile in the
+    background."""
+    state = build.compiles.counts().as_dict()
+    failures = build.compiles.failures()
+    if failures:
+        state["failures"] = [{"model": label, "error": reason} for label, reason in failures]
+    state["background"] = background
+    return state
+
+
+def compile_listener(model: str, replica: str, build: Any, background: bool,
+                     tell: Callable[[dict], None]) -> Callable[[Any], None]:
+    """A compile queue listener of ``build``'s jobs: each compiled model's seconds and the counts by state as
+    metrics, and the state to ``tell`` (the replica)."""
+    labels = {"model": model, "replica": replica}
+
+    def heard(job: Any) -> None:
+        if job.kind == "compile" and job.state == "compiled" and job.seconds is not None:
+            metrics.COMPILE_SECONDS.labels(**labels, bucket=job.label.removeprefix(f"{build.name} ")).set(job.seconds)
+        state = compile_state(build, background)
+        for name in ("compiled", "pending", "failed"):
+            metrics.COMPILED_MODELS.labels(**labels, state=name).set(state.get(name, 0))
+        tell(state)
+    return heard

@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence as Seq
 
 from ..errors import ModelNotReady
 from ..targets.pjrt import neuron_devices_present
-from .protocol import Dispatcher, EngineRequest, Engines, TokenEvent
+from .protocol import CompileState, Dispatcher, EngineRequest, Engines, TokenEvent
 
 logger = logging.getLogger("neuron_serve")
 
@@ -62,6 +62,10 @@ class EngineProcess(Engines):
             self._conn.close()
             raise pickle.loads(payload)
         self.tokenizer: Any = payload.pop("tokenizer")
+        # Where the engines' compiles stand (None: nothing compiles after start, an artifact), kept up to date
+        # by the worker; listeners hear of each change (serve/ray/compile_state.py records it for status).
+        self.compile_state: dict | None = payload.pop("compile")
+        self._compile_listeners: list[Callable[[Any], None]] = []
         self.info: dict = payload
         self._sinks: dict[str, Callable[[TokenEvent], None]] = {}  # open requests' sinks
         self._lock = threading.Lock()  # orders every send, and the sinks' records
@@ -127,7 +131,10 @@ class EngineProcess(Engines):
                     closing = True
                     break
                 for event in payload:
-                    self._deliver(event)
+                    if isinstance(event, CompileState):
+                        self._compiled(event.state)
+                    else:
+                        self._deliver(event)
         except (EOFError, OSError):
             pass
         code = self.process.wait()
@@ -141,6 +148,20 @@ class EngineProcess(Engines):
         for rid, sink in left.items():
             self._safely(sink, TokenEvent(rid, None, finish_reason="error",
                                           error=f"the generation engine process ended ({ended})"))
+
+    def subscribe(self, listener: Callable[[Any], None]) -> Callable[[], None]:
+        """Call ``listener(None)`` whenever the compile state changes (on the reader's thread); returns the
+        function that unsubscribes it."""
+        self._compile_listeners.append(listener)
+        return lambda: listener in self._compile_listeners and self._compile_listeners.remove(listener)
+
+    def _compiled(self, state: dict) -> None:
+        self.compile_state = state
+        for listener in list(self._compile_listeners):
+            try:
+                listener(None)
+            except Exception:  # noqa: BLE001 - a listener (the status record) must never stop the events
+                logger.exception("a compile state listener failed")
 
     def _deliver(self, event: TokenEvent) -> None:
         if event.finished:
@@ -209,6 +230,20 @@ class ProcessGroup(Dispatcher):
 
     def choose(self) -> EngineProcess:
         return max(self.processes, key=lambda p: p.free)
+
+    @property
+    def compile_state(self) -> dict | None:
+        """The groups' compiles, summed (each group's process compiles its own program)."""
+        states = [p.compile_state for p in self.processes if p.compile_state is not None]
+        if not states:
+            return None
+        summed = {k: sum(s.get(k, 0) for s in states) for k in ("compiled", "pending", "failed")}
+        failures = [f for s in states for f in s.get("failures", [])]
+        return {**summed, **({"failures": failures} if failures else {}), "background": states[0]["background"]}
+
+    def subscribe(self, listener: Callable[[Any], None]) -> Callable[[], None]:
+        stops = [p.subscribe(listener) for p in self.processes]
+        return lambda: [stop() for stop in stops]
 
     @property
     def alive(self) -> bool:

@@ -45,6 +45,14 @@ class TokenEvent:
 
 
 @dataclass
+class CompileState:
+    """Where the engines' compiles stand (the engine process sends it as each ends): compiled, pending and failed
+    model counts, each failure's reason, and whether the rest compile in the background."""
+
+    state: dict
+
+
+@dataclass
 class EngineRequest:
     """A request as the front end admitted it: the engine checks nothing of it again."""
 

@@ -26,7 +26,9 @@ of a 32k vocabulary) and no pass per token:
 - a row none of whose draws is kept, and a row that asks for top-k and top-p together
   (whose top-p needs the mass of the top k, which needs the k-th largest logit exactly),
   comes back not ``done``: its logits are still on the core, and :func:`sample_on_host`
-  chooses its token, exactly, with a uniform of the same stream.
+  chooses its token, exactly, with a uniform of the same stream. A row the host chooses for
+  from the start takes :func:`choose_on_host`: the core's algorithm first, so the same seed
+  gives the same token either way.
 
 Greedy rows (temperature 0) take their first largest logit, as ``argmax``.
 """
@@ -183,6 +185,14 @@ def _top_k_bound(block_max: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     above = (higher @ torch.ones(nb, 1, dtype=block_max.dtype, device=block_max.device))[..., 0]  # a matmul: fast
     bound = torch.where(above < top_k.to(torch.float32), block_max, math.inf).min(-1, keepdim=True).values
     return torch.where((top_k > 0) & (top_k <= nb), bound, -math.inf)
+
+
+def choose_on_host(logits: torch.Tensor, choice: RowChoice) -> int:
+    """One row's token chosen on the host from its logits (vocab,), as the core would choose it: :func:`sample`
+    run here, then :func:`sample_on_host` if it leaves the row undone. A seed so gives the same token whichever
+    side chose it (a sampled call not compiled yet, a row whose logits the host adjusted first)."""
+    token, done = sample(logits.float()[None], *row_parameters([choice], 1))
+    return int(token[0]) if bool(done[0]) else sample_on_host(logits, choice)
 
 
 def sample_on_host(logits: torch.Tensor, choice: RowChoice) -> int:

@@ -10,7 +10,7 @@ needs its logits on the host only for what depends on more than them:
   the chosen token's comes with them, from the same logits).
 
 There :func:`sample_row` applies them, then chooses as the core would
-(``sampler.sample_on_host``), from the same random stream: a seed gives the same tokens
+(``sampler.choose_on_host``), from the same random stream: a seed gives the same tokens
 whichever side chose them. Log-probabilities are those of the model's distribution
 (before temperature, penalties and truncation), as vLLM and OpenAI report them.
 """
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..errors import InvalidInput
-from .sampler import GREEDY, RowChoice, sample_on_host
+from .sampler import GREEDY, RowChoice, choose_on_host
 
 MAX_LOGPROBS = 20
 
@@ -147,7 +147,7 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, prompt: list[int], 
     if constraint is not None:
         chosen_from = constraint.mask(chosen_from.clone() if chosen_from is logits else chosen_from)
     chosen_from = _penalize(chosen_from, params, prompt, output) if params.penalized else chosen_from
-    token = sample_on_host(chosen_from, params.choice(len(output)))
+    token = choose_on_host(chosen_from, params.choice(len(output)))
     if params.logprobs is None:
         return Sampled(token)
     logprobs = torch.log_softmax(logits, dim=-1)

@@ -94,18 +94,23 @@ class Scheduler:
         """Queue ``seq`` (the engine bounds the queue when a request is submitted)."""
         self.waiting.append(seq)
 
-    def admit(self) -> list[Sequence]:
-        """Waiting sequences to prefill this step, each given a free slot."""
+    def admit(self, startable: Callable[[Sequence], bool] = lambda seq: True) -> list[Sequence]:
+        """Waiting sequences to prefill this step, each given a free slot. One that is not ``startable`` yet (its
+        model still compiling) keeps its place and the ones behind it go ahead."""
         admitted: list[Sequence] = []
+        skipped: list[Sequence] = []
         tokens = 0
         while self.waiting and self.free:
-            seq = self.waiting[0]
+            seq = self.waiting.popleft()
+            if not startable(seq):
+                skipped.append(seq)
+                continue
             src, cached = None, 0
             if self.prefix is not None and seq.params.prompt_logprobs is None:  # prompt logprobs need every position
                 src, cached = self.prefix.match(seq.prompt, prefer=self.free)
             if admitted and tokens + len(seq.prompt) - cached > self.max_num_batched_tokens:
+                self.waiting.appendleft(seq)
                 break
-            self.waiting.popleft()
             if self.prefix is None:
                 seq.slot = heapq.heappop(self.free)
             else:
@@ -117,6 +122,7 @@ class Scheduler:
             self.running[seq.slot] = seq
             tokens += len(seq.prompt) - seq.cached
             admitted.append(seq)
+        self.waiting.extendleft(reversed([s for s in skipped if s.finish_reason is None]))  # not ended meanwhile
         return admitted
 
     def release(self, seq: Sequence) -> None:

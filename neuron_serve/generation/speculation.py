@@ -102,12 +102,16 @@ class Speculation:
         return any(proposals) or self.executor.has_draft
 
     def verify(self, running: list[Any], proposals: list[list[int]],
-               meanwhile: Callable[[], None]) -> tuple[list[list[Sampled]], Any]:
+               meanwhile: Callable[[], None]) -> tuple[list[list[Sampled]], Any] | None:
         """One verify call for every running sequence; the tokens each takes (see the module docstring), and
-        the bucket run. ``meanwhile`` runs while the call computes."""
-        out, shape = self.executor.verify([[s.output[-1], *p] for s, p in zip(running, proposals)],
-                                          [s.position for s in running], [s.slot for s in running],
-                                          choice.for_call(running))
+        the bucket run (None while no verify model that holds them is compiled). ``meanwhile`` runs while the
+        call computes."""
+        called = self.executor.verify([[s.output[-1], *p] for s, p in zip(running, proposals)],
+                                      [s.position for s in running], [s.slot for s in running],
+                                      choice.for_call(running))
+        if called is None:
+            return None
+        out, shape = called
         meanwhile()
         taken = choice.Taken(running, out, self.eos_token_ids)
         every = []

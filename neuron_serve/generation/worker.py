@@ -12,7 +12,8 @@ tensor-parallel group, whose cores are all this process sees. It answers ``("rea
 - ``("close",)``: stop; running requests end with finish_reason "abort";
 
 and sends ``("events", [TokenEvent, ...])``: every event that arrived while the last
-batch was being sent, so a step's events for all its sequences cross in one message.
+batch was being sent, so a step's events for all its sequences cross in one message (and,
+as each compile of the models still compiling ends, a ``CompileState`` among them).
 It ends with ``("closed", None)``, or when the replica's end of the socket closes (the
 replica is gone: nothing is left to serve).
 """
@@ -27,6 +28,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 logger = logging.getLogger("neuron_serve")
+
+COMPILE_WAIT_S = 50.0  # at close, for a compile under way (the replica waits 60 s for this process to end)
 
 
 class Outbox:
@@ -95,7 +98,8 @@ def serve(conn: Connection) -> int:
     from ..config.schema import parse_config  # noqa: PLC0415 - after sys.path is set
     from ..targets.pjrt import start_emulated_cores_on_threads  # noqa: PLC0415
     from .build import build_engines  # noqa: PLC0415
-    from .protocol import TokenEvent  # noqa: PLC0415
+    from .metrics import compile_listener, compile_state  # noqa: PLC0415
+    from .protocol import CompileState, TokenEvent  # noqa: PLC0415
 
     try:
         config = parse_config(config)
@@ -108,12 +112,18 @@ def serve(conn: Connection) -> int:
         cores = group[1] if group is not None else config.cores_per_replica
         if start_emulated_cores_on_threads(cores):
             logger.info("emulated NeuronCores: XLA:CPU computes on %d thread(s), one per core", cores)
-        engines = build_engines(config, base_dir, replica=replica, cores=cores)
+        background = config.background_compile
+        engines = build_engines(config, base_dir, replica=replica, cores=cores, background=background)
     except BaseException as exc:  # noqa: BLE001 - the replica raises it in its constructor
         conn.send(("failed", _portable(exc)))
         return 1
-    conn.send(("ready", {**engines.info, "tokenizer": engines.engines[0].tokenizer}))
+    build = engines.build
+    state = compile_state(build, background) if build is not None else None
+    conn.send(("ready", {**engines.info, "tokenizer": engines.engines[0].tokenizer, "compile": state}))
     outbox = Outbox(conn)
+    if build is not None:  # each later compile that ends: its metrics here, its state to the replica
+        build.compiles.subscribe(compile_listener(config.name, replica, build, background,
+                                                  lambda now: outbox.post(CompileState(now))))
     while True:
         try:
             message = conn.recv()
@@ -131,6 +141,10 @@ def serve(conn: Connection) -> int:
             break
     engines.close()
     outbox.close()
+    # A compile still running ends before the process does: torch-xla aborts an exit under a compiling thread.
+    from ..build.queue import compile_queue  # noqa: PLC0415
+
+    compile_queue().close(timeout=COMPILE_WAIT_S)
     return 0
 
 

@@ -52,8 +52,12 @@ def run(gm: torch.fx.GraphModule, flat: list[Any], call: Callable[[str, tuple], 
 
 
 def call_submodule(gm: torch.fx.GraphModule) -> Callable[[str, tuple], Any]:
-    """The plain way to run a stage: call ``gm``'s submodule of that name."""
+    """The plain way to run a stage: call ``gm``'s submodule of that name.
+
+    Its ``forward``, not ``__call__``: while a compile runs on the compile queue's thread, torch.export's
+    tracer patches ``nn.Module.__call__`` for every thread, and a stage called through it from a serving
+    thread would be traced into that compile instead of run."""
     def call(name: str, args: tuple) -> Any:
-        return gm.get_submodule(name)(*args)
+        return gm.get_submodule(name).forward(*args)
 
     return call

@@ -357,6 +357,7 @@ generation:
   max_num_seqs: 8
   max_model_len: {LLM_MAX_MODEL_LEN}
   decode_steps: 4
+  on_device_sampling: false        # 16 models a replica, not 28: on-core sampling is tested in process
 """
 
 

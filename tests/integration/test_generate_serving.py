@@ -661,15 +661,26 @@ def test_a_forwarded_request_whose_client_leaves_is_aborted(pair, stream):
 
 
 def test_deploy_prints_at_most_a_line_per_compiled_model_and_the_placement_not_the_operator_lists(llm):
+    """Each replica is ready on its first two models (the longest prefill, the largest decode) and compiles the
+    other 14 behind (4 prefill; 6 decode buckets, 1 and 4 steps, by argmax: on_device_sampling is off)."""
+    finished = r"neuron_serve: model llm: background compile finished [\d.]+ s after the build began: 16 compiled " \
+               r"models, 0 failed"
+    deadline = time.monotonic() + 600
+    while len(re.findall(finished, llm.log.read_text(errors="replace"))) < 2 and time.monotonic() < deadline:
+        time.sleep(1)
     log = re.sub(r"\x1b\[[0-9;]*m", "", llm.log.read_text(errors="replace"))  # Ray colours its prefixes
-    # Two replicas each compile the 28 models (4 prefill; 6 decode buckets, 1 and 4 steps, greedy and sampled);
-    # Ray folds their alike lines ("[repeated 2x across cluster]").
+    assert len(re.findall(finished, log)) == 2, log[-3000:]
+    # Ray folds the replicas' alike lines ("[repeated 2x across cluster]").
     repeated = r"(?: \[repeated \d+x across cluster\].*)?$"
     prefix = r"^\(ServeReplica:llm:generate pid=\d+\) neuron_serve: "
-    steps = re.findall(prefix + r"compiled llm (\w+) \((\d+) of 28\) in [\d.]+ s" + repeated, log, re.MULTILINE)
-    assert len(steps) == len(re.findall(r"neuron_serve: compiled llm ", log)) <= 2 * 28  # each well-formed
-    assert ("prefill_32", "1") in steps and ("decode_8x256_steps4_sampled", "28") in steps
-    placed = re.findall(prefix + r"placement of llm \(28 compiled models\): 28 accelerator subgraphs, 0 CPU "
+    steps = re.findall(prefix + r"compiled llm (\w+) \((\d+) of 16\) in [\d.]+ s" + repeated, log, re.MULTILINE)
+    assert len(steps) == len(re.findall(r"neuron_serve: compiled llm ", log)) <= 2 * 16  # each well-formed
+    assert ("prefill_256", "1") in steps and ("decode_8x256", "2") in steps
+    assert ("prefill_32", "3") in steps and ("decode_8x256_steps4", "16") in steps
+    ready = re.findall(prefix + r"model llm built in [\d.]+s; ready on 2 of 16 compiled models, the other 14 compile in "
+                       r"the background" + repeated, log, re.MULTILINE)
+    assert 1 <= len(ready) <= 2
+    placed = re.findall(prefix + r"placement of llm \(16 compiled models\): 16 accelerator subgraphs, 0 CPU "
                         r"subgraphs; operators: \d+ on the accelerator, 0 on CPU; --verbose lists them" + repeated,
                         log, re.MULTILINE)
     assert 1 <= len(placed) <= 2

@@ -142,7 +142,8 @@ def test_a_generate_model_yaml_parses_with_defaults():
     assert given.generation == GenerationSettings()
     assert given.generation.model_dump() == {
         "max_num_seqs": 8, "max_model_len": None, "prefill_buckets": None, "decode_batch_buckets": None,
-        "decode_context_buckets": None, "decode_steps": 1, "tensor_parallel_size": 1, "max_num_batched_tokens": None,
+        "decode_context_buckets": None, "decode_steps": 1, "on_device_sampling": True, "tensor_parallel_size": 1,
+        "max_num_batched_tokens": None,
         "max_waiting": 256, "enable_prefix_caching": False, "speculative_config": None, "lora": None,
         "tool_call_parser": None, "request_timeout_s": None}
     assert parse_config(with_(GENERATE, model={"factory": "pkg.lm:build", "kwargs": {"size": 2}})).model.kwargs
@@ -187,7 +188,7 @@ def test_settings_to_buckets_defaults():
     assert buckets.describe() == {
         "max_num_seqs": 8, "max_model_len": 2048, "prefill_buckets": [32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048],
         "decode_batch_buckets": [1, 4, 8], "decode_context_buckets": [128, 256, 512, 1024, 2048], "decode_steps": 1,
-        "enable_prefix_caching": False, "speculative_tokens": 0}
+        "enable_prefix_caching": False, "speculative_tokens": 0, "on_device_sampling": True}
     short = GenerationSettings(max_num_seqs=2).to_buckets(Positions(64))
     assert (short.max_model_len, short.prefill, short.decode_rows, short.decode_context) == (64, [32, 64], [1, 2], [64])
     given = GenerationSettings(**SMALL).to_buckets(Positions(64))

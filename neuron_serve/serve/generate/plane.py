@@ -106,6 +106,19 @@ class GenerationPlane:
         child.inc()
         self._latency.observe(seconds)
 
+    @property
+    def compiles(self) -> Any:
+        """What tells of each change of the compile state (the engine process; None in process)."""
+        engines = self.frontend.engines
+        return engines if hasattr(engines, "subscribe") else None
+
+    def compile_state(self) -> dict:
+        """The engines' compiled models by state (``compiled``, ``pending``: queued or compiling, ``failed``),
+        each failure's reason, and whether the rest compile in the background."""
+        state = getattr(self.frontend.engines, "compile_state", None)
+        return dict(state) if state is not None else {"compiled": None, "pending": 0, "failed": 0,
+                                                      "background": False}
+
     def metadata(self) -> dict:
         """OIP v2 model metadata: text in, text out (the generate extension's tensors)."""
         settings = self.config.generation or GenerationSettings()
@@ -124,12 +137,14 @@ class GenerationPlane:
                 "max_num_seqs": settings.max_num_seqs,
                 "max_model_len": self.max_model_len,
                 "neuron_serve_version": __version__,
+                "compile": self.compile_state(),
             },
         }
 
     def model_card(self) -> dict:
         """What ``GET /v1/models`` says of this model beyond its id (vLLM's ``max_model_len``, and its cores)."""
-        return {"max_model_len": self.max_model_len, "tensor_parallel_size": self.tensor_parallel_size}
+        return {"max_model_len": self.max_model_len, "tensor_parallel_size": self.tensor_parallel_size,
+                "compile": self.compile_state()}
 
     # -- prompts --------------------------------------------------------------------------
 

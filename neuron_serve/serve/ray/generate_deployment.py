@@ -25,6 +25,7 @@ from ...config.generation import GenerationSettings
 from ...errors import ModelNotReady
 from ...generation.frontend import Frontend
 from ..http import auth
+from . import compile_state
 from ..generate import plane as generate_plane
 from ..generate.answers import openai_answer, openai_error
 from ..generate.http import generate_app
@@ -53,6 +54,7 @@ class GenerateServer:
         self.plane = await loop.run_in_executor(None, build_plane, parsed, base_dir, replica)
         self.plane.start()
         generate_plane.set_current(self.plane)
+        self._untrack = compile_state.track(self.plane, replica)
 
     async def openai(self, kind: str, request: Any) -> AsyncIterator:
         """An OpenAI request the server app decoded and forwarded: (status, headers, streamed), then the
@@ -89,6 +91,8 @@ class GenerateServer:
                               f"text over HTTP: POST /v2/models/{plane.name}/generate or the OpenAI routes under /v1.")
 
     async def __del__(self) -> None:
+        if getattr(self, "_untrack", None) is not None:
+            self._untrack()
         generate_plane.set_current(None)
         plane = getattr(self, "plane", None)
         if plane is not None:

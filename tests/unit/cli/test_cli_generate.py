@@ -17,7 +17,7 @@ from neuron_serve.compile import cache as compile_cache
 from neuron_serve.config.schema import load_deployment
 from neuron_serve.errors import ArtifactError
 from neuron_serve.generation import SamplingParams
-from neuron_serve.generation.model import compile_generation
+from neuron_serve.generation.compiling import compile_generation
 from neuron_serve.generation.build import build_engine
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -29,6 +29,7 @@ model:
 generation:
   max_num_seqs: 4
   max_model_len: 64
+  on_device_sampling: false
 """
 
 
@@ -45,8 +46,9 @@ def _cli(*args):
                                             "PYTHONPATH": str(ROOT / "deployments")})
 
 
-# What LLM_YAML's buckets compile: each decode bucket by argmax and with the sampler.
-COMPILED = ["prefill_32", "prefill_64", "decode_1x64", "decode_4x64", "decode_1x64_sampled", "decode_4x64_sampled"]
+# What LLM_YAML's buckets compile: each decode bucket by argmax (on_device_sampling: false; the families test below
+# has the sampled ones).
+COMPILED = ["prefill_32", "prefill_64", "decode_1x64", "decode_4x64"]
 
 
 def test_analyze_reports_every_compiled_model(llm_yaml, tmp_path):
@@ -82,12 +84,13 @@ def test_a_built_artifact_generates_as_the_model_does(llm_yaml, tmp_path):
     out = tmp_path / "built"
     built = _cli("build", llm_yaml, "-o", out)
     assert built.returncode == 0, built.stderr
-    assert "neuron_serve: compiled tiny-llm prefill_32 (1 of 6) in " in built.stderr
-    assert "neuron_serve: compiled tiny-llm decode_4x64_sampled (6 of 6) in " in built.stderr
-    assert "neuron_serve: placement of tiny-llm (6 compiled models): 6 accelerator subgraphs, 0 CPU subgraphs;" \
+    # The longest prefill and the largest decode first (what answers every request), then the rest.
+    assert "neuron_serve: compiled tiny-llm prefill_64 (1 of 4) in " in built.stderr
+    assert "neuron_serve: compiled tiny-llm decode_1x64 (4 of 4) in " in built.stderr
+    assert "neuron_serve: placement of tiny-llm (4 compiled models): 4 accelerator subgraphs, 0 CPU subgraphs;" \
         in built.stderr
     assert "Num Partitions" not in built.stderr
-    assert sorted(p.name for p in out.iterdir()) == [*(f"bucket_{i}" for i in range(6)), "manifest.json",
+    assert sorted(p.name for p in out.iterdir()) == [*(f"bucket_{i}" for i in range(4)), "manifest.json",
                                                     "manifest.sha256", "model.yaml", "states.pt"]
     config, folder = load_deployment(out)
     assert config.model.artifact == "." and config.generation.max_num_seqs == 4
@@ -129,7 +132,7 @@ def test_the_llm_example_is_made_locally_and_generates_as_transformers_does(tmp_
     assert made.returncode == 0, made.stderr
     (tmp_path / "llm.yaml").write_text((ROOT / "deployments" / "llm.yaml").read_text())
     config, folder = load_deployment(tmp_path / "llm.yaml")
-    group = build_engine(config, folder)
+    group = build_engine(config, folder, background=True)  # served as it is: on its first models
     try:
         [engine] = group.engines.engines
         tokenizer = engine.tokenizer

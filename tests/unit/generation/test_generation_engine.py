@@ -32,6 +32,8 @@ PROMPT_LENGTHS = (3, 11, 20, 7, 30)
 NEW_TOKENS = (12, 5, 20, 9, 15)
 SHAPES = {"max_num_seqs": 4, "max_model_len": 48, "prefill_buckets": [16, 48], "decode_batch_buckets": [1, 4],
           "decode_context_buckets": [24, 48]}
+# Tests of greedy requests only: each decode bucket compiled by argmax alone (on_device_sampling: false).
+GREEDY_SHAPES = {**SHAPES, "on_device_sampling": False}
 
 
 def prompts(vocab: int = gm.VOCAB, lengths=PROMPT_LENGTHS, seed: int = 1) -> list[list[int]]:
@@ -54,7 +56,7 @@ def llama():
 @pytest.mark.parametrize("arch", sorted(gm.CONFIGS))
 def test_greedy_equals_transformers_with_sequences_joining_and_leaving(arch):
     lm = gm.build(arch)
-    engine = engine_for(lm, **SHAPES)
+    engine = engine_for(lm, **GREEDY_SHAPES)
     try:
         want = [gm.eager_greedy(lm, p, n) for p, n in zip(prompts(), NEW_TOKENS)]
         done = engine.generate_batch(prompts(), [greedy(n) for n in NEW_TOKENS])
@@ -191,7 +193,7 @@ def test_eos_ends_a_sequence_unless_ignored(decode_steps):
     want = gm.eager_greedy(lm, prompt, 12)
     eos = want[3]
     lm.generation_config.eos_token_id = eos
-    engine = engine_for(lm, **SHAPES, decode_steps=decode_steps)
+    engine = engine_for(lm, **GREEDY_SHAPES, decode_steps=decode_steps)
     try:
         [ended] = engine.generate_batch([prompt], greedy(12))
         assert (ended.tokens, ended.finish_reason, ended.stop_reason) == (want[:want.index(eos) + 1], "stop", eos)
@@ -240,7 +242,7 @@ def test_a_request_past_its_timeout_is_aborted_and_its_slot_freed():
     """Waiting or running, a request still open request_timeout_s after it arrived ends with
     finish_reason "abort" and timed_out; the slot goes back and the engine keeps serving."""
     lm = gm.build("llama")
-    engine = engine_for(lm, **SHAPES, request_timeout_s=0.3)
+    engine = engine_for(lm, **GREEDY_SHAPES, request_timeout_s=0.3)
     events: dict[str, list] = {}
 
     def slow(event):  # runs on the engine thread: every step takes at least 20 ms
@@ -301,12 +303,12 @@ def test_a_cache_too_big_for_the_core_is_refused_before_compiling(monkeypatch):
                                           r"\d+ bytes; at most 0 slot\(s\) fit\. Lower max_num_seqs or "
                                           r"max_model_len, or split the model over 2 cores with "
                                           r"tensor_parallel_size: 2\.$"):
-        engine_for(lm, **SHAPES)
+        engine_for(lm, **GREEDY_SHAPES)
 
 
 def test_abort_by_id_gives_a_last_event():
     lm = gm.build("llama")
-    engine = engine_for(lm, **SHAPES)
+    engine = engine_for(lm, **GREEDY_SHAPES)
     seen = []
     try:
         engine.submit(prompts()[0], greedy(40), seen.append, request_id="r1")
@@ -338,7 +340,7 @@ def test_requests_that_cannot_fit_are_refused_with_both_numbers(llama):
 
 def test_the_queue_is_bounded():
     lm = gm.build("gpt2")
-    engine = engine_for(lm, **SHAPES, max_waiting=2)
+    engine = engine_for(lm, **GREEDY_SHAPES, max_waiting=2)
     try:
         for i in range(SHAPES["max_num_seqs"]):  # fill the slots with long requests, one by one
             engine.submit(prompts()[0], greedy(40), lambda e: None)
@@ -362,7 +364,7 @@ def test_an_operator_the_core_cannot_run_is_refused_naming_it():
     lm.model.layers[0].mlp.act_fn = _SortedActivation()
     line = inspect.getsourcelines(_SortedActivation.forward)[1] + 1
     with pytest.raises(UnsupportedModelError) as refused:
-        engine_for(lm, **SHAPES)
+        engine_for(lm, **GREEDY_SHAPES)
     assert str(refused.value).splitlines() == [
         "The model has 1 operator(s) that target 'neuron' cannot run:",
         f"  aten::sort at test_generation_engine.py({line}): return torch.sort(x, dim=-1).values: neuronx-cc does not "
@@ -433,7 +435,8 @@ def test_a_steps_tokens_reach_their_sinks_while_the_next_model_call_computes(lla
 
 
 def test_an_engine_per_core_each_with_its_own_cache():
-    """Two emulated cores (a fresh process): requests spread over both engines, every answer right."""
+    """Two emulated cores (a fresh process): requests spread over both engines, every answer right, prompt
+    logprobs asked of both at once too (their model compiles once, on the compile queue)."""
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2", "PYTHONWARNINGS": "ignore",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "generation_cores_check.py")], capture_output=True,
@@ -446,3 +449,4 @@ def test_an_engine_per_core_each_with_its_own_cache():
     # and with three long requests on core 0, the next three all go to core 1.
     assert result["served"] == [4, 4], result["served"]
     assert result["routed"] == [1, 1, 1], result["routed"]
+    assert result["scored"] == [True] * 4

@@ -15,9 +15,11 @@ import generation_models as gm
 from neuron_serve.generation import SamplingParams, engine_for
 from neuron_serve.generation.prefix_cache import BLOCK, PrefixCache, block_hashes
 
-# decode_steps 2: greedy rows run two steps a call, whose free rows write past any cached block.
+# decode_steps 2: greedy rows run two steps a call, whose free rows write past any cached block. A sampled row
+# is chosen on the host (on_device_sampling: false): the cache is what is tested, not where a row is sampled.
 SHAPES = {"max_num_seqs": 4, "max_model_len": 96, "prefill_buckets": [16, 48, 96], "decode_batch_buckets": [1, 4],
-          "decode_context_buckets": [48, 96], "decode_steps": 2, "enable_prefix_caching": True}
+          "decode_context_buckets": [48, 96], "decode_steps": 2, "enable_prefix_caching": True,
+          "on_device_sampling": False}
 
 
 def tokens(n: int, seed: int) -> list[int]:

@@ -1,0 +1,260 @@
+"""A causal LM's generation models compiled on the process's compile queue, one job a model.
+
+Every compile runs on the compile queue's one thread (build/queue.py: torch.export and
+tracing are not thread-safe), never inside an engine step. The models that answer every
+request come first, :func:`ready_shapes`: the prefill of ``max_model_len`` tokens (any
+prompt, padded) and the greedy decode of ``max_num_seqs`` rows over ``max_model_len``
+positions (any running set; a sampled row is then chosen on the host from its logits,
+exactly). With ``background`` the engines start on them and the rest compile behind, in
+the order of :func:`compile_order`; each joins every engine's model as it is compiled
+(copied onto the other cores first, on the same thread). Until a model joins, what it
+would have run runs on one that has (a larger bucket, one step a call, the greedy decode
+and the host's choice, a prefill in place of an extend, a decode in place of a verify);
+answers are the same tokens. A variant needed only by some requests (the prefill that
+keeps every position's logits, for prompt logprobs) is compiled when one first asks,
+ahead of the background ones, while that request waits and the others run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+
+from ..api import trace_bucket_on_state
+from ..build import progress
+from ..build.queue import BACKGROUND, FAILED, NEEDED, READY, CompileGroup, CompileJob, CompileQueue, compile_queue
+from ..buckets.generation import GenerationBuckets
+from ..compile import sharding as spmd
+from ..compile.aliases import shared_state
+from ..errors import ConfigError, UnsupportedModelError
+from ..model import Bucket
+from ..targets.pjrt import on_this_thread, use_device
+from . import tensor_parallel
+from .attention import grouped_for_compile
+from .model import NO_CPU_PARTITIONS, GenerationModel, Shape, example_inputs, shapes_of, slot_module
+
+logger = logging.getLogger("neuron_serve")
+_builds = itertools.count()
+
+
+def ready_shapes(buckets: GenerationBuckets) -> list[Shape]:
+    """What answers every request: the longest prefill and the greedy one-step decode of every slot over every
+    position (a sampled row chosen on the host, one step a call, no extend nor verify)."""
+    return [Shape("prefill", 1, buckets.prefill[-1], buckets.prefill[-1], sampled=True),
+            Shape("decode", buckets.decode_rows[-1], 1, buckets.decode_context[-1])]
+
+
+def compile_order(buckets: GenerationBuckets) -> list[Shape]:
+    """Every model, :func:`ready_shapes` first, then the rest, what saves the most per call first:
+
+    - the smaller prefills, shortest first (a short prompt padded to ``max_model_len`` costs the most);
+    - the greedy one-step decodes, fewest rows first, then shortest context (a lone stream run over
+      every slot does ``max_num_seqs`` times its work);
+    - the sampled one-step decodes in the same order (until then a sampled row takes its logits to the
+      host), then the multi-step decodes, greedy then sampled;
+    - the extends (until then a cached prefix is prefilled again) and the verifies (until then a round
+      decodes one token).
+    """
+    first = ready_shapes(buckets)
+    groups = {("prefill", False): 0, ("decode", False): 1, ("decode", True): 2, ("extend", False): 3,
+              ("verify", False): 4}
+
+    def rank(shape: Shape) -> tuple:
+        return groups[shape.kind, shape.steps > 1], shape.sampled, shape.rows, shape.context, shape.tokens
+
+    return first + sorted((s for s in shapes_of(buckets) if s not in first), key=rank)
+
+
+class GenerationBuild:
+    """One causal LM's generation models on the compile queue: see the module docstring.
+
+    ``start`` returns the model once the start-up models (every one without ``background``)
+    are compiled; the others join it and every copy :meth:`copy_to` made, as they compile.
+    """
+
+    def __init__(self, lm: torch.nn.Module, buckets: GenerationBuckets, *, target: str = "neuron",
+                 compiler_args: str | list[str] | None = None, compiler_workdir: str | None = None,
+                 tensor_parallel_size: int = 1, name: str | None = None, queue: CompileQueue | None = None) -> None:
+        if not hasattr(lm, "config") or not hasattr(lm.config, "num_hidden_layers"):
+            raise ConfigError(f"generation needs a transformers causal LM (a PreTrainedModel with a config); got "
+                              f"{type(lm).__name__}.")
+        self.lm = lm.eval()
+        self.buckets = buckets
+        self.target, self.compiler_args, self.compiler_workdir = target, compiler_args, compiler_workdir
+        self.plan = None
+        if tensor_parallel_size > 1:
+            tensor_parallel.check(lm.config, tensor_parallel_size)
+            spmd.start_spmd(tensor_parallel_size)
+            self.plan = tensor_parallel.plan(lm, tensor_parallel_size)
+        self.name = name or type(lm).__name__
+        self.order = compile_order(buckets)
+        self.compiles: CompileGroup = (queue or compile_queue()).group(f"{self.name}#{next(_builds)}")
+        self.progress = progress.BuildProgress(self.name, len(self.order), labels=[s.label for s in self.order])
+        self.model: GenerationModel | None = None
+        self._state = None  # the cache every model shares, made by the first compile
+        self._early: dict[Shape, Bucket] = {}  # compiled before the model exists
+        self._copies: list[tuple[GenerationModel, Any]] = []  # other cores' models, and their devices
+        self._jobs: dict[Shape, CompileJob] = {}
+        self._lock = threading.Lock()
+        self._open = len(self.order)
+        self.finished = threading.Event()  # every planned compile has ended (compiled or failed)
+        self.started = time.perf_counter()
+        self.ready_seconds: float | None = None  # from the build's start to the start-up models compiled
+
+    # -- starting ---------------------------------------------------------------------------
+
+    def start(self, background: bool = False) -> GenerationModel:
+        """Queue every compile and return the model once the start-up ones are compiled (every one without
+        ``background``); raises what a start-up compile raised."""
+        early = ready_shapes(self.buckets) if background else self.order
+        needed = [self._submit(shape, READY) for shape in early]
+        for shape in self.order:
+            if shape not in early:
+                self._submit(shape, BACKGROUND)
+        self.compiles.wait(needed)
+        failed = next((job for job in needed if job.state == FAILED), None)
+        if failed is not None:
+            self.compiles.cancel()
+            raise failed.future.exception()
+        with self._lock:
+            self.model = GenerationModel(self._state, self.buckets, self.vocab_size, self.plan, self.weight_bytes,
+                                         compiled=dict(self._early), build=self)
+            self.ready_seconds = time.perf_counter() - self.started
+            waiting = self._open
+        logger.info("model %s built in %.1fs%s", self.name, self.ready_seconds,
+                    f"; ready on {len(self._early)} of {len(self.order)} compiled models, the other {waiting} compile "
+                    f"in the background" if waiting else "")
+        return self.model
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.lm.get_output_embeddings().weight.shape[0])
+
+    @property
+    def weight_bytes(self) -> int:
+        return tensor_parallel.bytes_per_core(self.lm, self.plan)
+
+    def _submit(self, shape: Shape, priority: int) -> CompileJob:
+        job = self.compiles.submit(f"{self.name} {shape.label}", functools.partial(self._compile, shape),
+                                   priority=priority)
+        self._jobs[shape] = job
+        job.future.add_done_callback(lambda _: self._ended())
+        return job
+
+    def _ended(self) -> None:
+        """One planned compile ended (compiled and joined, or failed); the last logs the placement line, and the
+        end of the background compile when there was one."""
+        with self._lock:
+            self._open -= 1
+            if self._open or self.finished.is_set():
+                return
+            background = self.ready_seconds is not None
+        self.progress.finish()
+        if background:
+            failed = "".join(f"; {label} failed: {reason}" for label, reason in self.compiles.failures())
+            logger.info("model %s: background compile finished %.1f s after the build began: %d compiled models, "
+                        "%d failed%s", self.name, time.perf_counter() - self.started, self.compiles.counts().compiled,
+                        len(self.compiles.failures()), failed)
+        self.finished.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every planned compile has ended; False on timeout."""
+        return self.finished.wait(timeout)
+
+    # -- compiling (on the queue's thread) ----------------------------------------------------
+
+    def _compile(self, shape: Shape) -> Bucket:
+        bucket = self._trace(shape, self.progress)
+        with self._lock:
+            model = self.model
+            if model is None:
+                self._early[shape] = bucket
+        if model is not None:
+            self._join(model, shape, bucket)
+        return bucket
+
+    def _trace(self, shape: Shape, reporting: progress.BuildProgress | None) -> Bucket:
+        """One model, compiled around the cache every model shares (made, on the core, by the first)."""
+        module = slot_module(self.lm, self.buckets, shape)
+        if self._state is None:
+            self._initial = [torch.zeros_like(t) for t in module.caches()]  # the cache's host template
+            self._state = shared_state(self._initial)
+        try:
+            with grouped_for_compile(self.lm), spmd.sharded(self.plan), \
+                    (progress.current(reporting) if reporting is not None else contextlib.nullcontext()):
+                if reporting is not None:
+                    reporting.at(self.order.index(shape), None)
+                return trace_bucket_on_state(module, module.aliases(), example_inputs(shape), self._state,
+                                             target=self.target, compiler_args=self.compiler_args,
+                                             initial=self._initial)
+        except UnsupportedModelError as exc:
+            # The operator list stands; the usual hint (partition onto CPU) does not apply around the cache.
+            listed = str(exc).rsplit("\nPass partitioner_config", 1)[0]
+            raise UnsupportedModelError(f"{listed}\n{NO_CPU_PARTITIONS}") from None
+
+    def _join(self, model: GenerationModel, shape: Shape, bucket: Bucket) -> None:
+        """A model compiled in the background joins the engines: this core's now, each other core's once loaded
+        onto it (on this thread too: loading traces)."""
+        model.add(shape, bucket)
+        for copy, device in list(self._copies):
+            copy.add(shape, on_this_thread(lambda: (use_device(device), copy.bucket_on(bucket)))[1])
+        logger.debug("generation model %s joined the engines of %s", shape.label, self.name)
+
+    # -- copies and late needs ------------------------------------------------------------------
+
+    def copy_to(self, device: Any) -> GenerationModel:
+        """The model on another core (its own cache there), compiled for it on the queue's thread, and kept
+        up to date with every later compile."""
+        def load() -> GenerationModel:
+            use_device(device)
+            copy = self.model.load_to(device)
+            with self._lock:
+                self._copies.append((copy, device))
+            return copy
+
+        job = self.compiles.submit(f"load {self.name} onto {device}", functools.partial(on_this_thread, load),
+                                   priority=READY, kind="load")
+        self.compiles.wait([job])
+        return job.future.result()
+
+    def need(self, shape: Shape) -> None:
+        """A request waits for ``shape``, a variant compiled on demand (the prompt-logprobs prefill): queued ahead
+        of the background compiles, once."""
+        with self._lock:
+            job = self._jobs.get(shape)
+            if job is None:
+                self._jobs[shape] = self.compiles.submit(f"{self.name} {shape.label}",
+                                                         functools.partial(self._compile_late, shape),
+                                                         priority=NEEDED)
+                return
+        self.compiles.queue.promote(job, NEEDED)
+
+    def _compile_late(self, shape: Shape) -> Bucket:
+        started = time.perf_counter()
+        bucket = self._trace(shape, None)
+        self._join(self.model, shape, bucket)
+        logger.info("compiled %s %s (asked for by a request) in %.1f s", self.name, shape.label,
+                    time.perf_counter() - started)
+        return bucket
+
+
+def compile_generation(lm: torch.nn.Module, buckets: GenerationBuckets, *, target: str = "neuron",
+                       compiler_args: str | list[str] | None = None,
+                       compiler_workdir: str | None = None, tensor_parallel_size: int = 1,
+                       name: str | None = None) -> GenerationModel:
+    """Compile ``lm`` (a transformers causal LM) for generation under ``buckets``, every model, and return them
+    (a GenerationBuild, waited for; a replica starts on the first ones instead).
+
+    ``name`` names the model in the progress lines (default: its class, ``LlamaForCausalLM``).
+
+    ``tensor_parallel_size`` N above 1 compiles each model once for a group of N cores (SPMD,
+    split by the model's tensor-parallel plan): this process's cores must be that group."""
+    return GenerationBuild(lm, buckets, target=target, compiler_args=compiler_args, compiler_workdir=compiler_workdir,
+                           tensor_parallel_size=tensor_parallel_size, name=name).start(background=False)
