@@ -20,7 +20,8 @@ tensor_parallel.md and tensor_parallel.json; guidellm (bench/guidellm.py: vLLM's
 against the LLM example served, exiting non-zero on any errored request) adds guidellm.md and
 guidellm.json; prefix caching (bench/prefix_caching.py: time to first token of prompts sharing
 a 300-token prefix, served with and without caching) adds prefix_caching.md and
-prefix_caching.json; speculative decoding (bench/speculative.py: n-gram proposals on a
+prefix_caching.json; sampling on the core (bench/sampling.py: greedy against temperature 1 and
+top-p 0.9, a 32k vocabulary) adds sampling.md and sampling.json; speculative decoding (bench/speculative.py: n-gram proposals on a
 repetitive workload, served with and without) adds speculative.md and speculative.json; long
 prompts (bench/prefill.py: a prefill against eager transformers' forward in process, and time
 to first token at one stream served beside transformers serve) adds prefill.md and prefill.json;
@@ -248,6 +249,12 @@ def run_generate_http(quick: bool, out: Path, log) -> str | None:
                        "servers in turn, neuron-serve compiles first)", 5400)
 
 
+def run_sampling(quick: bool, out: Path, log) -> str | None:
+    """bench/sampling.py: sampled requests against greedy ones, on one engine in process."""
+    return _run_module("sampling", quick, out, log, "sampling on the core against greedy (the engine in process)",
+                       1800, {"PJRT_DEVICE": "CPU"})
+
+
 def run_prefix_caching(quick: bool, out: Path, log) -> str | None:
     """bench/prefix_caching.py (it serves the same model without and with caching, in turn)."""
     return _run_module("prefix_caching", quick, out, log, "prefix caching (two servers in turn)", 2400)
@@ -316,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     generation_http = None if args.no_generate_http else run_generate_http(args.quick, out, log)
     tensor_parallel = None if args.no_tensor_parallel else run_tensor_parallel(args.quick, out, log)
     openai_fields = None if args.no_generate else run_openai_fields(args.quick, out, log)
+    sampling = None if args.no_generate else run_sampling(args.quick, out, log)
     prefix_caching = None if args.no_generate else run_prefix_caching(args.quick, out, log)
     speculation = None if args.no_generate else run_speculative(args.quick, out, log)
     prefill = None if args.no_generate else run_prefill(args.quick, out, log)
@@ -350,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         sections += ["", tensor_parallel.strip()]
     if openai_fields:
         sections += ["", openai_fields.strip()]
+    if sampling:
+        sections += ["", sampling.strip()]
     if prefix_caching:
         sections += ["", prefix_caching.strip()]
     if speculation:

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         results = {name: measure(engine, fields, 1 if args.quick else 3) for name, fields in REQUESTS.items()}
     finally:
         engine.close()
-    text = (f"Sampled against greedy requests, one engine (Qwen2, 2 layers, hidden 128, vocabulary {VOCAB}; "
+    text = (f"## Sampling on the core (bench/sampling.py)\n\nSampled against greedy requests, one engine (Qwen2, 2 layers, hidden 128, vocabulary {VOCAB}; "
             f"compiled in {compiled:.0f} s):\n\n" + report(results))
     print(text)
     (out / "sampling.md").write_text(text)

@@ -5,10 +5,11 @@ until Serve starts the new replica, and until it answers (it finds the first rep
 cache warm).
 
 Each deploy runs alone (bench/servers.py starts and stops it as a process group). ``measure(config)``
-takes any model.yaml of a ``task: infer`` model; the LLM example's place is ``measure`` too, once a
-generate model's first answer (a completion) is probed here.
+takes any model.yaml: a ``task: infer`` model's first answer is a one-row request equal to eager
+PyTorch, a ``task: generate`` model's a greedy completion equal to transformers' greedy generation
+(the LLM example: ``make llm-example`` writes its model first).
 
-Usage: ``python -m bench.startup [--models mlp encoder] [--autoscale mlp] [--out DIR] [--quick]``
+Usage: ``python -m bench.startup [--models mlp encoder llm] [--autoscale mlp] [--out DIR] [--quick]``
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -50,6 +52,8 @@ def _variant(model: str, work: Path, **changes) -> Path:
     folder = work / f"{model}-{len(list(work.iterdir()))}"
     folder.mkdir(parents=True)
     (folder / "example_models").symlink_to(DEPLOYMENTS / "example_models")
+    if (DEPLOYMENTS / "llm").is_dir():  # the LLM example's model directory (make llm-example)
+        (folder / "llm").symlink_to(DEPLOYMENTS / "llm")
     (folder / f"{model}.yaml").write_text(yaml.safe_dump(doc))
     return folder / f"{model}.yaml"
 
@@ -73,7 +77,9 @@ class Deploy:
         return time.monotonic() - self.server.started
 
     def post(self, body: bytes, timeout: float = 30) -> dict | None:
-        request = urllib.request.Request(self.server.url(self.name), data=body,
+        generate = json.loads(body).get("prompt") is not None
+        url = f"http://127.0.0.1:{self.port}/v1/completions" if generate else self.server.url(self.name)
+        request = urllib.request.Request(url, data=body,
                                          headers={"Content-Type": "application/json"}, method="POST")
         try:
             with urllib.request.urlopen(request, timeout=timeout) as answer:
@@ -105,9 +111,26 @@ class Deploy:
         self.server.stop()
 
 
-def _request(config: Path) -> tuple[bytes, list[torch.Tensor]]:
-    """A one-row request (the first example row, float inputs) and eager PyTorch's answer to it."""
+PROMPT, NEW_TOKENS = "neuron-serve compiles", 8
+
+
+def _request(config: Path) -> tuple[bytes, Any]:
+    """A one-row request (the first example row, float inputs) and eager PyTorch's answer to it; for a generate
+    model, a greedy completion and transformers' greedy text."""
     parsed, base = load_deployment(config)
+    if parsed.task == "generate":
+        import transformers  # noqa: PLC0415
+
+        folder = Path(base) / parsed.model.pretrained
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+        lm = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+        ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                              min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        body = {"model": parsed.name, "prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0,
+                "ignore_eos": True}
+        return json.dumps(body).encode(), tokenizer.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
     rows = [t[:1] for t in parsed.example_inputs()]
     with torch.no_grad():
         expected = [t for t in pytree.tree_leaves(build_model(parsed, base)(*rows)) if isinstance(t, torch.Tensor)]
@@ -116,9 +139,11 @@ def _request(config: Path) -> tuple[bytes, list[torch.Tensor]]:
     return json.dumps({"inputs": inputs}).encode(), expected
 
 
-def _correct(answer: dict | None, expected: list[torch.Tensor]) -> bool:
+def _correct(answer: dict | None, expected: Any) -> bool:
     if answer is None:
         return False
+    if isinstance(expected, str):  # a completion
+        return answer["choices"][0]["text"] == expected
     first = answer["outputs"][0]
     got = torch.tensor(first["data"]).reshape(first["shape"])
     return torch.allclose(got, expected[0].to(got.dtype), atol=TOLERANCE, rtol=TOLERANCE)
@@ -252,7 +277,7 @@ def table(rows: list[dict], scaled: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["mlp", "encoder"], help="deployments/<name>.yaml")
+    parser.add_argument("--models", nargs="+", default=["mlp", "encoder", "llm"], help="deployments/<name>.yaml")
     parser.add_argument("--autoscale", nargs="*", default=["mlp"], help="models whose autoscaling step is measured")
     parser.add_argument("--quick", action="store_true", help="the MLP only")
     parser.add_argument("--out", type=Path, help="write startup.md and startup.json here")
