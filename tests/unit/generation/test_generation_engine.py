@@ -120,6 +120,21 @@ def test_a_seeded_request_gives_the_same_tokens_alone_and_in_a_batch(llama):
     assert len({tuple(c.tokens) for c in unseeded}) > 1  # without a seed, each draws its own
 
 
+def test_a_sampled_rows_logprobs_are_eager_log_softmax_of_its_tokens(llama):
+    """A sampled request asking for logprobs: the same tokens as eager sampling from the same seed (its logits
+    come home, where the host draws as the core would), and each token's logprob transformers' log-softmax at
+    that position, within 1e-4."""
+    lm, engine = llama
+    prompt = prompts()[1]
+    params = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=11, logprobs=0)
+    [done] = engine.generate_batch([prompt, prompts()[2]], [params, SamplingParams(max_tokens=8, temperature=1.0)])[:1]
+    assert done.tokens == gm.eager_sampled(lm, prompt, 8, params)
+    with torch.no_grad():
+        want = torch.log_softmax(lm(torch.tensor([prompt + done.tokens])).logits[0].float(), -1)
+    at = [float(want[len(prompt) - 1 + i, token]) for i, token in enumerate(done.tokens)]
+    assert done.logprobs == pytest.approx(at, abs=1e-4)
+
+
 def _transferred() -> float:
     """Bytes moved between host and device, both ways, so far."""
     return sum((xla_metrics.metric_data(name) or (0, 0.0))[1] for name in ("InboundData", "OutboundData"))
