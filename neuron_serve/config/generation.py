@@ -196,9 +196,9 @@ class GenerationSettings(BaseModel):
                     "compiles a verify model per decode bucket")
     lora: LoraSettings | None = Field(
         default=None,
-        description="serve LoRA adapters of the model (vLLM's settings; present, even empty as `lora:` or `lora: "
-                    "{}`, it turns LoRA on): each request names the model or one of its adapters, and one batch "
-                    "mixes them")
+        description="LoRA adapters of the model (vLLM's settings; present, even empty as `lora:` or `lora: "
+                    "{}`, it turns LoRA on). Its fields are checked, but serving adapters "
+                    "is not available yet: a model.yaml with it is refused when the model is built")
     tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
         default=None,
         description="how the model writes a tool call, for OpenAI's tool_choice \"auto\" (vLLM's --tool-call-parser "

@@ -20,7 +20,7 @@ from ..config.schema import ModelConfig, _under
 from ..config.generation import GenerationSettings
 from ..targets import get_target
 from . import tensor_parallel
-from .build import DRAFT_FIELD, _pretrained, load_lm
+from .build import DRAFT_FIELD, _pretrained, load_lm, refuse_lora
 from .model import example_inputs, shapes_of, slot_module
 from .slots import kv_cache_bytes
 
@@ -51,8 +51,9 @@ def split_of(lm: torch.nn.Module, buckets, size: int) -> dict | None:
 
 def forms(config: ModelConfig, base_dir: str | Path | None = None) -> Iterator[Form]:
     """Every model the model.yaml compiles, in bucket order, each analyzed as it comes (progress on stderr)."""
-    lm = load_lm(config, base_dir)
     settings = config.generation or GenerationSettings()
+    refuse_lora(settings)
+    lm = load_lm(config, base_dir)
     buckets = settings.to_buckets(lm.config)
     split = split_of(lm, buckets, settings.tensor_parallel_size)
     models = [(lm, buckets, "", split)]

@@ -157,6 +157,14 @@ def check_cache_fits(lm: torch.nn.Module, buckets: GenerationBuckets, field_pref
     return check_fits(lm.config, buckets, weights, dtype_bytes, core, field_prefix, cache_share, needs)
 
 
+def refuse_lora(settings: GenerationSettings) -> None:
+    """generation.lora is read and checked, but no compiled model takes an adapter yet: refused, not ignored."""
+    if settings.lora is not None:
+        raise ConfigError("generation.lora: serving LoRA adapters is not available yet (the compiled models take "
+                          "no adapter input); remove generation.lora to serve the base model, or merge an adapter "
+                          "into the weights (peft's merge_and_unload) and serve the merged model.")
+
+
 def compile_from_config(config: ModelConfig, base_dir: str | Path | None = None, *,
                         background: bool = False) -> tuple[GenerationModel, list[int], Any]:
     """Load, check and compile a factory or pretrained ``task: generate`` model: (model, EOS ids, tokenizer).
@@ -164,6 +172,7 @@ def compile_from_config(config: ModelConfig, base_dir: str | Path | None = None,
     With ``background`` the model returns once the models that answer every request are compiled; the rest
     compile on the process's compile queue and join it (compiling.py). A draft compiles whole, first."""
     settings = config.generation or GenerationSettings()
+    refuse_lora(settings)
     lm = load_lm(config, base_dir)
     tokenizer = load_tokenizer(config, base_dir)
     buckets = settings.to_buckets(lm.config)
@@ -247,6 +256,7 @@ def build_engines(config: ModelConfig, base_dir: str | Path | None = None, *, re
     if config.task != "generate":
         raise ConfigError(f"task: {config.name} is a task: {config.task} model; build_engine serves task: generate.")
     settings = config.generation or GenerationSettings()
+    refuse_lora(settings)
     if config.model.artifact is not None:  # loading compiles too (in emulation): on the compile queue
         model, eos, tokenizer = compile_queue().submit(f"load {config.name} (artifact {config.model.artifact})",
                                                        lambda: _from_artifact(config, base_dir), priority=READY,

@@ -324,6 +324,14 @@ def test_factory_models_must_be_causal_lms_and_get_eager_attention(tmp_path):
     assert not lm.training
 
 
+def test_lora_is_refused_at_build_not_ignored(pretrained):
+    """generation.lora parses and is checked, but no compiled model takes an adapter yet: building refuses it."""
+    data = with_(GENERATE, model={"pretrained": "llama"}, generation={**SMALL, "lora": {"max_loras": 2}})
+    with pytest.raises(ConfigError, match=r"^generation\.lora: serving LoRA adapters is not available yet \(the "
+                                          r"compiled models take no adapter input\); remove generation\.lora"):
+        build_engine(parse_config(data), pretrained)
+
+
 def test_build_engine_refuses_an_infer_model():
     with pytest.raises(ConfigError, match="^task: mlp is a task: infer model; build_engine serves task: generate.$"):
         build_engine(parse_config(INFER))
