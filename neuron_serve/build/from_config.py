@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Callable, TypeVar
 
-from . import artifact
+from . import artifact, progress
 from .grid import Entry, GridBuild
 from .queue import BACKGROUND, COMPILED, FAILED, READY, CompileGroup, CompileJob, CompileQueue, compile_queue
 from ..api import dynamic_batch
@@ -290,10 +290,9 @@ class StagedBuild:
         if last:
             self.grid.finish()
             counts = self.compiles.counts()
-            failed = "".join(f"; {label} failed: {reason}" for label, reason in self.compiles.failures())
-            logger.info("model %s: background compile finished %.1f s after the build began: %d compiled models, "
-                        "%d failed%s", self.config.name, time.perf_counter() - self.started, counts.compiled,
-                        counts.failed, failed)
+            logger.info("model %s: background compile finished %.1f s after the build began: %d compiled models%s",
+                        self.config.name, time.perf_counter() - self.started, counts.compiled,
+                        progress.failures_said(self.compiles.failures()))
             self.finished.set()
 
     def _load_artifact(self) -> CompiledModel:

@@ -180,3 +180,11 @@ def bucket_done(partitions: Sequence[Partition] = ()) -> None:
     progress = _CURRENT.get()
     if progress is not None:
         progress.bucket_done(partitions)
+
+
+def failures_said(failures: list[tuple[str, str]]) -> str:
+    """The end of a background compile's closing line: each failed compile and its reason, nothing when none
+    failed (a clean start prints no "failed")."""
+    if not failures:
+        return ""
+    return f", {len(failures)} failed" + "".join(f"; {label} failed: {reason}" for label, reason in failures)

@@ -158,10 +158,9 @@ class GenerationBuild:
             background = self.ready_seconds is not None
         self.progress.finish()
         if background:
-            failed = "".join(f"; {label} failed: {reason}" for label, reason in self.compiles.failures())
-            logger.info("model %s: background compile finished %.1f s after the build began: %d compiled models, "
-                        "%d failed%s", self.name, time.perf_counter() - self.started, self.compiles.counts().compiled,
-                        len(self.compiles.failures()), failed)
+            logger.info("model %s: background compile finished %.1f s after the build began: %d compiled models%s",
+                        self.name, time.perf_counter() - self.started, self.compiles.counts().compiled,
+                        progress.failures_said(self.compiles.failures()))
         self.finished.set()
 
     def wait(self, timeout: float | None = None) -> bool:

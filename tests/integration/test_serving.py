@@ -83,7 +83,7 @@ def test_deploy_prints_a_line_per_compiled_model_and_the_placement_not_the_opera
     assert re.search(r"neuron_serve: model mlp built in [\d.]+s; ready on 1 of 5 compiled models, the other 4 "
                      r"compile in the background", log)
     assert re.search(r"neuron_serve: model mlp: background compile finished [\d.]+ s after the build began: 5 "
-                     r"compiled models, 0 failed", log)
+                     r"compiled models(?!,)", log)  # and no ", N failed"
     for operator_list in ("Num Partitions", "The following operat", "aten::linear:", "subgraph accel_0"):
         assert operator_list not in log  # those are --verbose's
 

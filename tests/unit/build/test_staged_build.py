@@ -142,7 +142,7 @@ def test_ready_on_the_largest_bucket_then_each_compiled_model_joins_and_answers_
     assert sorted(int(m.split("(")[1].split(" of")[0]) for m in lines if m.startswith("compiled seqs ")) == \
         [1, 2, 3, 4, 5, 6]
     finished = next(m for m in lines if m.startswith("model seqs: background compile finished"))
-    assert finished.endswith(": 6 compiled models, 0 failed")
+    assert finished.endswith(": 6 compiled models")  # a clean finish says no "failed"
     assert lines.index(finished) > lines.index(ready)
 
 

@@ -8,6 +8,7 @@ import torch
 import neuron_serve
 from neuron_serve.analysis import placement
 from neuron_serve.compile import cache as compile_cache
+from neuron_serve import logs
 from neuron_serve.build.progress import BuildProgress, reporting
 from reference_models import MLP
 
@@ -57,7 +58,10 @@ def test_cache_dir_from_the_environment_and_off(monkeypatch, tmp_path):
     assert compile_cache.default_dir().name == "neuron-serve"  # under the user's cache dir
 
 
-def test_progress_is_a_line_per_compiled_model_and_a_placement_summary_off_a_terminal(fresh_cache, neuron_logs):
+def test_progress_is_a_line_per_compiled_model_and_a_placement_summary_off_a_terminal(fresh_cache, neuron_logs,
+                                                                                      monkeypatch):
+    # As in a program that never called logs.configure (a command or replica of this process may have).
+    monkeypatch.setattr(logs, "_partitioner_level", logging.INFO)
     with reporting(BuildProgress("mlp", 1, tty=False)):
         neuron_serve.trace(MLP().eval(), torch.rand(4, 784), partitioner_config=neuron_serve.PartitionerConfig())
     lines = [line for line in neuron_logs() if line.startswith(("compil", "placement"))]

@@ -86,7 +86,7 @@ def test_a_compile_that_fails_is_named_and_counted_and_the_engine_serves_on(star
     [(label, reason)] = build.compiles.failures()
     assert label == "staged prefill_16"
     assert reason.startswith("UnsupportedModelError: torch.export cannot capture the model: NotImplementedError: "
-                             "no kernel for 16 tokens a row at test_background_compile.py(")
+                             "no kernel for 16 tokens a row at test_generation_background_compile.py(")
     assert "prefill_16" not in [s.label for s in front.engines.model.shapes]
     # A 4-token prompt runs on the 48-token prefill instead: the same answer.
     [done] = front.generate_batch([PROMPTS[0]], SamplingParams(max_tokens=10, temperature=0))
