@@ -664,17 +664,18 @@ def test_deploy_prints_at_most_a_line_per_compiled_model_and_the_placement_not_t
     """Each replica is ready on its first two models (the longest prefill, the largest decode) and compiles the
     other 14 behind (4 prefill; 6 decode buckets, 1 and 4 steps, by argmax: on_device_sampling is off)."""
     finished = r"neuron_serve: model llm: background compile finished [\d.]+ s after the build began: 16 compiled " \
-               r"models(?!,)(?: \[repeated (\d+)x across cluster\])?"  # no ", N failed"; Ray may fold the two
-
-    def replicas_finished() -> int:
-        plain = re.sub(r"\x1b\[[0-9;]*m", "", llm.log.read_text(errors="replace"))  # Ray colours its prefixes
-        return sum(int(folded or 1) for folded in re.findall(finished, plain))
-
+               r"models(?!,)"  # and no ", N failed"
+    # Both replicas' models compiled (the metrics: Ray may hold back the second replica's alike closing line).
     deadline = time.monotonic() + 600
-    while replicas_finished() < 2 and time.monotonic() < deadline:
+    while (metric(llm, "neuron_serve_compiled_models", model="llm", state="compiled") < 2 * 16
+           and time.monotonic() < deadline):
         time.sleep(1)
-    log = re.sub(r"\x1b\[[0-9;]*m", "", llm.log.read_text(errors="replace"))
-    assert replicas_finished() == 2, log[-3000:]
+    assert metric(llm, "neuron_serve_compiled_models", model="llm", state="compiled") == 2 * 16
+    assert metric(llm, "neuron_serve_compiled_models", model="llm", state="failed") == 0
+    while not re.search(finished, llm.log.read_text(errors="replace")) and time.monotonic() < deadline:
+        time.sleep(1)
+    log = re.sub(r"\x1b\[[0-9;]*m", "", llm.log.read_text(errors="replace"))  # Ray colours its prefixes
+    assert re.search(finished, log), log[-3000:]
     # Ray folds the replicas' alike lines ("[repeated 2x across cluster]").
     repeated = r"(?: \[repeated \d+x across cluster\].*)?$"
     prefix = r"^\(ServeReplica:llm:generate pid=\d+\) neuron_serve: "
