@@ -103,11 +103,10 @@ test-system-packages:
 # --durations: the slowest tests at the end of the run, so that the suite's time (kept under
 # an hour on 2 cores) can be followed from one run to the next.
 # The served tests one at a time (each starts Ray and its servers; some time their stops); the unit tests,
-# which compile and compute, a file per CPU at a time (pytest-xdist), and the documentation's examples (last in
-# their worker: tests/conftest.py orders them last).
+# which compile and compute, a file per CPU at a time (pytest-xdist).
 test: $(TEST_STAMP) $(KSERVE_STAMP) test-system-packages
-	$(BIN)/pytest --durations=30 tests/integration --ignore=tests/integration/test_doc_examples.py
-	$(BIN)/pytest --durations=30 -n 2 --dist loadfile tests/unit tests/integration/test_doc_examples.py
+	$(BIN)/pytest --durations=30 tests/integration
+	$(BIN)/pytest --durations=30 -n 2 --dist loadfile tests/unit
 
 # Benchmarks against peer servers (needs wrk for HTTP and h2load for gRPC: apt-get install wrk
 # nghttp2-client). Results: bench/results/.
