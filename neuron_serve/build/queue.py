@@ -142,6 +142,10 @@ class CompileQueue:
                 self._cond.wait(left)
         return True
 
+    def on_worker(self) -> bool:
+        """Whether the calling thread is the queue's worker (inside a job)."""
+        return threading.current_thread() is self._thread
+
     def cancel(self, group: str) -> int:
         """Drop ``group``'s pending jobs (its replica stops); returns how many. A running one finishes."""
         dropped = []

@@ -102,6 +102,7 @@ class GenerationBuild:
         self._early: dict[Shape, Bucket] = {}  # compiled before the model exists
         self._copies: list[tuple[GenerationModel, Any]] = []  # other cores' models, and their devices
         self._jobs: dict[Shape, CompileJob] = {}
+        self._deferred: list[Shape] = []  # background compiles not queued yet (resume)
         self._lock = threading.Lock()
         self._open = len(self.order)
         self.finished = threading.Event()  # every planned compile has ended (compiled or failed)
@@ -115,9 +116,10 @@ class GenerationBuild:
         ``background``); raises what a start-up compile raised."""
         early = ready_shapes(self.buckets) if background else self.order
         needed = [self._submit(shape, READY) for shape in early]
-        for shape in self.order:
-            if shape not in early:
-                self._submit(shape, BACKGROUND)
+        # Queued once the first engine has started (its constructor calls resume): its start-up calls (the slot move's first compile,
+        # the cache laid over the group) must not run beside a compile, whose torch_xla.sync() takes in every
+        # live tensor of the process (seen at tensor_parallel_size 2: "Check failed: data()->tensor_data").
+        self._deferred = [shape for shape in self.order if shape not in early]
         self.compiles.wait(needed)
         failed = next((job for job in needed if job.state == FAILED), None)
         if failed is not None:
@@ -132,6 +134,13 @@ class GenerationBuild:
                     f"; ready on {len(self._early)} of {len(self.order)} compiled models, the other {waiting} compile "
                     f"in the background" if waiting else "")
         return self.model
+
+    def resume(self) -> None:
+        """Queue the background compiles (once the engine that runs the start-up models has started)."""
+        with self._lock:
+            deferred, self._deferred = self._deferred, []
+        for shape in deferred:
+            self._submit(shape, BACKGROUND)
 
     @property
     def vocab_size(self) -> int:

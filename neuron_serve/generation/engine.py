@@ -96,6 +96,9 @@ class Engine(Engines):
         self._started.wait()
         if self._start_error is not None:
             raise self._start_error
+        build = getattr(getattr(self.executor, "model", None), "build", None)
+        if build is not None:  # its start-up calls are done: the background compiles may run beside the steps
+            build.resume()
 
     # -- the API ------------------------------------------------------------------------
 

@@ -19,6 +19,9 @@ from .model import GenerationModel
 from .protocol import Dispatcher
 
 
+COMPILE_WAIT_S = 50.0  # at close, for a compile under way (a replica waits 60 s for its engine process to end)
+
+
 def copies_on_cores(model: GenerationModel, cores: int) -> list[tuple[GenerationModel, Any]]:
     """``model`` (compiled on core 0) and a copy on each further core, with each core's device: loaded on
     the compile queue's thread (loading traces), through the build that compiles its later models."""
@@ -85,3 +88,9 @@ class EngineGroup(Dispatcher):
             self.build.compiles.cancel()
         for engine in self.engines:
             engine.close()
+        if self.build is not None:
+            # A compile under way ends before close returns: a trace the caller starts next in this process would
+            # run beside it, and torch.export is not thread-safe ("Trying to pop empty mode stack").
+            compiles = self.build.compiles
+            if not compiles.queue.on_worker():
+                compiles.wait(compiles.jobs(), timeout=COMPILE_WAIT_S)

@@ -29,7 +29,6 @@ from typing import Any
 
 logger = logging.getLogger("neuron_serve")
 
-COMPILE_WAIT_S = 50.0  # at close, for a compile under way (the replica waits 60 s for this process to end)
 
 
 class Outbox:
@@ -143,6 +142,7 @@ def serve(conn: Connection) -> int:
     outbox.close()
     # A compile still running ends before the process does: torch-xla aborts an exit under a compiling thread.
     from ..build.queue import compile_queue  # noqa: PLC0415
+    from .group import COMPILE_WAIT_S  # noqa: PLC0415
 
     compile_queue().close(timeout=COMPILE_WAIT_S)
     return 0

@@ -670,7 +670,9 @@ def test_deploy_prints_at_most_a_line_per_compiled_model_and_the_placement_not_t
     while (metric(llm, "neuron_serve_compiled_models", model="llm", state="compiled") < 2 * 16
            and time.monotonic() < deadline):
         time.sleep(1)
-    assert metric(llm, "neuron_serve_compiled_models", model="llm", state="compiled") == 2 * 16
+    # Beside the 16 planned, a replica may have compiled the prefill that keeps every position's logits (one
+    # variant, when a request first asked for prompt logprobs: earlier tests of the session do).
+    assert 2 * 16 <= metric(llm, "neuron_serve_compiled_models", model="llm", state="compiled") <= 2 * 17
     assert metric(llm, "neuron_serve_compiled_models", model="llm", state="failed") == 0
     while not re.search(finished, llm.log.read_text(errors="replace")) and time.monotonic() < deadline:
         time.sleep(1)
