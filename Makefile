@@ -102,11 +102,13 @@ test-system-packages:
 
 # --durations: the slowest tests at the end of the run, so that the suite's time (kept under
 # an hour on 2 cores) can be followed from one run to the next.
-# The served tests one at a time (each starts Ray and its servers; some time their stops); the unit tests,
-# which compile and compute, a file per CPU at a time (pytest-xdist).
+# Two test processes (pytest-xdist), each taking a file at a time, or every file of a shared server
+# (conftest.py's xdist groups): a served test's Ray waits on its replicas for part of the time, which the
+# other process fills. Then, one at a time, the tests marked serial: the served tests that time a stop or
+# a drain, and the documentation's examples.
 test: $(TEST_STAMP) $(KSERVE_STAMP) test-system-packages
-	$(BIN)/pytest --durations=30 tests/integration
-	$(BIN)/pytest --durations=30 -n 2 --dist loadfile tests/unit
+	$(BIN)/pytest --durations=30 -n 2 --dist loadgroup -m "not serial" tests
+	$(BIN)/pytest --durations=15 -m serial tests/integration
 
 # Benchmarks against peer servers (needs wrk for HTTP and h2load for gRPC: apt-get install wrk
 # nghttp2-client). Results: bench/results/.

@@ -308,10 +308,33 @@ def pytest_collection_modifyitems(config, items):
             first.setdefault(name, index)
         position[path] = min((first[name] for name in names), default=index)
     items.sort(key=lambda item: position[item.path])  # stable: a file's tests keep their order
+    _group_for_xdist(files, items)
     last = {name: item.nodeid for item in items for name in _shared_servers_of(item)}
     _last_user.clear()
     for name, nodeid in last.items():
         _last_user.setdefault(nodeid, []).append(name)
+
+
+def _group_for_xdist(files: dict[Path, set[str]], items) -> None:
+    """Mark each test with the pytest-xdist group it runs in (``-n 2 --dist loadgroup``, make test): a
+    file's tests together, and every file of a shared server with it, so that each server starts once."""
+    owner: dict[Path, Path] = {path: path for path in files}  # union-find over files sharing a server
+
+    def root(path: Path) -> Path:
+        while owner[path] != path:
+            path = owner[path]
+        return path
+
+    users: dict[str, Path] = {}
+    for path, names in files.items():
+        for name in names:
+            if name in users:
+                owner[root(path)] = root(users[name])
+            else:
+                users[name] = path
+    for item in items:
+        group = root(item.path)
+        item.add_marker(pytest.mark.xdist_group(str(group.relative_to(ROOT) if group.is_relative_to(ROOT) else group)))
 
 
 def pytest_runtest_teardown(item, nextitem):

@@ -22,6 +22,8 @@ import pytest
 
 import doc_examples
 
+pytestmark = pytest.mark.serial  # make test runs it apart: the examples run in this process and set XLA's environment
+
 ROOT = doc_examples.ROOT
 KSERVE_PYTHON = ROOT / ".venv-kserve" / "bin" / "python"
 
@@ -157,7 +159,8 @@ def llm_example() -> Path:
 def examples_server(tmp_path_factory, server_factory):
     """`neuron-serve deploy deployments/mlp.yaml deployments/encoder.yaml`. Not the shared
     server of conftest.py: that one stops after its own tests, long before these run."""
-    srv = server_factory(["deployments/mlp.yaml", "deployments/encoder.yaml"], tmp_path_factory.mktemp("examples"))
+    srv = server_factory(["deployments/mlp.yaml", "deployments/encoder.yaml"], tmp_path_factory.mktemp("examples"),
+                         compiled=False)  # as a reader's client starts: on the ready line
     yield srv
     srv.stop()
 
@@ -165,7 +168,7 @@ def examples_server(tmp_path_factory, server_factory):
 @pytest.fixture(scope="session")
 def llm_server(llm_example, tmp_path_factory, server_factory):
     """`neuron-serve deploy deployments/llm.yaml` (OpenAI's routes)."""
-    srv = server_factory(["deployments/llm.yaml"], tmp_path_factory.mktemp("llm"))
+    srv = server_factory(["deployments/llm.yaml"], tmp_path_factory.mktemp("llm"), compiled=False)
     yield srv
     srv.stop()
 

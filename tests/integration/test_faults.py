@@ -19,6 +19,8 @@ import pytest
 from conftest import ROOT, Server
 from http_client import Client, infer_body
 
+pytestmark = pytest.mark.serial  # make test runs it apart: its bounds time a drain
+
 MODEL = "faulty"
 CONFIG = "tests/integration/models/faulty.yaml"
 TIMEOUT_S = 2.0  # batching.request_timeout_s

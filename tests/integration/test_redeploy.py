@@ -21,6 +21,8 @@ import yaml
 from conftest import ROOT, Server
 from http_client import Client, infer_body
 
+pytestmark = pytest.mark.serial  # make test runs it apart: it times a redeploy under load
+
 MODEL = "faulty"
 MODELS = Path(__file__).parent / "models"
 NEW_MAX_BATCH = 2  # faulty.yaml's is 4

@@ -21,6 +21,8 @@ from http_client import Client, infer_body
 sys.path.insert(0, str(Path(__file__).parent / "models"))
 import faulty  # noqa: E402
 
+pytestmark = pytest.mark.serial  # make test runs it apart: it times the recovery from a killed replica
+
 MODEL = "faulty"
 CONFIG = "tests/integration/models/faulty.yaml"
 PAGE_ERROR = "no replica answered this request"

@@ -27,6 +27,8 @@ from http_client import Client, infer_body
 sys.path.insert(0, str(Path(__file__).parent / "models"))
 import faulty  # noqa: E402
 
+pytestmark = pytest.mark.serial  # make test runs it apart: its bounds time the stops
+
 CONFIG = "tests/integration/models/faulty.yaml"
 IDLE_EXIT_S = 15
 DRAIN_S = 30
