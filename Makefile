@@ -107,7 +107,7 @@ test-system-packages:
 # other process fills. Then, one at a time, the tests marked serial: the served tests that time a stop or
 # a drain, and the documentation's examples.
 test: $(TEST_STAMP) $(KSERVE_STAMP) test-system-packages
-	$(BIN)/pytest --durations=30 -n 2 --dist loadgroup -m "not serial" tests
+	$(BIN)/pytest --durations=30 -n 2 --dist loadgroup --no-loadscope-reorder -m "not serial" tests
 	$(BIN)/pytest --durations=15 -m serial tests/integration
 
 # Benchmarks against peer servers (needs wrk for HTTP and h2load for gRPC: apt-get install wrk

@@ -282,7 +282,8 @@ def server_factory():
 # it starts its own (as the doc examples do).
 SHARED_SERVERS = ("guarded", "server", "llm")
 _started: dict[str, Server] = {}
-_last_user: dict[str, list[str]] = {}  # test id -> the shared servers it is the last user of
+_last_user: dict[int, list[str]] = {}  # id() of a test item -> the shared servers it is the last user of
+# (by the item, not its nodeid: pytest-xdist adds its group to the nodeid after collection)
 
 
 def _shared_servers_of(item) -> list[str]:
@@ -308,11 +309,16 @@ def pytest_collection_modifyitems(config, items):
             first.setdefault(name, index)
         position[path] = min((first[name] for name in names), default=index)
     items.sort(key=lambda item: position[item.path])  # stable: a file's tests keep their order
-    _group_for_xdist(files, items)
-    last = {name: item.nodeid for item in items for name in _shared_servers_of(item)}
+    if getattr(config.option, "loadgroup", False):  # pytest-xdist's --dist loadgroup (make test)
+        _group_for_xdist(files, items)
+        # Handed out in this order (--no-loadscope-reorder), a group at a time to whichever process is free: the
+        # shared servers' groups first (the longest), then the other served tests, then the unit tests.
+        items.sort(key=lambda item: 0 if files[item.path] else 1 if ROOT / "tests" / "integration" in item.path.parents
+                   else 2)
+    last = {name: id(item) for item in items for name in _shared_servers_of(item)}
     _last_user.clear()
-    for name, nodeid in last.items():
-        _last_user.setdefault(nodeid, []).append(name)
+    for name, item_id in last.items():
+        _last_user.setdefault(item_id, []).append(name)
 
 
 def _group_for_xdist(files: dict[Path, set[str]], items) -> None:
@@ -334,12 +340,13 @@ def _group_for_xdist(files: dict[Path, set[str]], items) -> None:
                 users[name] = path
     for item in items:
         group = root(item.path)
-        item.add_marker(pytest.mark.xdist_group(str(group.relative_to(ROOT) if group.is_relative_to(ROOT) else group)))
+        name = str(group.relative_to(ROOT) if group.is_relative_to(ROOT) else group)
+        item.add_marker(pytest.mark.xdist_group(name))
 
 
 def pytest_runtest_teardown(item, nextitem):
     """Stop the shared servers whose last test this was (its fixture's own stop then does nothing)."""
-    for name in _last_user.get(item.nodeid, ()):
+    for name in _last_user.get(id(item), ()):
         if name in _started:
             _started.pop(name).stop()
 
