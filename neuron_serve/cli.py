@@ -202,7 +202,11 @@ def _deploy(args: argparse.Namespace) -> int:
     grpc = None if args.no_grpc else grpc_port.options([c for c, _ in configs], host, args.grpc_port)
     if grpc and chosen == "haproxy":  # read by the HAProxy of a Ray started here (haproxy_template)
         os.environ[haproxy_template.GRPC_FRONT_ENV] = f"{grpc['host']}:{grpc['port']}"
-    started_here = cluster.connect(args.address)
+    if args.no_ray_dashboard and (args.address or os.environ.get("RAY_ADDRESS")):
+        print("error: --no-ray-dashboard applies to a Ray started here; a joined cluster keeps its own dashboard",
+              file=sys.stderr)
+        return 2
+    started_here = cluster.connect(args.address, dashboard=not args.no_ray_dashboard)
     if grpc:
         grpc["front"] = grpc_port.front(started_here, chosen)
     life = lifecycle.Lifecycle(deploy, cluster, drain_s=deployment.DRAIN_S)
@@ -305,6 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     deploy.add_argument("--grpc-port", type=int, metavar="PORT",
                         help="gRPC port of the OIP v2 gRPC service (default: the first model.yaml's grpc.port, 8001)")
     deploy.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
+    deploy.add_argument("--no-ray-dashboard", action="store_true",
+                        help="start the embedded Ray without its dashboard (about 1 GB of memory and its start-up "
+                             "time less; neuron-serve status and /metrics do not need it)")
     deploy.add_argument("--ingress", choices=["auto", "haproxy", "proxy"], default="auto",
                         help="HTTP ingress of an embedded Ray: HAProxy straight to the replicas, or Serve's "
                              "Python proxy (default auto: haproxy when its binary is found)")

@@ -81,8 +81,9 @@ class Server:
         env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
         env.update(env_overrides or {})
         self.proc = subprocess.Popen(
+            # Without Ray's dashboard: its processes hold about 1 GB a server, and two servers run at once.
             [sys.executable, "-m", "neuron_serve.cli", "deploy", *configs, "--port", str(self.port),
-             "--grpc-port", str(self.grpc_port), *args],
+             "--grpc-port", str(self.grpc_port), "--no-ray-dashboard", *args],
             cwd=ROOT, env=env, stdout=(log := self.log.open("wb")), stderr=subprocess.STDOUT, start_new_session=True,
         )
         log.close()  # the child holds its own copy

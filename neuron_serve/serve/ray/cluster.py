@@ -41,8 +41,9 @@ def _token_auth_if_available() -> None:
     maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
-def connect(address: str | None) -> bool:
-    """Join the Ray cluster at ``address`` (or RAY_ADDRESS); else start one here.
+def connect(address: str | None, dashboard: bool = True) -> bool:
+    """Join the Ray cluster at ``address`` (or RAY_ADDRESS); else start one here (with its dashboard, unless
+    ``dashboard`` is False).
 
     Returns True when this process started Ray (and so must stay up to serve).
     """
@@ -71,7 +72,8 @@ def connect(address: str | None) -> bool:
         runtime_env = {"env_vars": {metrics.MULTIPROC_ENV: os.environ[metrics.MULTIPROC_ENV]}}
         if hook := ingress.worker_setup_hook():  # inherited by Serve's HAProxyManager actor
             runtime_env["worker_process_setup_hook"] = hook
-        ray.init(namespace=SERVER_APP, logging_level=logging.WARNING, runtime_env=runtime_env)
+        ray.init(namespace=SERVER_APP, logging_level=logging.WARNING, runtime_env=runtime_env,
+                 include_dashboard=dashboard)
         internal_kv._internal_kv_put(METRICS_DIR_KEY, os.environ[metrics.MULTIPROC_ENV], namespace=SERVER_APP)  # noqa: SLF001
         return True
     return False
