@@ -150,8 +150,10 @@ def _build(args: argparse.Namespace) -> int:
 
 def _build_generation(args: argparse.Namespace, config, served: dict, out: Path) -> int:
     from .generation.artifact import save_generation  # noqa: PLC0415
+    from .config.generation import refuse_lora  # noqa: PLC0415
     from .generation.build import compile_from_config  # noqa: PLC0415
 
+    refuse_lora(config.generation, "neuron-serve build (an artifact)")
     started = time.perf_counter()
     model, eos, tokenizer = compile_from_config(config, Path(args.config).resolve().parent)
     served.pop("tokenizer", None)  # the artifact carries its own copy

@@ -221,8 +221,8 @@ PREEMPTIONS = Counter("neuron_serve_num_preemptions", "Sequences preempted (a sl
                       GEN_LABELS)
 CORE_MEMORY = Gauge(
     "neuron_serve_core_memory_bytes",
-    "Bytes one core of a generate model's engine holds, by kind (weights, kv_cache): its share under tensor "
-    "parallelism", [*GEN_LABELS, "kind"], multiprocess_mode="livemax",
+    "Bytes one core of a generate model's engine holds, by kind (weights, kv_cache, and lora: the LoRA adapter "
+    "buffers): its share under tensor parallelism", [*GEN_LABELS, "kind"], multiprocess_mode="livemax",
 )
 STEP_TIME = Histogram(
     "neuron_serve_generation_step_seconds", "Time of one compiled prefill or decode call, by bucket",

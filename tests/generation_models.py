@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import warnings
+from pathlib import Path
+
 import torch
 import transformers
 
@@ -71,3 +74,19 @@ def byte_tokenizer():
                                              show_progress=False)
     tok.train_from_iterator(["neuron-serve generates text one token at a time."], trainer=trainer)
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def make_adapter(directory: Path, arch: str = "llama", seed: int = 1, safe: bool = True, **config):
+    """A PEFT adapter of ``build(arch)`` with random non-zero A and B, saved to ``directory``; PEFT's model."""
+    from peft import LoraConfig, get_peft_model  # noqa: PLC0415 - the LoRA tests' reference only
+
+    with warnings.catch_warnings():  # transformers' deprecation of a name PEFT still calls
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        model = get_peft_model(build(arch), LoraConfig(**config))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if ".lora_A." in name or ".lora_B." in name:
+                parameter.normal_(0, 0.1)
+    model.save_pretrained(directory, safe_serialization=safe)
+    return model.eval()

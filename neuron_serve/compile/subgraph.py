@@ -153,7 +153,10 @@ class CompiledSubgraph(torch.nn.Module):
                 raise ValueError("a sharded subgraph holds its weights inside the executable (inline_weights)")
             spmd.apply_to_module(resident, self.sharding, resident.meta.get(DERIVED, {}))
             for index in self.donate:
-                spmd.mark(xla_args[index], self.sharding.state, self.sharding.devices)
+                # The plan's state spec is the KV cache's; a state of another rank (LoRA's buffers) stays whole.
+                spec = self.sharding.state
+                spmd.mark(xla_args[index], spec if spec is not None and len(spec) == xla_args[index].dim() else None,
+                          self.sharding.devices)
         # Outputs left on the device: new values of state tensors, never copied to the host.
         self.keep_on_device: set[int] = set()
         self._donate(xla_args)

@@ -197,8 +197,9 @@ class GenerationSettings(BaseModel):
     lora: LoraSettings | None = Field(
         default=None,
         description="LoRA adapters of the model (vLLM's settings; present, even empty as `lora:` or `lora: "
-                    "{}`, it turns LoRA on). Its fields are checked, but serving adapters "
-                    "is not available yet: a model.yaml with it is refused when the model is built")
+                    "{}`, it turns LoRA on): every compiled model takes each row's adapter, loading one writes "
+                    "buffers on the core. Served in process (build_engine); the server's routes and neuron-serve "
+                    "build refuse it for now")
     tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
         default=None,
         description="how the model writes a tool call, for OpenAI's tool_choice \"auto\" (vLLM's --tool-call-parser "
@@ -291,3 +292,12 @@ def check_task(config: Any) -> None:
     if config.placement.mode == "pipeline":
         raise FieldError("placement.mode", "pipeline applies to task: infer; a generate model runs on one core; "
                                            "remove placement or use mode: replicate")
+
+
+def refuse_lora(settings: "GenerationSettings | None", where: str) -> None:
+    """generation.lora where adapters cannot be chosen yet (``where``): refused, not ignored."""
+    if settings is not None and settings.lora is not None:
+        raise ConfigError(f"generation.lora: {where} does not serve LoRA adapters yet; they are served in process "
+                          f"(build_engine, engine_for: a request's adapter named by generate_batch's adapters). "
+                          f"Remove generation.lora to serve the base model, or merge an adapter into the weights "
+                          f"(peft's merge_and_unload) and serve the merged model.")

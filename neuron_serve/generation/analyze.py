@@ -17,10 +17,10 @@ import torch
 from ..analysis.capture import CapturedGraph, capture
 from ..analysis.placement import GraphAnalysis, analyze_graph
 from ..config.schema import ModelConfig, _under
-from ..config.generation import GenerationSettings
+from ..config.generation import GenerationSettings, refuse_lora
 from ..targets import get_target
 from . import tensor_parallel
-from .build import DRAFT_FIELD, _pretrained, load_lm, refuse_lora
+from .build import DRAFT_FIELD, _pretrained, load_lm
 from .model import example_inputs, shapes_of, slot_module
 from .slots import kv_cache_bytes
 
@@ -52,7 +52,7 @@ def split_of(lm: torch.nn.Module, buckets, size: int) -> dict | None:
 def forms(config: ModelConfig, base_dir: str | Path | None = None) -> Iterator[Form]:
     """Every model the model.yaml compiles, in bucket order, each analyzed as it comes (progress on stderr)."""
     settings = config.generation or GenerationSettings()
-    refuse_lora(settings)
+    refuse_lora(settings, "neuron-serve analyze")
     lm = load_lm(config, base_dir)
     buckets = settings.to_buckets(lm.config)
     split = split_of(lm, buckets, settings.tensor_parallel_size)

@@ -157,14 +157,6 @@ def check_cache_fits(lm: torch.nn.Module, buckets: GenerationBuckets, field_pref
     return check_fits(lm.config, buckets, weights, dtype_bytes, core, field_prefix, cache_share, needs)
 
 
-def refuse_lora(settings: GenerationSettings) -> None:
-    """generation.lora is read and checked, but no compiled model takes an adapter yet: refused, not ignored."""
-    if settings.lora is not None:
-        raise ConfigError("generation.lora: serving LoRA adapters is not available yet (the compiled models take "
-                          "no adapter input); remove generation.lora to serve the base model, or merge an adapter "
-                          "into the weights (peft's merge_and_unload) and serve the merged model.")
-
-
 def compile_from_config(config: ModelConfig, base_dir: str | Path | None = None, *,
                         background: bool = False) -> tuple[GenerationModel, list[int], Any]:
     """Load, check and compile a factory or pretrained ``task: generate`` model: (model, EOS ids, tokenizer).
@@ -172,13 +164,17 @@ def compile_from_config(config: ModelConfig, base_dir: str | Path | None = None,
     With ``background`` the model returns once the models that answer every request are compiled; the rest
     compile on the process's compile queue and join it (compiling.py). A draft compiles whole, first."""
     settings = config.generation or GenerationSettings()
-    refuse_lora(settings)
     lm = load_lm(config, base_dir)
     tokenizer = load_tokenizer(config, base_dir)
     buckets = settings.to_buckets(lm.config)
     tp = settings.tensor_parallel_size
     tensor_parallel.check(lm.config, tp)  # before anything compiles
     check_cache_fits(lm, buckets, tensor_parallel_size=tp)
+    policy = None
+    if settings.lora is not None:
+        from .adapters import AdapterPolicy  # noqa: PLC0415
+
+        policy = AdapterPolicy.of(lm, settings.lora, tp)
     draft = None
     spec = settings.speculative_config
     if spec is not None and spec.method == "draft_model":
@@ -186,8 +182,10 @@ def compile_from_config(config: ModelConfig, base_dir: str | Path | None = None,
         check_draft(lm, draft, settings.enable_prefix_caching)
         tensor_parallel.check(draft.config, tp, field=DRAFT_FIELD)
     build = GenerationBuild(lm, buckets, target=config.target, compiler_args=config.compiler_args,
-                            tensor_parallel_size=tp, name=config.name)
+                            tensor_parallel_size=tp, name=config.name,
+                            lora=policy.layout if policy is not None else None)
     model = build.start(background=background)
+    model.adapter_policy = policy
     if draft is not None:
         model.draft = compile_generation(draft, buckets.for_draft(), target=config.target,
                                          compiler_args=config.compiler_args, tensor_parallel_size=tp,
@@ -256,17 +254,24 @@ def build_engines(config: ModelConfig, base_dir: str | Path | None = None, *, re
     if config.task != "generate":
         raise ConfigError(f"task: {config.name} is a task: {config.task} model; build_engine serves task: generate.")
     settings = config.generation or GenerationSettings()
-    refuse_lora(settings)
     if config.model.artifact is not None:  # loading compiles too (in emulation): on the compile queue
         model, eos, tokenizer = compile_queue().submit(f"load {config.name} (artifact {config.model.artifact})",
                                                        lambda: _from_artifact(config, base_dir), priority=READY,
                                                        kind="load").future.result()
     else:
         model, eos, tokenizer = compile_from_config(config, base_dir, background=background)
-    return EngineGroup.on_cores(model, cores or config.cores_per_replica, eos_token_ids=eos,
-                                tokenizer=tokenizer, max_num_batched_tokens=settings.max_num_batched_tokens,
-                                max_waiting=settings.max_waiting, request_timeout_s=settings.request_timeout_s,
-                                name=config.name, replica=replica, speculative_config=settings.speculative_config)
+    group = EngineGroup.on_cores(model, cores or config.cores_per_replica, eos_token_ids=eos,
+                                 tokenizer=tokenizer, max_num_batched_tokens=settings.max_num_batched_tokens,
+                                 max_waiting=settings.max_waiting, request_timeout_s=settings.request_timeout_s,
+                                 name=config.name, replica=replica, speculative_config=settings.speculative_config,
+                                 adapters=model.adapter_policy)
+    for name, path in (settings.lora.lora_modules if settings.lora is not None else {}).items():
+        try:
+            group.load_adapter(name, _under(base_dir, path))
+        except Exception:
+            group.close()
+            raise
+    return group
 
 
 def build_engine(config: ModelConfig, base_dir: str | Path | None = None, *, replica: str = "0",

@@ -36,7 +36,7 @@ from ..compile.aliases import shared_state
 from ..errors import ConfigError, UnsupportedModelError
 from ..model import Bucket
 from ..targets.pjrt import on_this_thread, use_device
-from . import tensor_parallel
+from . import lora_layers, tensor_parallel
 from .attention import grouped_for_compile
 from .model import NO_CPU_PARTITIONS, GenerationModel, Shape, example_inputs, shapes_of, slot_module
 
@@ -81,12 +81,14 @@ class GenerationBuild:
 
     def __init__(self, lm: torch.nn.Module, buckets: GenerationBuckets, *, target: str = "neuron",
                  compiler_args: str | list[str] | None = None, compiler_workdir: str | None = None,
-                 tensor_parallel_size: int = 1, name: str | None = None, queue: CompileQueue | None = None) -> None:
+                 tensor_parallel_size: int = 1, name: str | None = None, queue: CompileQueue | None = None,
+                 lora: lora_layers.Layout | None = None) -> None:
         if not hasattr(lm, "config") or not hasattr(lm.config, "num_hidden_layers"):
             raise ConfigError(f"generation needs a transformers causal LM (a PreTrainedModel with a config); got "
                               f"{type(lm).__name__}.")
         self.lm = lm.eval()
         self.buckets = buckets
+        self.lora = lora  # the LoRA buffers every model takes (each row's adapter an input), None without
         self.target, self.compiler_args, self.compiler_workdir = target, compiler_args, compiler_workdir
         self.plan = None
         if tensor_parallel_size > 1:
@@ -127,7 +129,7 @@ class GenerationBuild:
             raise failed.future.exception()
         with self._lock:
             self.model = GenerationModel(self._state, self.buckets, self.vocab_size, self.plan, self.weight_bytes,
-                                         compiled=dict(self._early), build=self)
+                                         compiled=dict(self._early), build=self, lora=self.lora)
             self.ready_seconds = time.perf_counter() - self.started
             waiting = self._open
         logger.info("model %s built in %.1fs%s", self.name, self.ready_seconds,
@@ -190,16 +192,17 @@ class GenerationBuild:
 
     def _trace(self, shape: Shape, reporting: progress.BuildProgress | None) -> Bucket:
         """One model, compiled around the cache every model shares (made, on the core, by the first)."""
-        module = slot_module(self.lm, self.buckets, shape)
+        module = slot_module(self.lm, self.buckets, shape, self.lora)
         if self._state is None:
-            self._initial = [torch.zeros_like(t) for t in module.caches()]  # the cache's host template
+            self._initial = [torch.zeros_like(t) for t in module.states()]  # the cache's host template
             self._state = shared_state(self._initial)
         try:
             with grouped_for_compile(self.lm), spmd.sharded(self.plan), \
                     (progress.current(reporting) if reporting is not None else contextlib.nullcontext()):
                 if reporting is not None:
                     reporting.at(self.order.index(shape), None)
-                return trace_bucket_on_state(module, module.aliases(), example_inputs(shape), self._state,
+                return trace_bucket_on_state(module, module.aliases(), example_inputs(shape, self.lora is not None),
+                                             self._state,
                                              target=self.target, compiler_args=self.compiler_args,
                                              initial=self._initial)
         except UnsupportedModelError as exc:
@@ -256,7 +259,7 @@ class GenerationBuild:
 def compile_generation(lm: torch.nn.Module, buckets: GenerationBuckets, *, target: str = "neuron",
                        compiler_args: str | list[str] | None = None,
                        compiler_workdir: str | None = None, tensor_parallel_size: int = 1,
-                       name: str | None = None) -> GenerationModel:
+                       name: str | None = None, lora: lora_layers.Layout | None = None) -> GenerationModel:
     """Compile ``lm`` (a transformers causal LM) for generation under ``buckets``, every model, and return them
     (a GenerationBuild, waited for; a replica starts on the first ones instead).
 
@@ -265,4 +268,4 @@ def compile_generation(lm: torch.nn.Module, buckets: GenerationBuckets, *, targe
     ``tensor_parallel_size`` N above 1 compiles each model once for a group of N cores (SPMD,
     split by the model's tensor-parallel plan): this process's cores must be that group."""
     return GenerationBuild(lm, buckets, target=target, compiler_args=compiler_args, compiler_workdir=compiler_workdir,
-                           tensor_parallel_size=tensor_parallel_size, name=name).start(background=False)
+                           tensor_parallel_size=tensor_parallel_size, name=name, lora=lora).start(background=False)

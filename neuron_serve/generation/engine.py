@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import InvalidInput
 from . import choice
@@ -37,6 +37,9 @@ from .sampling import Sampled, prompt_logprobs
 from .scheduler import Scheduler, Sequence, default_budget
 from .speculation import Speculation
 from .stopping import stop_reason
+
+if TYPE_CHECKING:
+    from .adapters import AdapterPolicy
 
 logger = logging.getLogger("neuron_serve")
 
@@ -56,7 +59,7 @@ class Engine(Engines):
     def __init__(self, model: GenerationModel | Executor, *, eos_token_ids: Any = (), tokenizer: Any = None,
                  max_num_batched_tokens: int | None = None, request_timeout_s: float | None = None,
                  name: str = "model", replica: str = "0", device: Any = None,
-                 speculative_config: Any = None) -> None:
+                 speculative_config: Any = None, adapters: AdapterPolicy | None = None) -> None:
         if request_timeout_s is not None and not request_timeout_s > 0:
             raise InvalidInput(f"request_timeout_s must be a number of seconds > 0 (or None: no limit); got "
                                f"{request_timeout_s!r}.")
@@ -77,8 +80,14 @@ class Engine(Engines):
         self.metrics = EngineMetrics(name, replica)
         self.speculation = Speculation(speculative_config, executor, self.metrics, self.eos_token_ids) \
             if speculative_config is not None else None
+        # LoRA: the adapters this engine's buffers hold (adapters.py); None serves the base model only.
+        self.adapters = None
+        if adapters is not None:
+            from .adapters import Adapters  # noqa: PLC0415 - safetensors and the adapter reader, with LoRA only
+
+            self.adapters = Adapters(executor, adapters)
         for kind, value in executor.memory().items():
-            self.metrics.core_memory[kind].set(value)
+            self.metrics.held(kind, value)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._open: dict[str, Sequence] = {}  # every request submitted and not ended, by id
@@ -104,6 +113,10 @@ class Engine(Engines):
 
     def submit(self, request: EngineRequest, sink: Callable[[TokenEvent], None]) -> None:
         seq = Sequence(request.request_id, request.prompt, request.params, sink)
+        if request.adapter is not None:
+            if self.adapters is None or request.adapter not in self.adapters:
+                raise InvalidInput(f"adapter {request.adapter!r} is not loaded.")
+            seq.adapter, seq.adapter_key = request.adapter, self.adapters.key(request.adapter)
         if request.grammar is not None:
             seq.constraint = self._matcher(request.grammar)
         with self._lock:
@@ -116,6 +129,19 @@ class Engine(Engines):
             if request_id in self._open:
                 self._aborts[request_id] = reason
                 self._wake.notify()
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Serve LoRA adapter ``name`` from PEFT directory ``path`` (read and checked now: AdapterError names the
+        file and the reason); it reaches the core when a request first asks for it, without a compile."""
+        if self.adapters is None:
+            raise InvalidInput("this engine serves no LoRA adapters (generation.lora is not set)")
+        self.adapters.add(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter ``name``: running requests finish on it; KeyError if it is not loaded."""
+        if self.adapters is None or name not in self.adapters:
+            raise KeyError(name)
+        self.adapters.remove(name)
 
     @property
     def running(self) -> int:
@@ -243,7 +269,19 @@ class Engine(Engines):
 
     def _startable(self, seq: Sequence) -> bool:
         """Whether ``seq`` can start now: a prompt asking for its logprobs waits for their model to compile (it
-        is queued the first time), the others go ahead; one that can never have it ends with the reason."""
+        is queued the first time), and one with an adapter for a buffer slot to hold it (written there now, or
+        once a running sequence frees one); the others go ahead. One that can never start ends with the reason."""
+        if seq.adapter is not None and seq.adapter_slot is None:
+            try:
+                seq.adapter_slot = self.adapters.acquire(seq.adapter)
+            except KeyError:  # unloaded while it waited
+                self._finish(seq, "error", error=f"adapter {seq.adapter!r} was unloaded before the request started.")
+                return False
+            except Exception as exc:  # noqa: BLE001 - its files changed since it was loaded: this request fails
+                self._finish(seq, "error", error=str(exc))
+                return False
+            if seq.adapter_slot is None:
+                return False  # every buffer slot holds an adapter that running sequences use
         if seq.params.prompt_logprobs is None:
             return True
         try:
@@ -259,6 +297,8 @@ class Engine(Engines):
             scored = seq.params.prompt_logprobs is not None
             if seq.copy_from is not None:  # a running sequence's slot holds the prefix: copied, on the core
                 self.executor.move(seq.copy_from, seq.slot)
+            if self.adapters is not None:
+                self.executor.assign(seq.slot, seq.adapter_slot or 0)
             core_choice = choice.for_call([seq])
             row = core_choice[0] if core_choice is not None else GREEDY
             if scored:  # a prefill that also brings home every prompt position's logits
@@ -337,10 +377,13 @@ class Engine(Engines):
                 error: str | None = None, timed_out: bool = False) -> None:
         if self.prefix is not None and seq.slot is not None and self.scheduler.running.get(seq.slot) is seq:
             if error is None or timed_out:  # its slot keeps what was written: every token but the last
-                self.prefix.hold(seq.slot, seq.prompt + seq.output[:-1])
+                self.prefix.hold(seq.slot, seq.prompt + seq.output[:-1], seq.adapter_key)
             else:  # a failed call may have left the slot half written
                 self.prefix.forget(seq.slot)
         self.scheduler.release(seq)
+        if seq.adapter_slot is not None:
+            self.adapters.release(seq.adapter_slot)
+            seq.adapter_slot = None
         with self._lock:
             self._open.pop(seq.request_id, None)
         seq.finish_reason, seq.stop_reason = reason, stop

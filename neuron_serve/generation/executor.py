@@ -85,12 +85,20 @@ class Executor(abc.ABC):
         """Copy cache slot ``src`` over slot ``dst``, on the cores."""
 
     @abc.abstractmethod
+    def write_adapter(self, index: int, adapter: Any) -> None:
+        """Put a LoRA adapter (``lora.LoraAdapter``; None: zeros) in slot ``index`` of the buffers on the cores."""
+
+    @abc.abstractmethod
+    def assign(self, slot: int, adapter: int) -> None:
+        """Cache slot ``slot``'s rows run with adapter slot ``adapter`` (0: the base) from the next call on."""
+
+    @abc.abstractmethod
     def rows_bucket(self, rows: int) -> int:
         """The decode bucket (sequences) that ``rows`` rows run in."""
 
     @abc.abstractmethod
     def memory(self) -> dict[str, int]:
-        """Bytes each core of the group holds: ``weights`` and ``kv_cache``."""
+        """Bytes each core of the group holds: ``weights`` and ``kv_cache`` (and ``lora``, its adapter buffers)."""
 
 
 class CoreGroupExecutor(Executor):
@@ -152,6 +160,12 @@ class CoreGroupExecutor(Executor):
         self.model.move(src, dst)
         if self.model.draft is not None:
             self.model.draft.move(src, dst)
+
+    def write_adapter(self, index: int, adapter: Any) -> None:
+        self.model.write_adapter(index, adapter)
+
+    def assign(self, slot: int, adapter: int) -> None:
+        self.model.assign(slot, adapter)
 
     def rows_bucket(self, rows: int) -> int:
         return self.model.rows_bucket(rows)

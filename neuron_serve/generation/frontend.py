@@ -132,7 +132,7 @@ class Frontend(Streams):
     # -- requests in ------------------------------------------------------------------------
 
     def submit(self, prompt: Seq[int], params: SamplingParams, sink: Callable[[TokenEvent], None],
-               request_id: str | None = None) -> str:
+               request_id: str | None = None, adapter: str | None = None) -> str:
         ids = check_prompt(prompt, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
                            has_tokenizer=self.tokenizer is not None)
         grammar = self.compile_grammar(params.structured) if params.structured is not None else None
@@ -141,7 +141,7 @@ class Frontend(Streams):
         state = _Open(IncrementalText(self.tokenizer, params.stop) if self.tokenizer is not None else None,
                       params.min_tokens)
         return self.admission.admit(request_id, state, lambda rid: self.engines.submit(
-            EngineRequest(rid, ids, params, grammar), self._output(rid, state, sink)))
+            EngineRequest(rid, ids, params, grammar, adapter), self._output(rid, state, sink)))
 
     def abort(self, request_id: str) -> None:
         if self.admission.get(request_id) is not None:

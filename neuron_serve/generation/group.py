@@ -83,6 +83,15 @@ class EngineGroup(Dispatcher):
     def running(self) -> int:
         return sum(e.running for e in self.engines)
 
+    def load_adapter(self, name: str, path: str) -> None:
+        """Serve LoRA adapter ``name`` (a PEFT directory) on every engine (Engine.load_adapter)."""
+        for engine in self.engines:
+            engine.load_adapter(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        for engine in self.engines:
+            engine.unload_adapter(name)
+
     def close(self) -> None:
         if self.build is not None:  # what no engine will run is not compiled
             self.build.compiles.cancel()

@@ -53,6 +53,12 @@ class EngineMetrics:
     def observe(self, histogram: Any, value: float) -> None:
         self._observed.append((histogram, value))
 
+    def held(self, kind: str, value: int) -> None:
+        """Bytes one core holds of ``kind`` (weights, kv_cache; lora with adapter buffers)."""
+        if kind not in self.core_memory:
+            self.core_memory[kind] = metrics.CORE_MEMORY.labels(**self.labels, kind=kind)
+        self.core_memory[kind].set(value)
+
     def count(self, counter: Any, amount: float = 1) -> None:
         self._counted[counter] = self._counted.get(counter, 0) + amount
 

@@ -30,6 +30,7 @@ from ..errors import InvalidInput
 from ..model import Bucket, CompiledModel
 from ..model.state import DeviceState
 from ..targets.pjrt import xla
+from . import lora_layers
 from .sampler import GREEDY, RowChoice, row_parameters
 from .slots import SlotLM
 
@@ -84,23 +85,25 @@ def shapes_of(buckets: GenerationBuckets) -> list[Shape]:
     return shapes
 
 
-def slot_module(lm: torch.nn.Module, buckets: GenerationBuckets, shape: Shape) -> SlotLM:
-    """The module compiled for ``shape``: ``lm`` around the slot cache, in that shape's form."""
+def slot_module(lm: torch.nn.Module, buckets: GenerationBuckets, shape: Shape,
+                lora: lora_layers.Layout | None = None) -> SlotLM:
+    """The module compiled for ``shape``: ``lm`` around the slot cache (and the LoRA buffers), in that shape's
+    form."""
     return SlotLM(lm, buckets.max_num_seqs, buckets.max_model_len,
                   shape.context if shape.kind not in ("prefill", "scored") else None, shape.steps,
                   every_position=shape.kind in ("verify", "scored"), extend=shape.kind == "extend",
-                  sampled=shape.sampled).eval()
+                  sampled=shape.sampled, lora=lora).eval()
 
 
-def example_inputs(shape: Shape) -> tuple[torch.Tensor, ...]:
-    """Inputs of ``shape``'s compiled model, as the engine passes them (sampled: with each row's parameters)."""
+def example_inputs(shape: Shape, lora: bool = False) -> tuple[torch.Tensor, ...]:
+    """Inputs of ``shape``'s compiled model, as the engine passes them (sampled: with each row's parameters;
+    ``lora``: then each row's adapter slot, 0 the base)."""
     tokens = torch.zeros(shape.rows, shape.tokens, dtype=torch.long)
     positions = torch.arange(shape.tokens).expand(shape.rows, shape.tokens).contiguous()
     slots = torch.arange(shape.rows, dtype=torch.long)
     last = torch.full((shape.rows, 1), shape.tokens - 1, dtype=torch.long)
-    if not shape.sampled:
-        return tokens, positions, slots, last
-    return (tokens, positions, slots, last, *row_parameters([], shape.rows))
+    inputs = (tokens, positions, slots, last, *(row_parameters([], shape.rows) if shape.sampled else ()))
+    return (*inputs, torch.zeros(shape.rows, dtype=torch.long)) if lora else inputs
 
 
 class _Outputs:
@@ -192,14 +195,20 @@ class GenerationModel:
 
     def __init__(self, state: DeviceState, buckets: GenerationBuckets, vocab_size: int,
                  sharding: spmd.Sharding | None = None, weight_bytes: int | None = None, *,
-                 compiled: dict[Shape, Bucket], build=None) -> None:
+                 compiled: dict[Shape, Bucket], build=None, lora: lora_layers.Layout | None = None) -> None:
         self.state = state
+        # LoRA: the adapter buffers follow the cache in the state; each cache slot's adapter slot (0: the base),
+        # passed as each row's input to every call (a decode's row r is cache slot r).
+        self.lora = lora
+        self.caches = len(state) - (lora.buffers if lora is not None else 0)
+        self.slot_adapters = [0] * buckets.max_num_seqs
         self.build = build  # what compiles the models not compiled yet (None: every one is, from an artifact)
         self.buckets = buckets
         self.vocab_size = vocab_size
         self.sharding = sharding
         self.weight_bytes = weight_bytes
         self.draft: GenerationModel | None = None  # a speculative draft's compiled models, beside these
+        self.adapter_policy = None  # with LoRA: how engines hold adapters (adapters.AdapterPolicy)
         self._buckets: dict[Shape, Bucket] = {}
         for shape, bucket in compiled.items():
             self.add(shape, bucket)
@@ -235,17 +244,36 @@ class GenerationModel:
         return self.sharding.devices if self.sharding is not None else 1
 
     def _split_cache(self) -> None:
-        """Lay the cache out over the group as the plan says (after it was written from the host)."""
+        """Lay the cache out over the group as the plan says (after it was written from the host); the LoRA
+        buffers stay whole on every core."""
         if self.sharding is not None:
-            for tensor in self.state.tensors:
+            for tensor in self.state.tensors[:self.caches]:
                 spmd.mark(tensor, self.sharding.state, self.sharding.devices)
 
     def memory_per_core(self) -> dict[str, int]:
-        """Bytes each core holds: its share of the weights and of the KV cache."""
+        """Bytes each core holds: its share of the weights and of the KV cache, and the LoRA buffers."""
         split = self.sharding is not None and self.sharding.state is not None
-        cache = sum(t.numel() * t.element_size() for t in self.state.tensors)
-        return {"weights": self.weight_bytes or 0,
-                "kv_cache": cache // self.tensor_parallel_size if split else cache}
+        cache = sum(t.numel() * t.element_size() for t in self.state.tensors[:self.caches])
+        held = {"weights": self.weight_bytes or 0, "kv_cache": cache // self.tensor_parallel_size if split else cache}
+        if self.lora is not None:
+            held["lora"] = sum(t.numel() * t.element_size() for t in self.state.tensors[self.caches:])
+        return held
+
+    # -- LoRA ------------------------------------------------------------------------------
+
+    def write_adapter(self, index: int, adapter: lora_layers.LoraAdapter | None) -> None:
+        """Put ``adapter`` (None: zeros) in slot ``index`` of the buffers, on the core: no compile after the first."""
+        self.state.write_row(index, lora_layers.slot_values(self.lora, adapter), start=self.caches)
+
+    def assign(self, slot: int, adapter: int) -> None:
+        """Cache slot ``slot``'s rows run with adapter slot ``adapter`` (0: the base) from the next call on."""
+        self.slot_adapters[slot] = adapter
+
+    def _adapters(self, slots: Sequence[int]) -> list[torch.Tensor]:
+        """The adapter-slot input of rows on cache slots ``slots`` (nothing without LoRA)."""
+        if self.lora is None:
+            return []
+        return [torch.tensor([self.slot_adapters[s] for s in slots], dtype=torch.long)]
 
     @property
     def slots(self) -> int:
@@ -271,8 +299,9 @@ class GenerationModel:
         cache = DeviceState(self.state.names, [torch.zeros_like(t, device="cpu") for t in self.state.tensors], device)
         copy = GenerationModel(cache, self.buckets, self.vocab_size, weight_bytes=self.weight_bytes,
                                compiled={s: _bucket_on(b, device, cache) for s, b in self._buckets.items()},
-                               build=self.build)
+                               build=self.build, lora=self.lora)
         copy.draft = self.draft.load_to(device) if self.draft is not None else None
+        copy.adapter_policy = self.adapter_policy
         return copy
 
     def warm_up(self) -> None:
@@ -280,7 +309,7 @@ class GenerationModel:
         ones (a 300-token prompt and 20 decode steps: 20.8 against 16.1 ms on XLA:CPU), which a request should
         never wait for. (A model compiled later is first called by a request: the cache is in use by then.)"""
         for shape, bucket in self._buckets.items():
-            outputs = bucket.run_flat(list(example_inputs(shape)))
+            outputs = bucket.run_flat(list(example_inputs(shape, self.lora is not None)))
             outputs[1].cpu()  # the tokens: the call has run
         self.reset()
         if self.draft is not None:
@@ -310,8 +339,10 @@ class GenerationModel:
         return shape.rows if shape is not None else self.buckets.decode_rows[-1]
 
     def move(self, src: int, dst: int) -> None:
-        """Copy slot ``src`` of the cache over slot ``dst``, on the core (every layer's keys and values)."""
-        self.state.copy_row(src, dst)
+        """Copy slot ``src`` of the cache over slot ``dst``, on the core (every layer's keys and values), and its
+        adapter with it."""
+        self.state.copy_row(src, dst, self.caches)
+        self.slot_adapters[dst] = self.slot_adapters[src]
 
     def prefill_shape(self, length: int) -> Shape:
         if length > self.buckets.prefill[-1]:
@@ -334,7 +365,7 @@ class GenerationModel:
         tokens[0, :len(prompt)] = torch.as_tensor(prompt, dtype=torch.long)
         positions = torch.arange(shape.tokens)[None]
         last = torch.tensor([[len(prompt) - 1]])
-        return [tokens, positions, torch.tensor([slot]), last, *row_parameters([choice], 1)]
+        return [tokens, positions, torch.tensor([slot]), last, *row_parameters([choice], 1), *self._adapters([slot])]
 
     def prefill(self, prompt: Sequence[int], slot: int, choice: RowChoice = GREEDY) -> tuple["StepOutput", Shape]:
         """Write ``prompt`` (token ids) into ``slot``; the output at its last token (one row, its token chosen as
@@ -357,7 +388,7 @@ class GenerationModel:
         positions = torch.full((1, shape.tokens), len(prompt) - 1, dtype=torch.long)
         positions[0, :rest] = torch.arange(cached, len(prompt))
         last = torch.tensor([[rest - 1]])
-        inputs = [tokens, positions, torch.tensor([slot]), last, *row_parameters([choice], 1)]
+        inputs = [tokens, positions, torch.tensor([slot]), last, *row_parameters([choice], 1), *self._adapters([slot])]
         return self._run(shape, inputs).rows(torch.tensor([0])), shape
 
     def scored_shape(self, length: int) -> Shape:
@@ -417,6 +448,7 @@ class GenerationModel:
         inputs = [tokens_t, positions_t, rows_t, last]
         if choices is not None:
             inputs += _parameters(choices, index, shape.rows)
+        inputs += self._adapters(range(shape.rows))
         return self._run(shape, inputs).rows(index), shape
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
@@ -450,6 +482,7 @@ class GenerationModel:
         inputs = [tokens_t, positions_t, rows_t, last]
         if shape.sampled:
             inputs += _parameters(choices, index, shape.rows)
+        inputs += self._adapters(range(shape.rows))
         out = self._run(shape, inputs)
         if sampled and not shape.sampled:  # the argmax stands for the greedy rows only: the host chooses the others
             out = out.with_done(torch.tensor([c.temperature <= 0 for c in _per_row(choices, index, shape.rows)]))

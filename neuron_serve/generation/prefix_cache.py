@@ -9,7 +9,9 @@ blocks a slot holds is prefilled from there: in that slot itself when it is free
 at all), or, when a running sequence holds them (a shared system prompt among sequences
 running together), in a free slot that first gets a copy of that slot on the core. Only
 its remaining tokens are computed. A match is checked token for token, so a hash
-collision can cost a hit, never a wrong answer.
+collision can cost a hit, never a wrong answer. With LoRA a prefix is held under its adapter
+(``key``: the base's None, or the adapter as loaded): the same tokens under another adapter
+are other keys and values, and never match.
 
 What a slot holds: its sequence's prompt from the prefill on, and at its end the prompt
 and output whose keys and values were written (every token but the last), in whole
@@ -21,14 +23,14 @@ This is bookkeeping only; the engine makes the calls (copy, extend) the schedule
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from typing import Hashable, Sequence
 
 BLOCK = 16  # tokens a hash covers (vLLM's default block size)
 
 
-def block_hashes(tokens: Sequence[int], block: int = BLOCK) -> list[int]:
-    """The chained hash of each whole block of ``tokens``."""
-    hashes, parent = [], None
+def block_hashes(tokens: Sequence[int], block: int = BLOCK, key: Hashable = None) -> list[int]:
+    """The chained hash of each whole block of ``tokens`` (computed under ``key``: the first block's parent)."""
+    hashes, parent = [], key
     for start in range(0, len(tokens) - block + 1, block):
         parent = hash((parent, tuple(tokens[start:start + block])))
         hashes.append(parent)
@@ -49,15 +51,16 @@ class PrefixCache:
         self._hashes: dict[int, list[int]] = {}  # slot -> its blocks' hashes
         self._index: dict[int, set[int]] = {}  # block hash -> slots holding it
         self._used: dict[int, int] = {}  # slot -> when it was last written or hit
+        self._keys: dict[int, Hashable] = {}  # slot -> the adapter its tokens were computed under (None: the base)
         self._clock = itertools.count()
 
-    def match(self, prompt: Sequence[int], prefer: Sequence[int] = ()) -> tuple[int | None, int]:
-        """(slot, tokens) of the longest cached prefix of ``prompt`` (None, 0 without one); a prompt held whole
-        leaves its last token to compute, whose logits the first output token needs. Of slots holding as much,
-        one in ``prefer`` (the free ones: no copy needed) is chosen."""
+    def match(self, prompt: Sequence[int], prefer: Sequence[int] = (), key: Hashable = None) -> tuple[int | None, int]:
+        """(slot, tokens) of the longest cached prefix of ``prompt`` under ``key`` (None, 0 without one); a prompt
+        held whole leaves its last token to compute, whose logits the first output token needs. Of slots holding
+        as much, one in ``prefer`` (the free ones: no copy needed) is chosen."""
         best: tuple[int | None, int] = (None, 0)
         preferred = set(prefer)
-        for slot in self.holders(prompt):
+        for slot in self.holders(prompt, key):
             cached = self._common(slot, prompt)
             if cached > best[1] or (cached == best[1] and cached and slot in preferred and best[0] not in preferred):
                 best = (slot, cached)
@@ -66,15 +69,15 @@ class PrefixCache:
         self.touch(best[0])
         return best
 
-    def holders(self, prompt: Sequence[int]) -> list[int]:
-        """The slots holding the longest run of ``prompt``'s leading blocks that any slot holds."""
+    def holders(self, prompt: Sequence[int], key: Hashable = None) -> list[int]:
+        """The slots holding the longest run of ``prompt``'s leading blocks (under ``key``) that any slot holds."""
         found: set[int] = set()
-        for h in block_hashes(prompt, self.block):
+        for h in block_hashes(prompt, self.block, key):
             slots = self._index.get(h)
             if not slots:
                 break
             found = set(slots)
-        return sorted(found)
+        return sorted(slot for slot in found if self._keys.get(slot) == key)
 
     def _common(self, slot: int, prompt: Sequence[int]) -> int:
         """Tokens of ``prompt`` that ``slot`` holds, in whole blocks, checked token for token; at most all but one."""
@@ -86,22 +89,23 @@ class PrefixCache:
         same -= same % self.block
         return min(same, len(prompt) - 1)
 
-    def hold(self, slot: int, tokens: Sequence[int]) -> None:
-        """``slot``'s cache now holds ``tokens`` (whatever it held before is gone)."""
+    def hold(self, slot: int, tokens: Sequence[int], key: Hashable = None) -> None:
+        """``slot``'s cache now holds ``tokens``, computed under ``key`` (whatever it held before is gone)."""
         self.forget(slot)
         usable = min(len(tokens), self.limit)
         usable -= usable % self.block
         if usable == 0:
             return
         self.tokens[slot] = list(tokens[:usable])
-        self._hashes[slot] = block_hashes(self.tokens[slot], self.block)
+        self._keys[slot] = key
+        self._hashes[slot] = block_hashes(self.tokens[slot], self.block, key)
         for h in self._hashes[slot]:
             self._index.setdefault(h, set()).add(slot)
         self.touch(slot)
 
     def copy(self, src: int, dst: int) -> None:
         """``dst`` got a copy of ``src``'s cache."""
-        self.hold(dst, self.tokens.get(src, []))
+        self.hold(dst, self.tokens.get(src, []), self._keys.get(src))
 
     def forget(self, slot: int) -> None:
         for h in self._hashes.pop(slot, ()):
@@ -112,6 +116,7 @@ class PrefixCache:
                     del self._index[h]
         self.tokens.pop(slot, None)
         self._used.pop(slot, None)
+        self._keys.pop(slot, None)
 
     def touch(self, slot: int) -> None:
         self._used[slot] = next(self._clock)

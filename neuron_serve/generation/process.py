@@ -262,6 +262,9 @@ def start_engines(config: dict, base_dir: str | None, replica: str, cores: int,
     The groups' processes build at once (each compiles its own program); if one fails, the
     others are stopped and its error is raised.
     """
+    from ..config.generation import GenerationSettings, refuse_lora  # noqa: PLC0415
+
+    refuse_lora(GenerationSettings(**(config.get("generation") or {})), "the server (its OpenAI routes)")
     if tensor_parallel_size == 1:
         return EngineProcess(config, base_dir, replica)
     groups = cores // tensor_parallel_size

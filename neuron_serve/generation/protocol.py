@@ -60,6 +60,7 @@ class EngineRequest:
     prompt: list[int]
     params: SamplingParams  # a sampled request's seed is set (drawn by the front end when not given)
     grammar: str | None = None  # the structured output's compiled grammar, serialized (xgrammar JSON)
+    adapter: str | None = None  # the LoRA adapter it runs with (None: the base model)
 
 
 @dataclass
@@ -135,8 +136,9 @@ class Streams(abc.ABC):
 
     @abc.abstractmethod
     def submit(self, prompt: Seq[int], params: SamplingParams, sink: Callable[[TokenEvent], None],
-               request_id: str | None = None) -> str:
-        """Check and queue a request; ``sink`` gets its events on an engine thread. Returns the request id."""
+               request_id: str | None = None, adapter: str | None = None) -> str:
+        """Check and queue a request (run with LoRA adapter ``adapter``, None: the base model); ``sink`` gets its
+        events on an engine thread. Returns the request id."""
 
     @abc.abstractmethod
     def abort(self, request_id: str) -> None:
@@ -154,7 +156,7 @@ class Streams(abc.ABC):
         return found
 
     async def generate(self, prompt: Seq[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[TokenEvent]:
+                       request_id: str | None = None, adapter: str | None = None) -> AsyncIterator[TokenEvent]:
         """An async stream of the request's events; leaving the stream early aborts the request."""
         mailbox = self._mailbox()
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
@@ -162,7 +164,7 @@ class Streams(abc.ABC):
         def sink(event: TokenEvent) -> None:
             mailbox.post(queue.put_nowait, event)  # one wake-up of the loop for a step's events
 
-        rid = self.submit(prompt, params, sink, request_id)
+        rid = self.submit(prompt, params, sink, request_id, adapter)
         finished = False
         try:
             while not finished:
@@ -174,9 +176,12 @@ class Streams(abc.ABC):
                 self.abort(rid)
 
     def generate_batch(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams],
-                       timeout: float | None = None) -> list[Completion]:
-        """Generate for every prompt at once (continuous batching) and wait; results in prompt order."""
+                       timeout: float | None = None,
+                       adapters: str | None | Seq[str | None] = None) -> list[Completion]:
+        """Generate for every prompt at once (continuous batching) and wait; results in prompt order. ``adapters``:
+        the LoRA adapter of every prompt, or of each (None: the base model)."""
         every = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        named = list(adapters) if isinstance(adapters, (list, tuple)) else [adapters] * len(prompts)
         done = threading.Semaphore(0)
         results: list[Completion | None] = [None] * len(prompts)
 
@@ -200,7 +205,8 @@ class Streams(abc.ABC):
                     done.release()
             return sink
 
-        ids = [self.submit(prompt, p, collect(i, list(prompt))) for i, (prompt, p) in enumerate(zip(prompts, every))]
+        ids = [self.submit(prompt, p, collect(i, list(prompt)), adapter=a)
+               for i, (prompt, p, a) in enumerate(zip(prompts, every, named))]
         deadline = None if timeout is None else time.monotonic() + timeout
         for _ in prompts:
             if not done.acquire(timeout=None if deadline is None else max(0.0, deadline - time.monotonic())):

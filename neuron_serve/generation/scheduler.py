@@ -60,6 +60,9 @@ class Sequence:
     constraint: Any = None  # with params.structured: its structured.RowConstraint
     cached: int = 0  # prompt tokens whose keys and values its slot holds already (prefix caching)
     copy_from: int | None = None  # the slot to copy into its own before its prefill (a running sequence's)
+    adapter: str | None = None  # the LoRA adapter it runs with (None: the base model)
+    adapter_key: Any = None  # what its prefix is cached under (adapters.Adapters.key)
+    adapter_slot: int | None = None  # the buffer slot holding its adapter, once it holds one (it then counts as a user)
 
     @property
     def length(self) -> int:
@@ -107,7 +110,7 @@ class Scheduler:
                 continue
             src, cached = None, 0
             if self.prefix is not None and seq.params.prompt_logprobs is None:  # prompt logprobs need every position
-                src, cached = self.prefix.match(seq.prompt, prefer=self.free)
+                src, cached = self.prefix.match(seq.prompt, prefer=self.free, key=seq.adapter_key)
             if admitted and tokens + len(seq.prompt) - cached > self.max_num_batched_tokens:
                 self.waiting.appendleft(seq)
                 break
@@ -118,7 +121,7 @@ class Scheduler:
                 self.free.remove(seq.slot)
                 heapq.heapify(self.free)
                 seq.cached, seq.copy_from = cached, (src if src is not None and src != seq.slot else None)
-                self.prefix.hold(seq.slot, seq.prompt)
+                self.prefix.hold(seq.slot, seq.prompt, seq.adapter_key)
             self.running[seq.slot] = seq
             tokens += len(seq.prompt) - seq.cached
             admitted.append(seq)

@@ -29,11 +29,12 @@ batching needs each sequence at its own slot and position.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
 
-from . import attention
+from . import attention, lora_layers
 from .sampler import sample
 
 
@@ -123,7 +124,8 @@ class SlotLM(torch.nn.Module):
     """
 
     def __init__(self, lm: torch.nn.Module, slots: int, positions: int, context: int | None = None,
-                 steps: int = 1, every_position: bool = False, extend: bool = False, sampled: bool = False) -> None:
+                 steps: int = 1, every_position: bool = False, extend: bool = False, sampled: bool = False,
+                 lora: lora_layers.Layout | None = None) -> None:
         super().__init__()
         self.lm = lm
         self.context = context
@@ -143,10 +145,24 @@ class SlotLM(torch.nn.Module):
         for i in range(self.layers):
             self.register_buffer(f"k_{i}", torch.zeros(keys, dtype=dtype), persistent=False)
             self.register_buffer(f"v_{i}", torch.zeros(shape, dtype=dtype), persistent=False)
+        # LoRA: the adapter buffers, state beside the cache (read, returned unchanged), and each row's adapter
+        # slot as the last input (lora_layers.py).
+        self.lora = lora
+        for i, buffer in enumerate(lora_layers.buffers(lora, dtype) if lora is not None else []):
+            self.register_buffer(f"lora_{i}", buffer, persistent=False)
 
     def caches(self) -> list[torch.Tensor]:
         """The cache buffers in output order: k_0, v_0, k_1, v_1, ..."""
         return [getattr(self, f"{kind}_{i}") for i in range(self.layers) for kind in ("k", "v")]
+
+    def adapter_buffers(self) -> list[torch.Tensor]:
+        """The LoRA buffers (A and B of each target), in state order after the caches; none without LoRA."""
+        count = 2 * len(self.lora.targets) if self.lora is not None else 0
+        return [getattr(self, f"lora_{i}") for i in range(count)]
+
+    def states(self) -> list[torch.Tensor]:
+        """Every state tensor, in the shared state's order: the caches, then the adapter buffers."""
+        return [*self.caches(), *self.adapter_buffers()]
 
     @property
     def outputs_before_cache(self) -> int:
@@ -154,8 +170,9 @@ class SlotLM(torch.nn.Module):
         return 3 if self.sampled else 2
 
     def aliases(self) -> dict:
-        """input_output_aliases: each cache is updated from its output, after the logits, tokens (and done)."""
-        return {cache: self.outputs_before_cache + i for i, cache in enumerate(self.caches())}
+        """input_output_aliases: each state is updated from its output, after the logits, tokens (and done): the
+        caches from their new values, the adapter buffers from themselves (returned unchanged: no copy)."""
+        return {state: self.outputs_before_cache + i for i, state in enumerate(self.states())}
 
     def _choose(self, logits: torch.Tensor, floats: torch.Tensor | None, ints: torch.Tensor | None,
                 step: int = 0) -> tuple[torch.Tensor, ...]:
@@ -165,10 +182,20 @@ class SlotLM(torch.nn.Module):
         return sample(logits, floats, ints, counter_offset=step)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, last: torch.Tensor,
-                floats: torch.Tensor | None = None, ints: torch.Tensor | None = None):
+                *extra: torch.Tensor):
+        """``extra``: the sampling parameters (floats, ints) when sampled, then each row's adapter slot (rows,)
+        with LoRA."""
+        floats, ints = extra[:2] if self.sampled else (None, None)
+        adapters = extra[-1] if self.lora is not None else None
+        chosen = self._forward(tokens, positions, slots, last, floats, ints, adapters)
+        return (*chosen, *self.adapter_buffers())
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, last: torch.Tensor,
+                 floats: torch.Tensor | None, ints: torch.Tensor | None,
+                 adapters: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         caches = self.caches()
         if self.every_position and self.context is not None:  # verify: every position's logits and choice
-            logits, caches = self._step(tokens, positions, slots, None, caches)  # (rows, T, vocab)
+            logits, caches = self._step(tokens, positions, slots, None, caches, adapters)  # (rows, T, vocab)
             rows, width = tokens.shape
             if not self.sampled:
                 return (logits, logits.argmax(-1), *caches)
@@ -179,16 +206,16 @@ class SlotLM(torch.nn.Module):
                                   ints.repeat_interleave(width, 0) + offsets.repeat(rows, 1))
             return (logits, chosen.view(rows, width), done.view(rows, width), *caches)
         if self.every_position:
-            logits, caches = self._step(tokens, positions, slots, None, caches)  # (rows, T, vocab)
+            logits, caches = self._step(tokens, positions, slots, None, caches, adapters)  # (rows, T, vocab)
             at_last = logits.gather(1, last[:, :, None].expand(-1, -1, logits.shape[-1]))[:, 0]
             return (logits, *self._choose(at_last, floats, ints), *caches)
         if self.context is None or self.steps == 1:
-            logits, caches = self._step(tokens, positions, slots, last, caches)
+            logits, caches = self._step(tokens, positions, slots, last, caches, adapters)
             # The choice on the core: a call takes home one id a row (and a flag), not the logits.
             return (logits, *self._choose(logits, floats, ints), *caches)
         chosen, done, every = [], [], []
         for step in range(self.steps):  # unrolled: each step's token and cache feed the next, on the core
-            logits, caches = self._step(tokens, positions, slots, last, caches)
+            logits, caches = self._step(tokens, positions, slots, last, caches, adapters)
             choice = self._choose(logits, floats, ints, step)
             tokens = choice[0][:, None]
             chosen.append(tokens)
@@ -201,7 +228,7 @@ class SlotLM(torch.nn.Module):
         return (torch.stack(every, 1), torch.cat(chosen, dim=1), torch.stack(done, 1), *caches)
 
     def _step(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, last: torch.Tensor,
-              caches: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+              caches: list[torch.Tensor], adapters: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         dtype = caches[0].dtype
         if self.context is None:  # prefill: the prompt's own positions
             seen = positions[:, None, :]
@@ -215,7 +242,9 @@ class SlotLM(torch.nn.Module):
         # A prefill attends causally to its own keys only: skip the masked blocks (attention.py).
         blocks = {"prefill_blocks": attention.prefill_blocks()} \
             if self.context is None and attention.in_use(self.lm) else {}
-        out = self.lm(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
-                      logits_to_keep=0 if last is None else last, **{self.kwarg: cache}, **blocks)
+        with lora_layers.applied(self.lm, self.lora, self.adapter_buffers(), adapters) \
+                if self.lora is not None else contextlib.nullcontext():
+            out = self.lm(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
+                          logits_to_keep=0 if last is None else last, **{self.kwarg: cache}, **blocks)
         logits = out.logits if last is None else out.logits[:, 0]
         return logits, [t for pair in zip(cache.keys, cache.values) for t in pair]

@@ -49,19 +49,34 @@ class DeviceState:
             value = value.to(self.device)
         xla()._XLAC._replace_xla_tensor(current, value)
 
-    def copy_row(self, src: int, dst: int) -> None:
-        """Copy index ``src`` of every state tensor's first dimension over index ``dst``, on the device.
+    def copy_row(self, src: int, dst: int, count: int | None = None) -> None:
+        """Copy index ``src`` of every state tensor's first dimension over index ``dst``, on the device (of the
+        first ``count`` tensors only, when given).
 
         One small executable (compiled once: the indices are its inputs) that updates the
         state in place, so nothing crosses to the host but the two indices. Run it from the
         thread that drives this device.
         """
         torch_xla = xla()
+        tensors = self.tensors[:count]
         with torch.no_grad():
             index = torch.tensor([src, dst], dtype=torch.long).to(self.device)
-            for t in self.tensors:
+            for t in tensors:
                 t.index_copy_(0, index[1:], t.index_select(0, index[:1]))
-            torch_xla._XLAC._xla_sync_multi(self.tensors, devices=[], wait=False)
+            torch_xla._XLAC._xla_sync_multi(tensors, devices=[], wait=False)
+
+    def write_row(self, row: int, values: Sequence[torch.Tensor], start: int = 0) -> None:
+        """Write ``values`` (host tensors, one per state tensor from ``start`` on, each the shape of one index of
+        its first dimension) at index ``row`` of those state tensors, on the device: one small executable, the
+        index its input, compiled the first time and replayed after. Run it from the thread that drives this
+        device."""
+        torch_xla = xla()
+        tensors = self.tensors[start:start + len(values)]
+        with torch.no_grad():
+            index = torch.tensor([row], dtype=torch.long).to(self.device)
+            for t, value in zip(tensors, values):
+                t.index_copy_(0, index, value.to(t.dtype)[None].to(self.device))
+            torch_xla._XLAC._xla_sync_multi(tensors, devices=[], wait=False)
 
     def cpu(self) -> list[torch.Tensor]:
         """A host copy of every state tensor (one transfer each; for inspection, not per call)."""

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 
 import generation_models as gm
+from generation_models import make_adapter
 from neuron_serve.errors import AdapterError, InvalidInput
 from neuron_serve.generation.lora import LoraBase, buffer_bytes, read_adapter
 
@@ -33,20 +32,6 @@ ADAPTERS = {
 }
 R = 16
 PROMPTS = torch.randint(0, gm.VOCAB, (3, 12), generator=torch.Generator().manual_seed(7))
-
-
-def make_adapter(directory: Path, arch: str = "llama", seed: int = 1, safe: bool = True, **config):
-    """A PEFT adapter of ``gm.build(arch)`` with random non-zero A and B, saved to ``directory``; PEFT's model."""
-    with warnings.catch_warnings():  # transformers' deprecation of a name PEFT still calls
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-        model = get_peft_model(gm.build(arch), LoraConfig(**config))
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if ".lora_A." in name or ".lora_B." in name:
-                parameter.normal_(0, 0.1)
-    model.save_pretrained(directory, safe_serialization=safe)
-    return model.eval()
 
 
 def logits_with(lm: torch.nn.Module, adapter, ids: torch.Tensor) -> torch.Tensor:

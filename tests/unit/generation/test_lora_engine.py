@@ -1,0 +1,124 @@
+"""LoRA adapters served by one engine: rows of different adapters and of the base in one compiled call, each
+answer PEFT's own model's, token for token and logprob for logprob; adapters loaded and unloaded while it
+serves, more adapters than buffer slots, and prefix caching kept apart per adapter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import generation_models as gm
+from generation_models import make_adapter
+from prometheus_client import REGISTRY
+
+from neuron_serve.compile import subgraph
+from neuron_serve.errors import InvalidInput
+from neuron_serve.config.schema import parse_config
+from neuron_serve.generation import SamplingParams
+from neuron_serve.generation.build import build_engine
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+# Different ranks and targets (max_lora_rank 16 pads the smaller ones).
+ADAPTERS = {
+    "attention": {"r": 4, "lora_alpha": 8, "target_modules": ATTENTION},
+    "mlp": {"r": 8, "lora_alpha": 16, "target_modules": MLP, "use_rslora": True},
+    "layer-1": {"r": 16, "lora_alpha": 8, "target_modules": ATTENTION + MLP, "layers_to_transform": [1]},
+    "qv": {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"]},
+}
+NEW_TOKENS = 6
+LOGPROB_TOLERANCE = 1e-4
+# Two buffer slots for four adapters: some requests wait for a slot, and adapters leave the core for others.
+LORA = {"max_loras": 2, "max_lora_rank": 16, "max_cpu_loras": 3}
+
+
+def prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(1, gm.VOCAB, (count, length), generator=generator).tolist()
+
+
+def eager(model: torch.nn.Module, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """``model``'s greedy tokens after ``prompt`` and each one's logprob, by transformers' own generate."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                             min_new_tokens=NEW_TOKENS, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    logprobs = [torch.log_softmax(score[0].float(), -1)[token].item() for score, token in zip(out.scores, tokens)]
+    return tokens, logprobs
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The tiny Llama served from a model.yaml with generation.lora (prefix caching on), three adapters loaded at
+    start from paths relative to it; PEFT's model of each adapter (and of "qv", loaded later), the base model."""
+    root = tmp_path_factory.mktemp("lora-engine")
+    peft = {name: make_adapter(root / name, seed=seed + 1, **config) for seed, (name, config) in enumerate(ADAPTERS.items())}
+    lm = gm.build("llama")
+    lm.save_pretrained(root / "llama")
+    config = parse_config({
+        "name": "lora", "task": "generate", "model": {"pretrained": "llama"},
+        "generation": {"max_num_seqs": 4, "max_model_len": 48, "prefill_buckets": [48], "decode_batch_buckets": [4],
+                       "decode_context_buckets": [48], "on_device_sampling": False, "enable_prefix_caching": True,
+                       "lora": {**LORA, "lora_modules": {name: name for name in ("attention", "mlp", "layer-1")}}}})
+    front = build_engine(config, root)
+    yield front, peft, lm, root
+    front.close()
+
+
+def hits() -> float:
+    """Prompt tokens the engine's prefix cache has reused so far."""
+    return REGISTRY.get_sample_value("neuron_serve_prefix_cache_hits_total", {"model_name": "lora", "replica": "0"}) or 0.0
+
+
+def check(done, models, prompt_ids):
+    for completion, model, prompt in zip(done, models, prompt_ids):
+        want_tokens, want_logprobs = eager(model, prompt)
+        assert completion.tokens == want_tokens
+        assert completion.logprobs == pytest.approx(want_logprobs, abs=LOGPROB_TOLERANCE)
+
+
+def test_rows_of_three_adapters_and_the_base_in_one_batch_each_equal_peft(served):
+    front, peft, lm, _ = served
+    names = ["attention", None, "mlp", "layer-1", "attention", None]
+    asked = prompts(len(names), 9, seed=3)
+    compiles = subgraph._compiles
+    done = front.generate_batch(asked, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, logprobs=0),
+                                adapters=names, timeout=300)
+    check(done, [lm if n is None else peft[n] for n in names], asked)
+    [engine] = front.engines.engines
+    adapters = engine.adapters
+    # Three adapters through two slots: one waited for a slot, and a slot was written again; nothing compiled.
+    assert adapters.writes >= 3 and len(adapters.resident) == 2
+    assert subgraph._compiles == compiles
+    # The base's answer is not any adapter's.
+    assert done[1].tokens != done[0].tokens or done[1].logprobs != done[0].logprobs
+
+
+def test_an_adapter_loaded_while_serving_answers_as_peft_and_once_unloaded_is_refused(served):
+    front, peft, _, root = served
+    asked = prompts(2, 7, seed=4)
+    with pytest.raises(InvalidInput, match="adapter 'qv' is not loaded"):
+        front.generate_batch(asked[:1], SamplingParams(max_tokens=2, temperature=0), adapters="qv")
+    front.engines.load_adapter("qv", str(root / "qv"))
+    compiles = subgraph._compiles
+    done = front.generate_batch(asked, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, logprobs=0),
+                                adapters=["qv", "mlp"], timeout=300)
+    check(done, [peft["qv"], peft["mlp"]], asked)
+    assert subgraph._compiles == compiles  # loading an adapter writes buffers, never compiles
+    front.engines.unload_adapter("qv")
+    with pytest.raises(InvalidInput, match="adapter 'qv' is not loaded"):
+        front.generate_batch(asked[:1], SamplingParams(max_tokens=2, temperature=0), adapters="qv")
+
+
+def test_a_prompt_cached_under_one_adapter_is_computed_again_under_another(served):
+    front, peft, lm, _ = served
+    shared = prompts(1, 40, seed=5)[0]  # two whole blocks of 16 tokens to reuse
+    for run, name in enumerate(("attention", "mlp", None, "attention")):
+        before = hits()
+        [done] = front.generate_batch([shared], SamplingParams(max_tokens=NEW_TOKENS, temperature=0, logprobs=0),
+                                      adapters=name, timeout=300)
+        check([done], [lm if name is None else peft[name]], [shared])
+        # Only the second "attention" run reuses a cached prefix: its own first run's two whole blocks.
+        assert hits() - before == (32 if run == 3 else 0)
