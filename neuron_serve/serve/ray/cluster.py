@@ -20,6 +20,8 @@ from ... import metrics
 from . import grpc_port
 from . import ingress
 
+logger = logging.getLogger("neuron_serve")
+
 SERVER_APP = grpc_port.NAMESPACE
 METRICS_DIR_KEY = "metrics-dir"
 
@@ -39,6 +41,27 @@ def _token_auth_if_available() -> None:
     except ImportError:
         return
     maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+# Ray gives its raylet 30 s to register with the GCS (node.py); on a machine whose CPUs are all busy it can
+# take longer (seen with two servers compiling on 2 vCPUs): such a start is tried again, the half-started
+# processes stopped first.
+RAY_START_ATTEMPTS = 3
+_RAY_START_TIMED_OUT = "timed out during startup"
+
+
+def _start_ray(runtime_env: dict, dashboard: bool) -> None:
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        try:
+            ray.init(namespace=SERVER_APP, logging_level=logging.WARNING, runtime_env=runtime_env,
+                     include_dashboard=dashboard)
+            return
+        except Exception as exc:  # Ray raises a bare Exception for this one
+            if _RAY_START_TIMED_OUT not in str(exc) or attempt == RAY_START_ATTEMPTS:
+                raise
+            logger.warning("Ray's node did not register within Ray's 30 s (the CPUs are busy); starting it again "
+                           "(attempt %d of %d)", attempt + 1, RAY_START_ATTEMPTS)
+            ray.shutdown()
 
 
 def connect(address: str | None, dashboard: bool = True) -> bool:
@@ -72,8 +95,7 @@ def connect(address: str | None, dashboard: bool = True) -> bool:
         runtime_env = {"env_vars": {metrics.MULTIPROC_ENV: os.environ[metrics.MULTIPROC_ENV]}}
         if hook := ingress.worker_setup_hook():  # inherited by Serve's HAProxyManager actor
             runtime_env["worker_process_setup_hook"] = hook
-        ray.init(namespace=SERVER_APP, logging_level=logging.WARNING, runtime_env=runtime_env,
-                 include_dashboard=dashboard)
+        _start_ray(runtime_env, dashboard)
         internal_kv._internal_kv_put(METRICS_DIR_KEY, os.environ[metrics.MULTIPROC_ENV], namespace=SERVER_APP)  # noqa: SLF001
         return True
     return False
