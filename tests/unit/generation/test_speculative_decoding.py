@@ -15,8 +15,9 @@ from neuron_serve.generation import SamplingParams, engine_for
 from neuron_serve.generation.speculation import ngram_proposals
 
 K = 3
-SHAPES = {"max_num_seqs": 4, "max_model_len": 96, "prefill_buckets": [16, 48, 96], "decode_batch_buckets": [1, 4],
-          "decode_context_buckets": [48, 96], "decode_steps": 2,
+# One context bucket: what is checked is the rounds (proposals, verify, rejection), not bucket choice.
+SHAPES = {"max_num_seqs": 4, "max_model_len": 96, "prefill_buckets": [16, 96], "decode_batch_buckets": [1, 4],
+          "decode_context_buckets": [96], "decode_steps": 2,
           "speculative_config": {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3}}
 
 
