@@ -76,6 +76,11 @@ def byte_tokenizer():
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
+# The projections LoRA adapters of the tiny Llama target.
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+
+
 def make_adapter(directory: Path, arch: str = "llama", seed: int = 1, safe: bool = True, **config):
     """A PEFT adapter of ``build(arch)`` with random non-zero A and B, saved to ``directory``; PEFT's model."""
     from peft import LoraConfig, get_peft_model  # noqa: PLC0415 - the LoRA tests' reference only

@@ -44,8 +44,7 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
                max_waiting: int = 256, request_timeout_s: float | None = None, tokenizer: Any = None,
                target: str = "neuron", name: str = "model", tensor_parallel_size: int = 1,
                enable_prefix_caching: bool = False, speculative_config: Any = None,
-               draft: torch.nn.Module | None = None, on_device_sampling: bool = True,
-               lora: Any = None) -> Frontend:
+               draft: torch.nn.Module | None = None, on_device_sampling: bool = True) -> Frontend:
     """Compile ``lm`` for generation and start an engine over it, behind its front end (which checks and
     admits requests, and with a ``tokenizer`` detokenizes and applies stop strings; its ``engines`` is the
     :class:`~.engine.Engine`).
@@ -55,9 +54,7 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
     ``tensor_parallel_size`` N above 1 splits the model over N cores, which must be all
     the cores of this process: call it before any other XLA work here (emulated, the
     process then gets N XLA:CPU devices), or serve the model, where each group of cores
-    runs in a process of its own. ``lora`` (model.yaml's ``generation.lora`` keys, ``lora_modules``' paths
-    relative to the working directory) compiles every model with LoRA buffers and loads those adapters;
-    ``engines.load_adapter`` / ``unload_adapter`` change them while it serves."""
+    runs in a process of its own. LoRA adapters: ``build.build_engine`` of a model.yaml with generation.lora."""
     from . import tensor_parallel  # noqa: PLC0415
     from .build import check_cache_fits  # noqa: PLC0415
     from .engine import Engine  # noqa: PLC0415
@@ -76,20 +73,7 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
                                       field_prefix="")
     tensor_parallel.check(lm.config, tensor_parallel_size, field="tensor_parallel_size")
     check_cache_fits(lm, buckets, field_prefix="", tensor_parallel_size=tensor_parallel_size)
-    policy = None
-    if lora is not None:
-        from ..config.generation import LoraSettings  # noqa: PLC0415
-        from .adapters import AdapterPolicy  # noqa: PLC0415
-
-        lora = lora if isinstance(lora, LoraSettings) else LoraSettings(**lora)
-        if lora.allow_runtime_updates:
-            from ..errors import InvalidInput  # noqa: PLC0415
-
-            raise InvalidInput("lora.allow_runtime_updates turns the server's load and unload routes on; in process, "
-                               "call engines.load_adapter and unload_adapter instead, and leave it out.")
-        policy = AdapterPolicy.of(lm, lora, tensor_parallel_size)
-    model = compile_generation(lm, buckets, target=target, tensor_parallel_size=tensor_parallel_size,
-                               lora=policy.layout if policy is not None else None)
+    model = compile_generation(lm, buckets, target=target, tensor_parallel_size=tensor_parallel_size)
     if draft is not None:
         from ..errors import InvalidInput  # noqa: PLC0415
         from .build import check_draft  # noqa: PLC0415
@@ -101,7 +85,5 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
                                          tensor_parallel_size=tensor_parallel_size)
     engine = Engine(model, eos_token_ids=eos_token_ids(lm), tokenizer=tokenizer,
                     max_num_batched_tokens=max_num_batched_tokens, request_timeout_s=request_timeout_s, name=name,
-                    speculative_config=speculative_config, adapters=policy)
-    for name, path in (lora.lora_modules if lora is not None else {}).items():
-        engine.load_adapter(name, path)
+                    speculative_config=speculative_config)
     return Frontend(engine, describe([engine], max_waiting), tokenizer)

@@ -156,12 +156,6 @@ class Adapters:
         with self._lock:
             return dict(self._resident)
 
-    @property
-    def running(self) -> dict[str, int]:
-        """Adapters with running sequences: name -> how many."""
-        with self._lock:
-            return {name: self._users[slot] for name, slot in self._resident.items() if self._users[slot]}
-
     def _free_slot(self) -> int | None:
         taken = set(self._resident.values()) | self._dropped
         free = [slot for slot in range(1, self.max_loras + 1) if slot not in taken]

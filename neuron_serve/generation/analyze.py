@@ -21,7 +21,7 @@ from ..config.generation import GenerationSettings, refuse_lora
 from ..targets import get_target
 from . import tensor_parallel
 from .build import DRAFT_FIELD, _pretrained, load_lm
-from .model import example_inputs, shapes_of, slot_module
+from .shapes import example_inputs, shapes_of, slot_module
 from .slots import kv_cache_bytes
 
 

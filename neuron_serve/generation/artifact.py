@@ -19,12 +19,13 @@ from ..buckets.generation import GenerationBuckets
 from ..compile import sharding as spmd
 from ..errors import ArtifactError
 from ..model import CompiledModel
-from .model import GenerationModel, shapes_of
+from .model import GenerationModel
+from .shapes import shapes_of
 
 TOKENIZER_DIR = "tokenizer"
 DRAFT_DIR = "draft"
 # The compiled families an artifact holds: 2 since every prefill samples on the core and each decode and
-# verify bucket has a greedy and a sampled model (model.shapes_of). An artifact of another layout is refused.
+# verify bucket has a greedy and a sampled model (shapes.shapes_of). An artifact of another layout is refused.
 FAMILIES = 2
 
 

@@ -38,7 +38,8 @@ from ..model import Bucket
 from ..targets.pjrt import on_this_thread, use_device
 from . import lora_layers, tensor_parallel
 from .attention import grouped_for_compile
-from .model import NO_CPU_PARTITIONS, GenerationModel, Shape, example_inputs, shapes_of, slot_module
+from .model import NO_CPU_PARTITIONS, GenerationModel
+from .shapes import Shape, example_inputs, shapes_of, slot_module
 
 logger = logging.getLogger("neuron_serve")
 _builds = itertools.count()

@@ -20,7 +20,8 @@ import abc
 from typing import Any, Sequence
 
 from ..targets.pjrt import use_device
-from .model import GenerationModel, Shape, StepOutput
+from .model import GenerationModel, StepOutput
+from .shapes import Shape
 from .sampler import GREEDY, RowChoice
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from .. import metrics
-from .model import Shape
+from .shapes import Shape
 
 
 class EngineMetrics:

@@ -332,9 +332,9 @@ def test_lora_is_refused_where_no_request_can_choose_an_adapter_yet_not_ignored(
 
     config = parse_config(with_(GENERATE, model={"pretrained": "llama"}, generation={**SMALL, "lora": {"max_loras": 2}}))
     with pytest.raises(ConfigError, match=r"^generation\.lora: the server \(its OpenAI routes\) does not serve LoRA "
-                                          r"adapters yet; they are served in process \(build_engine, engine_for: a "
-                                          r"request's adapter named by generate_batch's adapters\)\. Remove "
-                                          r"generation\.lora to serve the base model"):
+                                          r"adapters yet; they are served in process \(build_engine: a request's "
+                                          r"adapter named by generate_batch's adapters\)\. Remove generation\.lora "
+                                          r"to serve the base model"):
         start_engines(config.model_dump(mode="json", exclude_unset=True), str(pretrained), "0", 1, 1)
     with pytest.raises(ConfigError, match=r"^generation\.lora: neuron-serve build \(an artifact\) does not serve"):
         refuse_lora(config.generation, "neuron-serve build (an artifact)")

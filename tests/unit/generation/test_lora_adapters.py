@@ -12,12 +12,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import generation_models as gm
-from generation_models import make_adapter
+from generation_models import ATTENTION, MLP, make_adapter
 from neuron_serve.errors import AdapterError, InvalidInput
 from neuron_serve.generation.lora import LoraBase, buffer_bytes, read_adapter
 
-ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
-MLP = ["gate_proj", "up_proj", "down_proj"]
 # Four adapters of the tiny Llama: ranks 4 to 16, attention only, MLP only (rsLoRA), every projection of one
 # layer, and a regular expression with a per-module rank and alpha.
 ADAPTERS = {

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import generation_models as gm
-from generation_models import make_adapter
+from generation_models import ATTENTION, MLP, make_adapter
 from prometheus_client import REGISTRY
 
 from neuron_serve.compile import subgraph
@@ -17,8 +17,6 @@ from neuron_serve.config.schema import parse_config
 from neuron_serve.generation import SamplingParams
 from neuron_serve.generation.build import build_engine
 
-ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
-MLP = ["gate_proj", "up_proj", "down_proj"]
 # Different ranks and targets (max_lora_rank 16 pads the smaller ones).
 ADAPTERS = {
     "attention": {"r": 4, "lora_alpha": 8, "target_modules": ATTENTION},
