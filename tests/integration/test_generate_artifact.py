@@ -18,6 +18,11 @@ model:
 generation:
   max_num_seqs: 4
   max_model_len: 128
+  # One prefill and one decode bucket, greedy: what the one request below runs.
+  prefill_buckets: [128]
+  decode_batch_buckets: [4]
+  decode_context_buckets: [128]
+  on_device_sampling: false
 """
 
 

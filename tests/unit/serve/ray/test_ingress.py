@@ -35,6 +35,17 @@ def test_proxy_clears_inherited_haproxy_settings():
     assert out == "proxy None None"
 
 
+def test_serve_waits_30_s_for_a_starting_proxy_unless_told_otherwise():
+    # Serve's 5 s killed HAProxy managers still starting on a busy machine, and failed the deploy.
+    snippet = ("import os\nfrom neuron_serve.serve.ray import ingress\ningress.configure('proxy')\n"
+               "print(os.environ['RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S'])")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"}
+    run = lambda extra: subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, check=True,
+                                       env={**env, **extra}).stdout.strip()
+    assert run({}) == "30"
+    assert run({"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "7"}) == "7"
+
+
 def test_unknown_ingress_names_the_choices():
     with pytest.raises(ConfigError, match=r"ingress 'nginx' is unknown; choose one of auto, haproxy, proxy\."):
         ingress.configure("nginx")
