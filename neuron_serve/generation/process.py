@@ -29,12 +29,13 @@ from typing import Any, Callable, Sequence as Seq
 
 from ..errors import ModelNotReady
 from ..targets.pjrt import neuron_devices_present
-from .protocol import CompileState, Dispatcher, EngineRequest, Engines, TokenEvent
+from .protocol import AdapterReply, CompileState, Dispatcher, EngineRequest, Engines, TokenEvent
 
 logger = logging.getLogger("neuron_serve")
 
 WORKER = "neuron_serve.generation.worker"
 CLOSE_WAIT_S = 60.0
+ADAPTER_WAIT_S = 120.0  # reading and checking a LoRA adapter's files
 
 
 class EngineProcess(Engines):
@@ -70,6 +71,8 @@ class EngineProcess(Engines):
         self._sinks: dict[str, Callable[[TokenEvent], None]] = {}  # open requests' sinks
         self._lock = threading.Lock()  # orders every send, and the sinks' records
         self._ended: str | None = None  # why the worker is gone, once it is
+        self._calls: dict[int, list] = {}  # adapter calls awaiting their reply: [event, error]
+        self._next_call = 0
         self._reader = threading.Thread(target=self._read, name="engine-process-reader", daemon=True)
         self._reader.start()
 
@@ -93,6 +96,29 @@ class EngineProcess(Engines):
                     self._conn.send(("abort", request_id, reason))
                 except OSError:  # gone: the reader ends the request
                     pass
+
+    def load_adapter(self, name: str, path: str) -> None:
+        self._adapter_call("load", name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        self._adapter_call("unload", name, None)
+
+    def _adapter_call(self, op: str, name: str, path: str | None) -> None:
+        """Ask the worker's engines to load or unload an adapter; raise what they raised."""
+        done = [threading.Event(), None]
+        with self._lock:
+            if self._ended is not None:
+                raise ModelNotReady(f"the generation engine process has ended ({self._ended}); retry shortly.")
+            self._next_call += 1
+            call = self._next_call
+            self._calls[call] = done
+            self._conn.send(("adapter", call, op, name, path))
+        if not done[0].wait(ADAPTER_WAIT_S):
+            with self._lock:
+                self._calls.pop(call, None)
+            raise ModelNotReady(f"adapter {name!r}: the engine process did not answer its {op} in {ADAPTER_WAIT_S:.0f} s")
+        if done[1] is not None:
+            raise done[1]
 
     @property
     def free(self) -> int:
@@ -133,6 +159,8 @@ class EngineProcess(Engines):
                 for event in payload:
                     if isinstance(event, CompileState):
                         self._compiled(event.state)
+                    elif isinstance(event, AdapterReply):
+                        self._replied(event)
                     else:
                         self._deliver(event)
         except (EOFError, OSError):
@@ -142,12 +170,23 @@ class EngineProcess(Engines):
         with self._lock:
             self._ended = ended
             left, self._sinks = self._sinks, {}
+            calls, self._calls = self._calls, {}
+        for done in calls.values():
+            done[1] = ModelNotReady(f"the generation engine process ended ({ended})")
+            done[0].set()
         if left and not closing:
             logger.error("the generation engine process exited with code %s; %d open requests end with an error",
                          code, len(left))
         for rid, sink in left.items():
             self._safely(sink, TokenEvent(rid, None, finish_reason="error",
                                           error=f"the generation engine process ended ({ended})"))
+
+    def _replied(self, reply: AdapterReply) -> None:
+        with self._lock:
+            done = self._calls.pop(reply.call, None)
+        if done is not None:
+            done[1] = pickle.loads(reply.error) if reply.error is not None else None
+            done[0].set()
 
     def subscribe(self, listener: Callable[[Any], None]) -> Callable[[], None]:
         """Call ``listener(None)`` whenever the compile state changes (on the reader's thread); returns the
@@ -245,6 +284,20 @@ class ProcessGroup(Dispatcher):
         stops = [p.subscribe(listener) for p in self.processes]
         return lambda: [stop() for stop in stops]
 
+    def load_adapter(self, name: str, path: str) -> None:
+        """Every group's engines serve it (each holds its own buffers); one that refuses refuses it for all."""
+        for i, process in enumerate(self.processes):
+            try:
+                process.load_adapter(name, path)
+            except BaseException:
+                for loaded in self.processes[:i]:
+                    loaded.unload_adapter(name)
+                raise
+
+    def unload_adapter(self, name: str) -> None:
+        for process in self.processes:
+            process.unload_adapter(name)
+
     @property
     def alive(self) -> bool:
         return all(p.alive for p in self.processes)
@@ -262,9 +315,6 @@ def start_engines(config: dict, base_dir: str | None, replica: str, cores: int,
     The groups' processes build at once (each compiles its own program); if one fails, the
     others are stopped and its error is raised.
     """
-    from ..config.generation import GenerationSettings, refuse_lora  # noqa: PLC0415
-
-    refuse_lora(GenerationSettings(**(config.get("generation") or {})), "the server (its OpenAI routes)")
     if tensor_parallel_size == 1:
         return EngineProcess(config, base_dir, replica)
     groups = cores // tensor_parallel_size

@@ -53,6 +53,14 @@ class CompileState:
 
 
 @dataclass
+class AdapterReply:
+    """The engine process's answer to a LoRA adapter load or unload: the error it raised, pickled (None: done)."""
+
+    call: int
+    error: bytes | None = None
+
+
+@dataclass
 class EngineRequest:
     """A request as the front end admitted it: the engine checks nothing of it again."""
 
@@ -91,6 +99,14 @@ class Engines(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Stop; requests still open end with finish_reason "abort"."""
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Serve LoRA adapter ``name`` from PEFT directory ``path`` (AdapterError names the file and the reason)."""
+        raise NotImplementedError("these engines serve no LoRA adapters")
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter ``name`` (its running requests finish on it); KeyError if it is not loaded."""
+        raise NotImplementedError("these engines serve no LoRA adapters")
 
 
 class Dispatcher(Engines):

@@ -9,6 +9,8 @@ tensor-parallel group, whose cores are all this process sees. It answers ``("rea
 
 - ``("submit", EngineRequest)``: a request the replica's front end admitted, for the engine group;
 - ``("abort", request_id, reason)``;
+- ``("adapter", call, "load", name, path)`` or ``("adapter", call, "unload", name, None)``: a LoRA
+  adapter to serve or to drop, answered by an ``AdapterReply(call, error)`` among the events;
 - ``("close",)``: stop; running requests end with finish_reason "abort";
 
 and sends ``("events", [TokenEvent, ...])``: every event that arrived while the last
@@ -86,6 +88,15 @@ def _portable(exc: BaseException) -> bytes:
         return pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
 
 
+def _adapter_call(engines: Any, outbox: Outbox, reply: type, call: int, op: str, name: str, path: str | None) -> None:
+    try:
+        engines.load_adapter(name, path) if op == "load" else engines.unload_adapter(name)
+    except BaseException as exc:  # noqa: BLE001 - the replica raises it to the caller
+        outbox.post(reply(call, _portable(exc)))
+        return
+    outbox.post(reply(call))
+
+
 def serve(conn: Connection) -> int:
     config, base_dir, replica, paths, group = conn.recv()
     # Factory models import from where the replica could import (Ray's working_dir, py_modules).
@@ -98,7 +109,7 @@ def serve(conn: Connection) -> int:
     from ..targets.pjrt import start_emulated_cores_on_threads  # noqa: PLC0415
     from .build import build_engines  # noqa: PLC0415
     from .metrics import compile_listener, compile_state  # noqa: PLC0415
-    from .protocol import CompileState, TokenEvent  # noqa: PLC0415
+    from .protocol import AdapterReply, CompileState, TokenEvent  # noqa: PLC0415
 
     try:
         config = parse_config(config)
@@ -136,6 +147,10 @@ def serve(conn: Connection) -> int:
                 outbox.post(TokenEvent(request.request_id, None, finish_reason="error", error=str(exc)))
         elif message[0] == "abort":
             engines.abort(message[1], message[2])
+        elif message[0] == "adapter":
+            # Reading an adapter takes a moment: on a thread of its own, so requests keep arriving.
+            threading.Thread(target=_adapter_call, args=(engines, outbox, AdapterReply, *message[1:]),
+                             name="adapter-load", daemon=True).start()
         elif message[0] == "close":
             break
     engines.close()
