@@ -224,6 +224,17 @@ CORE_MEMORY = Gauge(
     "Bytes one core of a generate model's engine holds, by kind (weights, kv_cache, and lora: the LoRA adapter "
     "buffers): its share under tensor parallelism", [*GEN_LABELS, "kind"], multiprocess_mode="livemax",
 )
+# vLLM's lora_requests_info: its value the time of the last change, its labels the adapters of the running and of
+# the waiting requests (comma-separated) and max_lora; with generation.lora.
+LORA_REQUESTS_INFO = Gauge(
+    "neuron_serve_lora_requests_info", "LoRA adapters of the running and the waiting requests",
+    [*GEN_LABELS, "max_lora", "running_lora_adapters", "waiting_lora_adapters"], multiprocess_mode="livemax",
+)
+ADAPTER_LOAD_SECONDS = Histogram(
+    "neuron_serve_lora_adapter_load_seconds", "Time to read, check and hand a LoRA adapter to the engines of a "
+    "replica (its buffers are written when a request first runs on it)", ["model", "replica"],
+    buckets=LATENCY_BUCKETS,
+)
 STEP_TIME = Histogram(
     "neuron_serve_generation_step_seconds", "Time of one compiled prefill or decode call, by bucket",
     [*GEN_LABELS, "bucket"], buckets=LATENCY_BUCKETS,

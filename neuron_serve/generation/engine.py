@@ -412,4 +412,9 @@ class Engine(Engines):
         self.metrics.set(self.metrics.running, len(self.scheduler.running))
         self.metrics.set(self.metrics.waiting, len(self.scheduler.waiting))
         self.metrics.set(self.metrics.usage, len(self.scheduler.running) / self.scheduler.slots)
+        if self.adapters is not None:
+            self.metrics.lora_requests(
+                self.adapters.max_loras,
+                ",".join(sorted({s.adapter for s in self.scheduler.running.values() if s.adapter is not None})),
+                ",".join(sorted({s.adapter for s in self.scheduler.waiting if s.adapter is not None})))
 

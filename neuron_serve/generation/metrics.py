@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 from .. import metrics
@@ -45,6 +46,7 @@ class EngineMetrics:
         self._observed: list[tuple[Any, float]] = []  # (histogram, value), in order
         self._counted: dict[Any, float] = {}  # counter -> amount to add
         self._gauges: dict[Any, float] = {}  # gauge -> its latest value
+        self._lora_seen: tuple[str, str] | None = None  # the adapters of the running and the waiting requests
 
     @property
     def queued(self) -> bool:
@@ -89,6 +91,15 @@ class EngineMetrics:
                 child = self._accepted_at[position] = metrics.SPEC_ACCEPTED_PER_POSITION.labels(
                     **self.labels, position=str(position))
             self.count(child, 1 if position < accepted else 0)
+
+    def lora_requests(self, max_lora: int, running: str, waiting: str) -> None:
+        """vLLM's lora_requests_info: the adapters of the running and of the waiting requests (comma-separated),
+        a labelled series set to the time it changed to them."""
+        if (running, waiting) == self._lora_seen:
+            return
+        self._lora_seen = (running, waiting)
+        self.set(metrics.LORA_REQUESTS_INFO.labels(**self.labels, max_lora=str(max_lora), running_lora_adapters=running,
+                                                   waiting_lora_adapters=waiting), time.time())
 
     def step(self, shape: Shape) -> Any:
         if shape.label not in self._steps:
