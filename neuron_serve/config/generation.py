@@ -297,7 +297,8 @@ def check_task(config: Any) -> None:
 def refuse_lora(settings: "GenerationSettings | None", where: str) -> None:
     """generation.lora where adapters cannot be chosen yet (``where``): refused, not ignored."""
     if settings is not None and settings.lora is not None:
-        raise ConfigError(f"generation.lora: {where} does not serve LoRA adapters yet; they are served in process "
-                          f"(build_engine: a request's adapter named by generate_batch's adapters). "
+        raise ConfigError(f"generation.lora: {where} does not serve LoRA adapters yet; `neuron-serve deploy` "
+                          f"serves them from the model.yaml (a request names the adapter as its model), and so "
+                          f"does build_engine in process. "
                           f"Remove generation.lora to serve the base model, or merge an adapter into the weights "
                           f"(peft's merge_and_unload) and serve the merged model.")

@@ -324,19 +324,14 @@ def test_factory_models_must_be_causal_lms_and_get_eager_attention(tmp_path):
     assert not lm.training
 
 
-def test_lora_is_refused_where_no_request_can_choose_an_adapter_yet_not_ignored(pretrained):
-    """generation.lora is served in process (test_lora_engine.py); the server's routes and neuron-serve build
-    refuse it, naming where."""
+def test_lora_is_refused_by_build_not_ignored():
+    """generation.lora is served by deploy (test_lora_serving.py) and in process (test_lora_engine.py); an
+    artifact does not carry adapters yet, so neuron-serve build refuses it, naming where."""
     from neuron_serve.config.generation import refuse_lora  # noqa: PLC0415
-    from neuron_serve.generation.process import start_engines  # noqa: PLC0415
 
     config = parse_config(with_(GENERATE, model={"pretrained": "llama"}, generation={**SMALL, "lora": {"max_loras": 2}}))
-    with pytest.raises(ConfigError, match=r"^generation\.lora: the server \(its OpenAI routes\) does not serve LoRA "
-                                          r"adapters yet; they are served in process \(build_engine: a request's "
-                                          r"adapter named by generate_batch's adapters\)\. Remove generation\.lora "
-                                          r"to serve the base model"):
-        start_engines(config.model_dump(mode="json", exclude_unset=True), str(pretrained), "0", 1, 1)
-    with pytest.raises(ConfigError, match=r"^generation\.lora: neuron-serve build \(an artifact\) does not serve"):
+    with pytest.raises(ConfigError, match=r"^generation\.lora: neuron-serve build \(an artifact\) does not serve LoRA "
+                                          r"adapters yet; `neuron-serve deploy` serves them from the model\.yaml"):
         refuse_lora(config.generation, "neuron-serve build (an artifact)")
 
 

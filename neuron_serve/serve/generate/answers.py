@@ -18,7 +18,7 @@ from typing import AsyncIterator, Literal
 from ...errors import InvalidInput, NeuronServeError
 from ...generation.sampling import SamplingParams
 from ...generation.structured import Constraint
-from .plane import GenerationPlane, Piece
+from .plane import GenerationPlane, Piece, UnknownModel
 from ..protocols import oip_generate, openai
 from ..protocols.openai_tools import Reader, ToolChoice
 
@@ -70,8 +70,10 @@ async def openai_answer(plane: GenerationPlane, kind: Literal["completions", "ch
     route that received it: openai.parse)."""
     started = time.perf_counter()
     try:
-        if request.model != plane.name:
-            raise openai.unknown_model(request.model, [plane.name])
+        try:
+            adapter = await plane.adapter_for(request.model)
+        except UnknownModel:
+            raise openai.unknown_model(request.model, [plane.name, *plane.adapters]) from None
         if request.user is not None:  # who the end user is, for the operator's logs; kept nowhere else
             logger.info("%s: OpenAI %s request for end user %r", plane.name, kind, request.user)
         echo = tool = None
@@ -91,7 +93,7 @@ async def openai_answer(plane: GenerationPlane, kind: Literal["completions", "ch
         structured = every[0][1].structured
         if structured is not None:
             check(plane, structured)
-        stream = plane.run([p for p, _ in every], [s for _, s in every])
+        stream = plane.run([p for p, _ in every], [s for _, s in every], adapter)
         first = await _first(stream)
     except Exception as exc:  # noqa: BLE001 - every failure is answered with OpenAI's error object
         answer = openai_error(exc)

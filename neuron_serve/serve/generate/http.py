@@ -71,13 +71,15 @@ def generate_app() -> FastAPI:
 
     async def models(_: Request) -> Response:
         served = plane()
-        return JSONResponse(openai.models_list([served.name], {served.name: served.model_card()}))
+        cards = {served.name: served.model_card(), **await served.adapter_cards()}
+        return JSONResponse(openai.models_list(list(cards), cards))
 
     async def model(request: Request) -> Response:
         served, asked = plane(), request.path_params["model_id"]
-        if asked != served.name:
-            return to_response(openai_error(openai.unknown_model(asked, [served.name])))
-        return JSONResponse(openai.model_card(served.name, served.model_card()))
+        cards = {served.name: served.model_card(), **await served.adapter_cards()}
+        if asked not in cards:
+            return to_response(openai_error(openai.unknown_model(asked, list(cards))))
+        return JSONResponse(openai.model_card(asked, cards[asked]))
 
     async def infer(_: Request) -> Response:
         return to_response(infer_refused(plane().name))

@@ -15,10 +15,10 @@ import logging
 import os
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Protocol, Sequence
 
 from ... import metrics
-from ...config.schema import ModelConfig
+from ...config.schema import ModelConfig, _under
 from ...config.generation import GenerationSettings
 from ...errors import InvalidInput, NeuronServeError, RequestTimeout
 from ...generation.frontend import Frontend
@@ -63,12 +63,34 @@ class GenerationFailed(NeuronServeError):
     """A generation step failed for this request (the engine keeps serving the others)."""
 
 
+class UnknownModel(NeuronServeError):
+    """A request names neither this model nor one of its LoRA adapters."""
+
+
+class Registry(Protocol):
+    """Where the server keeps a model's adapters (serve/ray/adapter_registry.py: Ray's key-value store)."""
+
+    async def path(self, name: str) -> str | None:
+        """Adapter ``name``'s directory; None: not served."""
+
+    async def all(self) -> dict[str, str]:
+        """Every adapter: name -> directory."""
+
+
 class GenerationPlane:
     """One generate model on one replica: its front end, tokenizer, metadata and request runs."""
 
-    def __init__(self, config: ModelConfig, frontend: Frontend, replica: str | None = None, cores: int = 1) -> None:
+    def __init__(self, config: ModelConfig, frontend: Frontend, replica: str | None = None, cores: int = 1,
+                 base_dir: str | None = None, registry: Registry | None = None) -> None:
         self.config = config
         self.name = config.name
+        lora = config.generation.lora if config.generation is not None else None
+        self.lora = lora
+        # The LoRA adapters the engines serve, name -> directory: the model.yaml's (loaded as they were built),
+        # then those a request named that ``registry`` holds (loaded while serving: the load route's).
+        self.adapters: dict[str, str] = {n: _under(base_dir, p) for n, p in (lora.lora_modules if lora else {}).items()}
+        self._registry = registry
+        self._adapter_lock: asyncio.Lock | None = None
         self.frontend = frontend
         self.tokenizer = frontend.tokenizer
         self.max_model_len = frontend.max_model_len
@@ -138,13 +160,67 @@ class GenerationPlane:
                 "max_model_len": self.max_model_len,
                 "neuron_serve_version": __version__,
                 "compile": self.compile_state(),
+                **({"lora": self.lora_card()} if self.lora is not None else {}),
             },
         }
+
+    def lora_card(self) -> dict:
+        """The LoRA settings a client sees (model metadata; the server app's load route reads
+        ``allow_runtime_updates``)."""
+        return {"max_loras": self.lora.max_loras, "max_lora_rank": self.lora.max_lora_rank,
+                "allow_runtime_updates": self.lora.allow_runtime_updates}
 
     def model_card(self) -> dict:
         """What ``GET /v1/models`` says of this model beyond its id (vLLM's ``max_model_len``, and its cores)."""
         return {"max_model_len": self.max_model_len, "tensor_parallel_size": self.tensor_parallel_size,
                 "compile": self.compile_state()}
+
+    # -- LoRA adapters ----------------------------------------------------------------------
+
+    async def adapter_for(self, model: str) -> str | None:
+        """The LoRA adapter a request's ``model`` names (None: this model itself), loaded into the engines
+        when the registry holds it and they do not (or hold another directory under its name); UnknownModel
+        when neither this model nor an adapter has that name."""
+        if model == self.name:
+            return None
+        if self.lora is None:
+            raise UnknownModel(model)
+        path = await self._registry.path(model) if self._registry is not None else self.adapters.get(model)
+        if path is None or path != self.adapters.get(model):
+            await self.load_adapter(model, path)
+        return model
+
+    async def adapter_cards(self) -> dict[str, dict]:
+        """What /v1/models says of each adapter served (vLLM's ``root``, its directory, and ``parent``, this model)."""
+        if self.lora is None:
+            return {}
+        served = await self._registry.all() if self._registry is not None else dict(self.adapters)
+        return {name: {"root": path, "parent": self.name, "max_model_len": self.max_model_len}
+                for name, path in served.items()}
+
+    async def load_adapter(self, name: str, path: str | None) -> None:
+        """Serve adapter ``name`` from directory ``path`` (None: no longer); raises what loading raises (an
+        AdapterError names the file and the reason), UnknownModel for None when it was not served."""
+        if self._adapter_lock is None:
+            self._adapter_lock = asyncio.Lock()
+        async with self._adapter_lock:  # one load at a time; a request that waited finds it loaded
+            held = self.adapters.get(name)
+            if held is not None and held != path:  # unloaded or replaced since: running requests finish on it
+                await self._engines_call(self.frontend.engines.unload_adapter, name)
+                del self.adapters[name]
+                logger.info("%s: LoRA adapter %r unloaded", self.name, name)
+            if path is None:
+                raise UnknownModel(name)
+            if name not in self.adapters:
+                loop = asyncio.get_running_loop()
+                started = loop.time()
+                await self._engines_call(self.frontend.engines.load_adapter, name, path)
+                self.adapters[name] = path
+                metrics.ADAPTER_LOAD_SECONDS.labels(model=self.name, replica=self.replica).observe(loop.time() - started)
+                logger.info("%s: LoRA adapter %r loaded from %s", self.name, name, path)
+
+    async def _engines_call(self, call: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(None, call, *args)
 
     # -- prompts --------------------------------------------------------------------------
 
@@ -193,7 +269,8 @@ class GenerationPlane:
 
     # -- runs -------------------------------------------------------------------------------
 
-    async def run(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]) -> AsyncIterator[list[Piece]]:
+    async def run(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams],
+                  adapter: str | None = None) -> AsyncIterator[list[Piece]]:
         """Generate every (prompt, params) pair as one choice each; yields the pieces that arrived together.
 
         Every choice ends with a piece carrying its finish reason. Leaving the iteration
@@ -214,7 +291,7 @@ class GenerationPlane:
         running: dict[int, str] = {}
         try:
             for index, (prompt, p) in enumerate(zip(prompts, params)):
-                running[index] = self.frontend.submit(prompt, p, sink_for(index))
+                running[index] = self.frontend.submit(prompt, p, sink_for(index), adapter=adapter)
             while running:
                 arrived = [await queue.get()]
                 while not queue.empty():

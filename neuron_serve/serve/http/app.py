@@ -28,8 +28,9 @@ METRICS_PATH = "/metrics"
 
 
 ModelStates = Callable[[], Awaitable[dict[str, str]]]  # model name -> "ready" | "loading" | "failed: ..."
-# (model, "completions" | "chat", body) -> a Serve response generator: (status, headers, streamed), then bytes
-ForwardOpenAI = Callable[[str, str, Any], Awaitable[Any]]  # (model, kind, the decoded request)
+# (model, "completions" | "chat", the decoded request, its LoRA adapter or None) -> a Serve response generator:
+# (status, headers, streamed), then bytes
+ForwardOpenAI = Callable[[str, str, Any, "str | None"], Awaitable[Any]]
 # model -> what GET /v1/models says of it beyond its id (max_model_len, tensor_parallel_size)
 DescribeModel = Callable[[str], Awaitable[dict]]
 # (model, route, body) -> (status, headers, body): a pooling route's request answered by a replica of the model
@@ -41,7 +42,8 @@ Unchecked = Callable[[list[str]], Awaitable[set[str]]]
 def server_app(model_states: ModelStates, generate_states: ModelStates | None = None,
                forward_openai: ForwardOpenAI | None = None, describe: DescribeModel | None = None,
                unchecked: Unchecked | None = None, pooling_states: ModelStates | None = None,
-               forward_pooling: ForwardPooling | None = None) -> FastAPI:
+               forward_pooling: ForwardPooling | None = None,
+               adapters: openai_routes.AdapterControl | None = None) -> FastAPI:
     """Health, server metadata, metrics, the OpenAI routes (forwarded to the generate model a
     request names), the pooling routes (to the pooling model it names) and the fallbacks for
     unknown or loading models. Readiness wants every model ready and, with ``unchecked``, every
@@ -128,7 +130,8 @@ def server_app(model_states: ModelStates, generate_states: ModelStates | None = 
         return Response(metrics.scrape(), media_type="text/plain; version=0.0.4")
 
     if generate_states is not None and forward_openai is not None:
-        openai_routes.install(app, model_states, generate_states, forward_openai, describe, pooling_states)
+        openai_routes.install(app, model_states, generate_states, forward_openai, describe, pooling_states,
+                              adapters)
     if pooling_states is not None and forward_pooling is not None:
         pooling_routes.install(app, model_states, pooling_states, forward_pooling)
     return app

@@ -13,7 +13,8 @@ import time
 
 from ray import serve
 
-from . import cluster, generate_deployment
+from ...errors import NeuronServeError
+from . import adapter_registry, cluster, generate_deployment
 
 SERVER_APP = cluster.SERVER_APP
 POOLING = "pooling"  # the deployment name of a pooling model's application
@@ -72,7 +73,8 @@ async def model_card(name: str) -> dict:
     parameters = meta.get("parameters", {}) if kind == "ok" else {}
     # "compile": the replica's compiled models by state (an infer or pooling model's metadata says them,
     # ModelDataPlane.compile_state; a generate model's, once its engines compile on the compile queue).
-    return {k: parameters[k] for k in ("max_model_len", "tensor_parallel_size", "task", "compile") if k in parameters}
+    return {k: parameters[k] for k in ("max_model_len", "tensor_parallel_size", "task", "compile", "lora")
+            if k in parameters}
 
 
 _handles: dict = {}
@@ -94,3 +96,30 @@ async def call_model(name: str, method: str, payload: bytes) -> tuple:
 async def forward_pooling(name: str, route: str, body: bytes) -> tuple[int, dict[str, str], bytes]:
     """A pooling route's request for model ``name``, answered by one of its replicas: (status, headers, body)."""
     return await (await _handle(name)).pooling.remote(route, body)
+
+
+class Adapters:
+    """The server's LoRA adapters (openai_routes.AdapterControl): the registry in Ray's key-value store, a load
+    tried on one replica of the base model before the registry lists it."""
+
+    async def entries(self) -> dict[str, dict]:
+        return await asyncio.get_running_loop().run_in_executor(None, adapter_registry.entries)
+
+    async def load(self, base: str, name: str, path: str | None) -> None:
+        loop = asyncio.get_running_loop()
+        if path is None:  # the routes refuse it at once; a replica holding it drops it now or on its next request
+            await loop.run_in_executor(None, adapter_registry.remove, name)
+        outcome = await (await _handle(base)).load_adapter.remote(name, path)
+        if outcome[0] == "error":
+            _, status, message = outcome
+            raise AdapterRefused(message, status)
+        if path is not None:
+            await loop.run_in_executor(None, adapter_registry.put, name, base, path)
+
+
+class AdapterRefused(NeuronServeError):
+    """A replica refused an adapter: its status and message (the file and the reason)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.http_status = status

@@ -28,8 +28,8 @@ from ..infer.plane import ModelDataPlane
 from ..http import auth
 from ..infer import plane as dataplane
 from . import generate_deployment, pooling_deployment
-from .applications import (call_model, forward_pooling, generate_states, model_card, model_states, pooling_states,
-                           statuses)
+from .applications import (Adapters, call_model, forward_pooling, generate_states, model_card, model_states,
+                           pooling_states, statuses)
 from ..grpc import service as grpc_service
 from . import grpc_port
 from . import cluster, compile_state, readiness
@@ -137,7 +137,7 @@ async def unchecked_models(models: list[str]) -> set[str]:
 
 @serve.deployment(name="server", num_replicas=1, ray_actor_options={"num_cpus": 0})
 @serve.ingress(server_app(model_states, generate_states, generate_deployment.forward_openai, model_card,
-                          unchecked_models, pooling_states, forward_pooling))
+                          unchecked_models, pooling_states, forward_pooling, Adapters()))
 class Server:
     """Health, server metadata, metrics and fallbacks, and the gRPC service; holds no model.
 

@@ -22,14 +22,14 @@ from ray import serve
 from ... import logs
 from ...config.schema import ModelConfig, parse_config
 from ...config.generation import GenerationSettings
-from ...errors import ModelNotReady
+from ...errors import ModelNotReady, NeuronServeError
 from ...generation.frontend import Frontend
 from ..http import auth
-from . import compile_state
+from . import adapter_registry, compile_state
 from ..generate import plane as generate_plane
 from ..generate.answers import openai_answer, openai_error
 from ..generate.http import generate_app
-from ..generate.plane import GenerationPlane
+from ..generate.plane import GenerationPlane, UnknownModel
 
 DEPLOYMENT = "generate"  # the deployment name tells the server app which applications generate
 DRAIN_S = 30
@@ -52,6 +52,9 @@ class GenerateServer:
         replica = serve.get_replica_context().replica_id.unique_id
         loop = asyncio.get_running_loop()
         self.plane = await loop.run_in_executor(None, build_plane, parsed, base_dir, replica)
+        # The model.yaml's adapters, for the server app's routes (and every replica: each records the same).
+        for name, path in self.plane.adapters.items():
+            await loop.run_in_executor(None, adapter_registry.put, name, parsed.name, path)
         self.plane.start()
         generate_plane.set_current(self.plane)
         self._untrack = compile_state.track(self.plane, replica)
@@ -63,6 +66,12 @@ class GenerateServer:
         if plane is None or not plane.ready():
             answer = openai_error(ModelNotReady("model is loading or shutting down"))
         else:
+            adapter = serve.get_multiplexed_model_id()
+            if adapter:
+                try:
+                    await self._hold(adapter)  # Serve now routes this adapter's requests here first
+                except Exception:  # noqa: BLE001 - openai_answer answers it (unknown: 404; refused: 400)
+                    pass
             answer = await openai_answer(plane, kind, request)
         yield (answer.status, answer.headers, answer.streamed)
         if not answer.streamed:
@@ -73,6 +82,28 @@ class GenerateServer:
                 yield chunk
         finally:  # cancelled when the client left: the sequences abort now
             await answer.body.aclose()
+
+    @serve.multiplexed(max_num_models_per_replica=-1)  # the engines' own LRU bounds what is held (max_cpu_loras)
+    async def _hold(self, adapter: str) -> str:
+        """Adapter ``adapter`` loaded into this replica's engines, for Serve's model multiplexing: the server app
+        names it as the call's multiplexed model id, and Serve prefers the replicas that hold it."""
+        await generate_plane.current().adapter_for(adapter)
+        return adapter
+
+    async def load_adapter(self, name: str, path: str | None) -> tuple:
+        """The server app's load (``path``) or unload (None) of an adapter: ("ok",) or ("error", status, message)."""
+        plane = generate_plane.current()
+        if plane is None or not plane.ready():
+            return ("error", 503, "model is loading or shutting down")
+        try:
+            await plane.load_adapter(name, path)
+        except UnknownModel:
+            pass  # an unload on a replica that never held it
+        except NeuronServeError as exc:
+            return ("error", exc.http_status, str(exc))
+        except Exception as exc:  # noqa: BLE001
+            return ("error", 500, f"{type(exc).__name__}: {exc}")
+        return ("ok",)
 
     def check_health(self) -> None:
         """Serve's health check: a replica whose engine process has ended is replaced."""
@@ -108,7 +139,8 @@ def build_plane(config: ModelConfig, base_dir: str | None, replica: str) -> Gene
     engines = start_engines(config.model_dump(mode="json", exclude_unset=True), base_dir, replica,
                             config.cores_per_replica, settings.tensor_parallel_size)
     return GenerationPlane(config, Frontend(engines, engines.info, engines.tokenizer), replica,
-                           cores=config.cores_per_replica)
+                           cores=config.cores_per_replica, base_dir=base_dir,
+                           registry=adapter_registry.ModelAdapters(config.name))
 
 
 def max_ongoing_requests(config: ModelConfig) -> int:
@@ -128,12 +160,14 @@ def application(config: ModelConfig, base_dir: str | None, options: dict):
 _streams: dict = {}
 
 
-async def forward_openai(name: str, kind: str, request: Any):
-    """Call ``openai`` on a replica of generate model ``name`` with a decoded request: a response generator
-    (cancel it to abort)."""
+async def forward_openai(name: str, kind: str, request: Any, adapter: str | None = None):
+    """Call ``openai`` on a replica of generate model ``name`` with a decoded request (for its LoRA ``adapter``:
+    a replica that holds it, by Serve's model multiplexing): a response generator (cancel it to abort)."""
     handle = _streams.get(name)
     if handle is None:
         found = await asyncio.get_running_loop().run_in_executor(None, serve.get_app_handle, name)
         handle = _streams[name] = found.options(stream=True)
+    if adapter is not None:
+        handle = handle.options(multiplexed_model_id=adapter)
     return handle.openai.remote(kind, request)
 
