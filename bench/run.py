@@ -22,7 +22,9 @@ guidellm.json; prefix caching (bench/prefix_caching.py: time to first token of p
 a 300-token prefix, served with and without caching) adds prefix_caching.md and
 prefix_caching.json; sampling on the core (bench/sampling.py: greedy against temperature 1 and
 top-p 0.9, a 32k vocabulary) adds sampling.md and sampling.json; speculative decoding (bench/speculative.py: n-gram proposals on a
-repetitive workload, served with and without) adds speculative.md and speculative.json; long
+repetitive workload, served with and without) adds speculative.md and speculative.json; LoRA
+adapters (bench/lora.py: 8 streams over 4 adapters against 8 on the base, one server, and an
+adapter's load time) adds lora.md and lora.json; long
 prompts (bench/prefill.py: a prefill against eager transformers' forward in process, and time
 to first token at one stream served beside transformers serve) adds prefill.md and prefill.json;
 embeddings (bench/embeddings.py: neuron-serve's /v1/embeddings against infinity-emb and
@@ -266,6 +268,11 @@ def run_speculative(quick: bool, out: Path, log) -> str | None:
                        "each, in turn)", 3600)
 
 
+def run_lora(quick: bool, out: Path, log) -> str | None:
+    """bench/lora.py (one server with four adapters: streams on the base, then over the adapters)."""
+    return _run_module("lora", quick, out, log, "LoRA adapters (one server)", 2400)
+
+
 def run_prefill(quick: bool, out: Path, log) -> str | None:
     """bench/prefill.py (in process, then neuron-serve and transformers serve in turn)."""
     return _run_module("prefill", quick, out, log, "long prompts' time to first token (two servers in turn)", 2400)
@@ -326,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     sampling = None if args.no_generate else run_sampling(args.quick, out, log)
     prefix_caching = None if args.no_generate else run_prefix_caching(args.quick, out, log)
     speculation = None if args.no_generate else run_speculative(args.quick, out, log)
+    lora = None if args.no_generate else run_lora(args.quick, out, log)
     prefill = None if args.no_generate else run_prefill(args.quick, out, log)
     guidellm = None if args.no_guidellm else run_guidellm(args.quick, out, log)
     embedding = None if args.no_embeddings else run_embeddings(args.quick, out, log)
@@ -364,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         sections += ["", prefix_caching.strip()]
     if speculation:
         sections += ["", speculation.strip()]
+    if lora:
+        sections += ["", lora.strip()]
     if prefill:
         sections += ["", prefill.strip()]
     if guidellm:

@@ -105,12 +105,15 @@ def _analyze_generation(args: argparse.Namespace, config, base_dir: Path) -> int
         reports[form.label] = build_report(form.analysis)
         if form.split is not None:  # each weight's split and the bytes per core
             reports[form.label]["tensor_parallel"] = form.split
+        if form.lora is not None:  # the LoRA adapter buffers every compiled model takes
+            reports[form.label]["lora"] = form.lora
         if args.html or args.report_json:
             from .report import partition_report  # noqa: PLC0415
 
             data = partition_report.build(config, form.model, form.captured, form.analysis)
             data["model"] = f"{config.name} ({form.label})"
             data["tensor_parallel"] = form.split
+            data["lora"] = form.lora
             pages[form.label] = data
     if args.html:  # one page per compiled model, named after its bucket
         html = Path(args.html)

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import torch
 
 from ..analysis.capture import CapturedGraph, capture
 from ..analysis.placement import GraphAnalysis, analyze_graph
 from ..config.schema import ModelConfig, _under
-from ..config.generation import GenerationSettings, refuse_lora
+from ..config.generation import GenerationSettings
 from ..targets import get_target
 from . import tensor_parallel
 from .build import DRAFT_FIELD, _pretrained, load_lm
@@ -33,6 +33,7 @@ class Form(NamedTuple):
     captured: CapturedGraph
     analysis: GraphAnalysis
     split: dict | None = None  # with generation.tensor_parallel_size above 1: see :func:`split_of`
+    lora: dict | None = None  # with generation.lora: see :func:`lora_of`
 
 
 def split_of(lm: torch.nn.Module, buckets, size: int) -> dict | None:
@@ -49,24 +50,39 @@ def split_of(lm: torch.nn.Module, buckets, size: int) -> dict | None:
             "bytes_whole": {"weights": tensor_parallel.bytes_per_core(lm, None), "kv_cache": cache}}
 
 
+def lora_of(lm: torch.nn.Module, settings: GenerationSettings) -> tuple[Any, dict] | None:
+    """With generation.lora: the buffers' layout every compiled model takes, and what the report says of them
+    (each core holds them whole, under tensor parallelism too)."""
+    if settings.lora is None:
+        return None
+    from .adapters import AdapterPolicy  # noqa: PLC0415
+
+    layout = AdapterPolicy.of(lm, settings.lora, settings.tensor_parallel_size).layout
+    dtype_bytes = next(lm.parameters()).element_size()
+    return layout, {"max_loras": layout.max_loras, "max_lora_rank": layout.rank,
+                    "projections": sorted({t.name for t in layout.targets}),
+                    "bytes_per_core": layout.bytes(dtype_bytes)}
+
+
 def forms(config: ModelConfig, base_dir: str | Path | None = None) -> Iterator[Form]:
     """Every model the model.yaml compiles, in bucket order, each analyzed as it comes (progress on stderr)."""
     settings = config.generation or GenerationSettings()
-    refuse_lora(settings, "neuron-serve analyze")
     lm = load_lm(config, base_dir)
     buckets = settings.to_buckets(lm.config)
     split = split_of(lm, buckets, settings.tensor_parallel_size)
-    models = [(lm, buckets, "", split)]
+    lora = lora_of(lm, settings)
+    models = [(lm, buckets, "", split, lora)]
     spec = settings.speculative_config
-    if spec is not None and spec.method == "draft_model":
+    if spec is not None and spec.method == "draft_model":  # a draft proposes without adapters
         draft = _pretrained(_under(base_dir, spec.model), DRAFT_FIELD)
-        models.append((draft, buckets.for_draft(), "draft_", split_of(draft, buckets, settings.tensor_parallel_size)))
-    every = [(model, buckets, prefix + shape.label, shape, split)
-             for model, buckets, prefix, split in models for shape in shapes_of(buckets)]
+        models.append((draft, buckets.for_draft(), "draft_", split_of(draft, buckets, settings.tensor_parallel_size),
+                       None))
+    every = [(model, buckets, prefix + shape.label, shape, split, lora)
+             for model, buckets, prefix, split, lora in models for shape in shapes_of(buckets)]
     target = get_target(config.target)
-    for index, (causal_lm, buckets, label, shape, split) in enumerate(every, 1):
-        model = slot_module(causal_lm, buckets, shape)
-        captured = capture(model, example_inputs(shape))
+    for index, (causal_lm, buckets, label, shape, split, lora) in enumerate(every, 1):
+        model = slot_module(causal_lm, buckets, shape, lora=lora[0] if lora else None)
+        captured = capture(model, example_inputs(shape, lora=lora is not None))
         analysis = analyze_graph(captured, target)
         print(f"analyzed {label} ({index}/{len(every)})", file=sys.stderr, flush=True)
-        yield Form(label, model, captured, analysis, split)
+        yield Form(label, model, captured, analysis, split, lora[1] if lora else None)

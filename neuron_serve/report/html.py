@@ -180,6 +180,11 @@ def _summary(data: dict) -> str:
             f"<code>{escape(k)}</code> {escape(v)}" for k, v in data["compiler_args"]["options"].items()) + "</p>"
     if data.get("tensor_parallel"):
         html += _tensor_parallel(data["tensor_parallel"])
+    if data.get("lora"):
+        lora = data["lora"]
+        html += (f"<p>LoRA adapter buffers: <b>{_kib(lora['bytes_per_core'])} per core</b> ({lora['max_loras']} "
+                 f"adapters at rank {lora['max_lora_rank']}, and the base's zeros, over "
+                 f"{escape(', '.join(lora['projections']))}); whole on every core.</p>")
     return html
 
 

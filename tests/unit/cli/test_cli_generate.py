@@ -72,6 +72,26 @@ def test_analyze_reports_every_compiled_model(llm_yaml, tmp_path):
         assert f"analyzed {label} ({COMPILED.index(label) + 1}/{len(COMPILED)})" in done.stderr
 
 
+def test_analyze_of_a_lora_model_shows_the_adapter_buffers_per_core(tmp_path):
+    (path := tmp_path / "lora.yaml").write_text(
+        LLM_YAML + "  prefill_buckets: [64]\n  decode_batch_buckets: [4]\n  decode_context_buckets: [64]\n"
+                   "  lora: {max_loras: 2, max_lora_rank: 8}\n")
+    done = _cli("analyze", path, "--html", tmp_path / "report.html")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert list(report) == ["prefill_64", "decode_4x64"]
+    # Every attention and MLP projection of the 2 layers (hidden 64, MLP 128, key/value 32 wide), an A of
+    # (3 slots, in, 8) and a B of (3, 8, out) each, float32: 24,576 values a layer.
+    expected = {"max_loras": 2, "max_lora_rank": 8, "bytes_per_core": 2 * 24576 * 4,
+                "projections": ["mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj",
+                                "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj"]}
+    for form in report.values():
+        assert form["lora"] == expected
+        assert form["support_percentage"] == "100.00%"  # the adapters' gathers and matmuls run on the core
+    assert "<p>LoRA adapter buffers: <b>192.0 KiB per core</b> (2 adapters at rank 8, and the base's zeros" in \
+        (tmp_path / "report-decode_4x64.html").read_text()
+
+
 def test_analyze_refuses_what_applies_to_infer_models_only(llm_yaml):
     done = _cli("analyze", llm_yaml, "--pipeline-cores", "2")
     assert done.returncode == 2
