@@ -227,6 +227,12 @@ class GenerationSettings(BaseModel):
         except ConfigError as exc:
             field, _, message = str(exc).partition(": ")
             raise FieldError(field, message) from None
+        if self.lora is not None and self.tensor_parallel_size > 1:
+            # Checked against PEFT at tensor_parallel_size 2, an adapter's rows did not answer as its model does
+            # (the base's rows did): refused rather than served wrong.
+            raise FieldError("lora", f"not served at tensor_parallel_size {self.tensor_parallel_size} yet (only at "
+                                     f"1); serve the adapters at tensor_parallel_size 1, or merge an adapter into "
+                                     f"the weights (peft's merge_and_unload) and serve the merged model")
         return self
 
     def model_len(self, model_config: Any) -> int:

@@ -388,7 +388,12 @@ generation:
   max_num_seqs: 8
   max_model_len: {LLM_MAX_MODEL_LEN}
   decode_steps: 4
-  on_device_sampling: false        # 16 models a replica, not 28: on-core sampling is tested in process
+  on_device_sampling: false        # on-core sampling is tested in process
+  # 6 models a replica, not the default 16: two prefill lengths, decode of one row and of every row
+  # (each by 1 and by 4 steps); the bucket choice itself is tested in process.
+  prefill_buckets: [32, 256]
+  decode_batch_buckets: [1, 8]
+  decode_context_buckets: [256]
 """
 
 

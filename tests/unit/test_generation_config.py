@@ -169,9 +169,9 @@ def test_lora_is_on_when_present_with_vllms_defaults():
     # A base-model draft still proposes; the verify, with the row's adapter, decides: the output stays exact.
     ({"speculative_config": {"model": "draft", "num_speculative_tokens": 2}}, {"pretrained": "llama"}),
     ({"speculative_config": {"num_speculative_tokens": 2}, "enable_prefix_caching": True}, {"pretrained": "llama"}),
-    ({"tensor_parallel_size": 2, "decode_steps": 4}, {"pretrained": "llama"}),
+    ({"decode_steps": 4}, {"pretrained": "llama"}),
     ({}, {"artifact": "built"}),  # adapters are files of their own, beside the compiled models
-], ids=["draft model", "ngram and prefix caching", "tensor parallel, decode steps", "artifact"])
+], ids=["draft model", "ngram and prefix caching", "decode steps", "artifact"])
 def test_lora_combines_with_the_other_generation_settings(generation, model):
     data = with_(GENERATE, model=model, cores_per_replica=2, generation={**generation, "lora": {"max_loras": 2}})
     assert parse_config(data).generation.lora.max_loras == 2
@@ -333,6 +333,13 @@ def test_lora_is_refused_by_build_not_ignored():
     with pytest.raises(ConfigError, match=r"^generation\.lora: neuron-serve build \(an artifact\) does not serve LoRA "
                                           r"adapters yet; `neuron-serve deploy` serves them from the model\.yaml"):
         refuse_lora(config.generation, "neuron-serve build (an artifact)")
+
+
+def test_lora_with_tensor_parallelism_is_refused_by_field():
+    with pytest.raises(ConfigError, match=r"generation\.lora: not served at tensor_parallel_size 2 yet \(only at 1\); "
+                                          r"serve the adapters at tensor_parallel_size 1, or merge an adapter"):
+        parse_config(with_(GENERATE, model={"pretrained": "llama"}, cores_per_replica=2,
+                           generation={**SMALL, "tensor_parallel_size": 2, "lora": {}}))
 
 
 def test_build_engine_refuses_an_infer_model():
