@@ -6,6 +6,7 @@ without a compile. Every answer is PEFT's own model's, token for token, logprob 
 from __future__ import annotations
 
 import json
+import shutil
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -136,8 +137,9 @@ def test_one_batch_of_adapters_and_the_base_each_answers_as_peft(lora):
 
 def test_an_adapter_loaded_while_serving_answers_on_every_replica_without_a_compile_then_unloads(lora):
     compiled = metric_sum(scrape(lora), "neuron_serve_compiled_models", model=MODEL, state="compiled")
-    status, text = post(lora, "/v1/load_lora_adapter",
-                        {"lora_name": "qv", "lora_path": str(lora.dir / "adapters" / "qv")})
+    live = lora.dir / "adapters" / "live"  # qv's files, then mlp's: load_inplace from the same directory
+    shutil.copytree(lora.dir / "adapters" / "qv", live)
+    status, text = post(lora, "/v1/load_lora_adapter", {"lora_name": "qv", "lora_path": str(live)})
     assert (status, text) == (200, "Success: LoRA adapter 'qv' added successfully.")
     asked = [("qv", prompt(10 + i)) for i in range(4)]
     # Through /v1 (Serve routes an adapter to the replicas holding it) and the model's own routes (HAProxy's
@@ -152,6 +154,17 @@ def test_an_adapter_loaded_while_serving_answers_on_every_replica_without_a_comp
     loaded_on = {line.split('replica="')[1].split('"')[0] for line in metrics.splitlines()
                  if line.startswith("neuron_serve_lora_adapter_load_seconds_count{") and float(line.split()[-1]) > 0}
     assert len(loaded_on) == 2  # both replicas serve it
+
+    # New files in the same directory, loaded in place: every replica reads them again (a new version).
+    shutil.rmtree(live)
+    shutil.copytree(lora.dir / "adapters" / "mlp", live)
+    assert post(lora, "/v1/load_lora_adapter", {"lora_name": "qv", "lora_path": str(live), "load_inplace": True}) \
+        == (200, "Success: LoRA adapter 'qv' added successfully.")
+    with openai.OpenAI(base_url=f"{lora.url}/v2/models/{MODEL}/v1", api_key=TOKEN, max_retries=0) as own:
+        replaced = [complete(own, "qv", asked[0][1]) for _ in range(4)]
+    want = expected(lora, "mlp", asked[0][1])
+    assert all(text == want[0] and logprobs == pytest.approx(want[1], abs=LOGPROB_TOLERANCE)
+               for text, logprobs in replaced)
 
     status, text = post(lora, "/v1/unload_lora_adapter", {"lora_name": "qv"})
     assert (status, text) == (200, "Success: LoRA adapter 'qv' removed successfully.")
@@ -184,6 +197,8 @@ def test_refusals_name_the_model_the_adapter_and_the_reason(lora):
         400, "lora_name: 'lora' is the name of a served model; give the adapter another")
     status, body = post(lora, "/v1/load_lora_adapter", {"lora_name": "x"})
     assert (status, json.loads(body)["error"]["param"]) == (400, "lora_path")
+    status, body = post(lora, "/v1/unload_lora_adapter", {"lora_name": "mlp", "lora_int_id": 3})
+    assert (status, json.loads(body)["error"]["message"]) == (400, "lora_int_id: Extra inputs are not permitted")
     status, body = post(lora, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(wide)}, token=None)
     assert (status, json.loads(body)["error"]["code"]) == (401, "invalid_api_key")
     # The server kept serving.

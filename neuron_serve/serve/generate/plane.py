@@ -70,8 +70,8 @@ class UnknownModel(NeuronServeError):
 class Registry(Protocol):
     """Where the server keeps a model's adapters (serve/ray/adapter_registry.py: Ray's key-value store)."""
 
-    async def path(self, name: str) -> str | None:
-        """Adapter ``name``'s directory; None: not served."""
+    async def find(self, name: str) -> tuple[str, int] | None:
+        """Adapter ``name``'s (directory, version): a new version is read again; None: not served."""
 
     async def all(self) -> dict[str, str]:
         """Every adapter: name -> directory."""
@@ -89,6 +89,7 @@ class GenerationPlane:
         # The LoRA adapters the engines serve, name -> directory: the model.yaml's (loaded as they were built),
         # then those a request named that ``registry`` holds (loaded while serving: the load route's).
         self.adapters: dict[str, str] = {n: _under(base_dir, p) for n, p in (lora.lora_modules if lora else {}).items()}
+        self._versions: dict[str, int] = dict.fromkeys(self.adapters, 0)  # what the engines hold of each
         self._registry = registry
         self._adapter_lock: asyncio.Lock | None = None
         self.frontend = frontend
@@ -185,9 +186,10 @@ class GenerationPlane:
             return None
         if self.lora is None:
             raise UnknownModel(model)
-        path = await self._registry.path(model) if self._registry is not None else self.adapters.get(model)
-        if path is None or path != self.adapters.get(model):
-            await self.load_adapter(model, path)
+        held = (self.adapters[model], self._versions[model]) if model in self.adapters else None
+        source = await self._registry.find(model) if self._registry is not None else held
+        if source is None or source != held:
+            await self.load_adapter(model, source)
         return model
 
     async def adapter_cards(self) -> dict[str, dict]:
@@ -198,24 +200,25 @@ class GenerationPlane:
         return {name: {"root": path, "parent": self.name, "max_model_len": self.max_model_len}
                 for name, path in served.items()}
 
-    async def load_adapter(self, name: str, path: str | None) -> None:
-        """Serve adapter ``name`` from directory ``path`` (None: no longer); raises what loading raises (an
-        AdapterError names the file and the reason), UnknownModel for None when it was not served."""
+    async def load_adapter(self, name: str, source: tuple[str, int] | None) -> None:
+        """Serve adapter ``name`` from ``source``, its (directory, version) (None: no longer); raises what loading
+        raises (an AdapterError names the file and the reason), UnknownModel for None when it was not served."""
         if self._adapter_lock is None:
             self._adapter_lock = asyncio.Lock()
         async with self._adapter_lock:  # one load at a time; a request that waited finds it loaded
-            held = self.adapters.get(name)
-            if held is not None and held != path:  # unloaded or replaced since: running requests finish on it
+            held = (self.adapters[name], self._versions[name]) if name in self.adapters else None
+            if held is not None and held != source:  # unloaded or replaced since: running requests finish on it
                 await self._engines_call(self.frontend.engines.unload_adapter, name)
-                del self.adapters[name]
+                del self.adapters[name], self._versions[name]
                 logger.info("%s: LoRA adapter %r unloaded", self.name, name)
-            if path is None:
+            if source is None:
                 raise UnknownModel(name)
             if name not in self.adapters:
+                path, version = source
                 loop = asyncio.get_running_loop()
                 started = loop.time()
                 await self._engines_call(self.frontend.engines.load_adapter, name, path)
-                self.adapters[name] = path
+                self.adapters[name], self._versions[name] = path, version
                 metrics.ADAPTER_LOAD_SECONDS.labels(model=self.name, replica=self.replica).observe(loop.time() - started)
                 logger.info("%s: LoRA adapter %r loaded from %s", self.name, name, path)
 

@@ -30,6 +30,9 @@ class AdapterControl(Protocol):
     async def entries(self) -> dict[str, dict]:
         """Every adapter: name -> ``{"base": its model, "path": its directory}``."""
 
+    async def entry(self, name: str) -> dict | None:
+        """Adapter ``name``'s ``{"base", "path"}``, or None (one read: a request's route looks it up)."""
+
     async def load(self, base: str, name: str, path: str | None) -> None:
         """A replica of ``base`` loads adapter ``name`` from ``path`` (None: drops it), raising what it refused
         with; the entry is recorded (or removed) after it."""
@@ -106,7 +109,7 @@ def install(app: FastAPI, model_states: States, generate_states: States,
             name = requested_model(data)
             states = await generate_states()
             if name not in states and adapters is not None:
-                entry = (await adapters.entries()).get(name)
+                entry = await adapters.entry(name)
                 if entry is not None and entry["base"] in states:
                     adapter, name = name, entry["base"]
             if name not in states:
@@ -173,6 +176,12 @@ def install(app: FastAPI, model_states: States, generate_states: States,
                                      f"({', '.join(allowed)}); name the one this adapter is of", 400, "model")
         return allowed[0]
 
+    def only(data: dict, *fields: str) -> None:
+        """A field these routes do not know is refused, not ignored."""
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            raise openai.OpenAIError(f"{unknown[0]}: Extra inputs are not permitted", 400, unknown[0])
+
     def field(data: dict, name: str) -> str:
         value = data.get(name)
         if not isinstance(value, str) or not value:
@@ -185,14 +194,11 @@ def install(app: FastAPI, model_states: States, generate_states: States,
             data = openai.json_object(await read_body(request))
             base = await updatable(data)
             name, path = field(data, "lora_name"), field(data, "lora_path")
-            unknown = set(data) - {"lora_name", "lora_path", "load_inplace", "model", "lora_int_id"}
-            if unknown:
-                raise openai.OpenAIError(f"{sorted(unknown)[0]}: Extra inputs are not permitted", 400,
-                                         sorted(unknown)[0])
+            only(data, "lora_name", "lora_path", "load_inplace", "model")
             if name in await model_states():
                 raise openai.OpenAIError(f"lora_name: {name!r} is the name of a served model; give the adapter "
                                          f"another", 400, "lora_name")
-            held = (await adapters.entries()).get(name)
+            held = await adapters.entry(name)
             if held is not None and (held["base"] != base or data.get("load_inplace") is not True):
                 raise openai.OpenAIError(f"The lora adapter '{name}' has already been loaded. (load_inplace: true "
                                          f"replaces it)", 400, "lora_name")
@@ -209,7 +215,8 @@ def install(app: FastAPI, model_states: States, generate_states: States,
             data = openai.json_object(await read_body(request))
             base = await updatable(data)
             name = field(data, "lora_name")
-            held = (await adapters.entries()).get(name)
+            only(data, "lora_name", "model")
+            held = await adapters.entry(name)
             if held is None or held["base"] != base:
                 raise openai.OpenAIError(f"The lora adapter '{name}' cannot be found.", 404, "lora_name",
                                          "model_not_found")

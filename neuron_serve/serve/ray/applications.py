@@ -105,16 +105,20 @@ class Adapters:
     async def entries(self) -> dict[str, dict]:
         return await asyncio.get_running_loop().run_in_executor(None, adapter_registry.entries)
 
+    async def entry(self, name: str) -> dict | None:
+        return await asyncio.get_running_loop().run_in_executor(None, adapter_registry.get, name)
+
     async def load(self, base: str, name: str, path: str | None) -> None:
         loop = asyncio.get_running_loop()
         if path is None:  # the routes refuse it at once; a replica holding it drops it now or on its next request
             await loop.run_in_executor(None, adapter_registry.remove, name)
-        outcome = await (await _handle(base)).load_adapter.remote(name, path)
+        source = (path, time.time_ns()) if path is not None else None  # a new version: every replica reads it again
+        outcome = await (await _handle(base)).load_adapter.remote(name, source)
         if outcome[0] == "error":
             _, status, message = outcome
             raise AdapterRefused(message, status)
-        if path is not None:
-            await loop.run_in_executor(None, adapter_registry.put, name, base, path)
+        if source is not None:
+            await loop.run_in_executor(None, adapter_registry.put, name, base, *source)
 
 
 class AdapterRefused(NeuronServeError):

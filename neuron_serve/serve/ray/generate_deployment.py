@@ -54,7 +54,7 @@ class GenerateServer:
         self.plane = await loop.run_in_executor(None, build_plane, parsed, base_dir, replica)
         # The model.yaml's adapters, for the server app's routes (and every replica: each records the same).
         for name, path in self.plane.adapters.items():
-            await loop.run_in_executor(None, adapter_registry.put, name, parsed.name, path)
+            await loop.run_in_executor(None, adapter_registry.put, name, parsed.name, path, 0)
         self.plane.start()
         generate_plane.set_current(self.plane)
         self._untrack = compile_state.track(self.plane, replica)
@@ -90,13 +90,14 @@ class GenerateServer:
         await generate_plane.current().adapter_for(adapter)
         return adapter
 
-    async def load_adapter(self, name: str, path: str | None) -> tuple:
-        """The server app's load (``path``) or unload (None) of an adapter: ("ok",) or ("error", status, message)."""
+    async def load_adapter(self, name: str, source: tuple[str, int] | None) -> tuple:
+        """The server app's load (``source``: directory, version) or unload (None) of an adapter: ("ok",) or
+        ("error", status, message)."""
         plane = generate_plane.current()
         if plane is None or not plane.ready():
             return ("error", 503, "model is loading or shutting down")
         try:
-            await plane.load_adapter(name, path)
+            await plane.load_adapter(name, source)
         except UnknownModel:
             pass  # an unload on a replica that never held it
         except NeuronServeError as exc:
