@@ -6,7 +6,8 @@ with one key/value head (fewer than the cores: kept whole on each), Mistral and 
 prints whether greedy generation equals transformers' with sequences joining and leaving
 (five prompts, four slots, slot moves), with decode_steps 2 for Llama; then a seeded
 sampled request's tokens, the split of the weights and each core's bytes, and whether
-Llama saved as an artifact and loaded again answers the same, as one JSON object.
+Llama saved as an artifact and loaded again answers the same; with two LoRA adapters, whether each row
+of a mixed batch answers as PEFT's model; as one JSON object.
 """
 
 import json
@@ -83,7 +84,55 @@ def main(sampled_params: dict) -> None:
         finally:
             engine.close()
     result["cached_speculative_equal"] = _cached_and_speculative()
+    result["lora"] = _lora()
     print(json.dumps(result))
+
+
+LORA_ADAPTERS = {"attention": {"r": 4, "lora_alpha": 8, "target_modules": gm.ATTENTION},
+                 "mlp": {"r": 8, "lora_alpha": 16, "target_modules": gm.MLP},
+                 "qv": {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"]},
+                 "wide": {"r": 16, "lora_alpha": 8, "target_modules": ["o_proj", "up_proj", "down_proj"]}}
+
+
+def _lora() -> dict:
+    """Llama at TP 2 with four LoRA adapters of ranks 2 to 16 (model.yaml's lora_modules) on two buffer slots:
+    rows of each and of the base in one batch (an adapter waits for a slot), each answer's tokens and logprobs
+    against PEFT's model with that adapter; the buffers' bytes a core."""
+    from neuron_serve.config.schema import parse_config  # noqa: PLC0415
+    from neuron_serve.generation.build import build_engine  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory() as folder:
+        root = Path(folder)
+        lm = gm.build("llama")
+        lm.save_pretrained(root / "llama")
+        peft = {name: gm.make_adapter(root / name, seed=i + 1, **config)
+                for i, (name, config) in enumerate(LORA_ADAPTERS.items())}
+        config = parse_config({"name": "lora", "task": "generate", "model": {"pretrained": "llama"},
+                               "cores_per_replica": 2,
+                               "generation": {**ONE_BUCKET, "tensor_parallel_size": 2, "on_device_sampling": False,
+                                              "lora": {"max_loras": 2, "max_lora_rank": 16,
+                                                       "lora_modules": {n: n for n in LORA_ADAPTERS}}}})
+        engine = build_engine(config, root, cores=2)
+        names = ["attention", None, "mlp", "qv", "wide"]
+        try:
+            done = engine.generate_batch(prompts(), SamplingParams(max_tokens=8, temperature=0, logprobs=0),
+                                         adapters=names, timeout=300)
+            memory = engine.engines.engines[0].executor.memory()
+        finally:
+            engine.close()
+        equal, worst = [], 0.0
+        for d, name, prompt in zip(done, names, prompts()):
+            model = lm if name is None else peft[name]
+            ids = torch.tensor([prompt])
+            with torch.no_grad():
+                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                                     min_new_tokens=8, do_sample=False, output_scores=True,
+                                     return_dict_in_generate=True, pad_token_id=0)
+            tokens = out.sequences[0, len(prompt):].tolist()
+            logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, tokens)]
+            equal.append(d.tokens == tokens)
+            worst = max([worst, *(abs(a - b) for a, b in zip(d.logprobs, logprobs))])
+    return {"equal": equal, "worst_logprob_error": worst, "bytes_per_core": memory.get("lora")}
 
 
 def _cached_and_speculative() -> list[bool]:

@@ -124,6 +124,12 @@ def start_spmd(devices: int) -> None:
                 f"serve the model (each group then runs in a process of its own).")
     elif emulated() and int(os.environ.get("CPU_NUM_DEVICES", "1")) != devices:
         os.environ["CPU_NUM_DEVICES"] = str(devices)
+    # torch-xla's dynamo bridge re-traces a compiled graph when an input's sharding differs from the one it was
+    # traced with; the re-trace matches inputs by the id of the tensor that first held their data, so a state
+    # tensor whose data an earlier call's output replaced (DeviceState.update) is taken for a constant and frozen
+    # at its value then (LoRA buffers read as zeros at every later decode). Inputs are given the layout each
+    # executable was compiled for instead (CompiledSubgraph._layouts, the plan's state spec), so the check is off.
+    os.environ["XLA_DYNAMO_INPUT_SHARDING_CHECK_THRESHOLD"] = "0"
     xr.use_spmd()
     if xr.global_runtime_device_count() != devices:
         raise RuntimeError(f"tensor_parallel_size {devices}: the process has {xr.global_runtime_device_count()} "
@@ -143,6 +149,14 @@ def mark(tensor: torch.Tensor, spec: Spec | None, devices: int) -> None:
     import torch_xla.distributed.spmd as xs  # noqa: PLC0415
 
     xs.mark_sharding(tensor, mesh(devices), spec if spec is not None else (None,) * tensor.dim())
+
+
+def layout(spec: Spec, example: torch.Tensor, devices: int) -> Any:
+    """The layout of a tensor shaped as ``example`` split by ``spec``, to place a host tensor on the group split
+    as it moves (``_xla_tensors_from_aten``'s shardings)."""
+    import torch_xla.distributed.spmd as xs  # noqa: PLC0415
+
+    return xs.ShardingSpec(mesh(devices), tuple(spec)).xla_spec(example)
 
 
 def apply_to_module(module: torch.nn.Module, plan: Sharding, derived: dict[str, tuple]) -> None:

@@ -148,15 +148,21 @@ class CompiledSubgraph(torch.nn.Module):
         self.donate = list(donate)
         # One program over a core group: weights and state split as the plan says (SPMD).
         self.sharding = sharding if sharding is not None else spmd.current()
+        # Under a plan: the layout each input is compiled for, given to a host input as it moves to the group.
+        self._layouts: dict[int, Any] = {}
         if self.sharding is not None:
             if not inline_weights:
                 raise ValueError("a sharded subgraph holds its weights inside the executable (inline_weights)")
             spmd.apply_to_module(resident, self.sharding, resident.meta.get(DERIVED, {}))
+            # The plan's state spec is the KV cache's; a state of another rank (LoRA's buffers) stays whole, as does
+            # every other input.
+            state = self.sharding.state
+            specs = [state if i in self.donate and state is not None and len(state) == a.dim() else None
+                     for i, a in enumerate(example_args)]
             for index in self.donate:
-                # The plan's state spec is the KV cache's; a state of another rank (LoRA's buffers) stays whole.
-                spec = self.sharding.state
-                spmd.mark(xla_args[index], spec if spec is not None and len(spec) == xla_args[index].dim() else None,
-                          self.sharding.devices)
+                spmd.mark(xla_args[index], specs[index], self.sharding.devices)
+            self._layouts = {i: spmd.layout(spec, a, self.sharding.devices)
+                             for i, (spec, a) in enumerate(zip(specs, example_args)) if spec is not None}
         # Outputs left on the device: new values of state tensors, never copied to the host.
         self.keep_on_device: set[int] = set()
         self._donate(xla_args)
@@ -237,11 +243,16 @@ class CompiledSubgraph(torch.nn.Module):
         """
         on_device = list(args)
         host = [i for i, a in enumerate(args) if a.device.type != "xla"]
-        if host:
-            moved = xla()._XLAC._xla_tensors_from_aten([_dense(args[i]) for i in host],
-                                                       [str(self.device)] * len(host), None)
-            for i, tensor in zip(host, moved):
-                on_device[i] = tensor
+        # A host input the executable takes split (a state, at the compile's first call) moves in its layout; the
+        # others move whole, which a program over a group takes as replicated.
+        split = [i for i in host if i in self._layouts]
+        for group, layouts in ((split, [self._layouts[i] for i in split] if split else None),
+                               ([i for i in host if i not in self._layouts], None)):
+            if group:
+                moved = xla()._XLAC._xla_tensors_from_aten([_dense(args[i]) for i in group],
+                                                           [str(self.device)] * len(group), layouts)
+                for i, tensor in zip(group, moved):
+                    on_device[i] = tensor
         return on_device
 
     def forward(self, *args: torch.Tensor) -> Any:

@@ -198,8 +198,8 @@ class GenerationSettings(BaseModel):
         default=None,
         description="LoRA adapters of the model (vLLM's settings; present, even empty as `lora:` or `lora: "
                     "{}`, it turns LoRA on): every compiled model takes each row's adapter, loading one writes "
-                    "buffers on the core. Served in process (build_engine); the server's routes and neuron-serve "
-                    "build refuse it for now")
+                    "buffers on the core; a request names an adapter as its model. neuron-serve build refuses it (an "
+                    "artifact does not carry adapters)")
     tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
         default=None,
         description="how the model writes a tool call, for OpenAI's tool_choice \"auto\" (vLLM's --tool-call-parser "
@@ -227,12 +227,6 @@ class GenerationSettings(BaseModel):
         except ConfigError as exc:
             field, _, message = str(exc).partition(": ")
             raise FieldError(field, message) from None
-        if self.lora is not None and self.tensor_parallel_size > 1:
-            # Checked against PEFT at tensor_parallel_size 2, an adapter's rows did not answer as its model does
-            # (the base's rows did): refused rather than served wrong.
-            raise FieldError("lora", f"not served at tensor_parallel_size {self.tensor_parallel_size} yet (only at "
-                                     f"1); serve the adapters at tensor_parallel_size 1, or merge an adapter into "
-                                     f"the weights (peft's merge_and_unload) and serve the merged model")
         return self
 
     def model_len(self, model_config: Any) -> int:

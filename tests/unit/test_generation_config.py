@@ -335,13 +335,6 @@ def test_lora_is_refused_by_build_not_ignored():
         refuse_lora(config.generation, "neuron-serve build (an artifact)")
 
 
-def test_lora_with_tensor_parallelism_is_refused_by_field():
-    with pytest.raises(ConfigError, match=r"generation\.lora: not served at tensor_parallel_size 2 yet \(only at 1\); "
-                                          r"serve the adapters at tensor_parallel_size 1, or merge an adapter"):
-        parse_config(with_(GENERATE, model={"pretrained": "llama"}, cores_per_replica=2,
-                           generation={**SMALL, "tensor_parallel_size": 2, "lora": {}}))
-
-
 def test_build_engine_refuses_an_infer_model():
     with pytest.raises(ConfigError, match="^task: mlp is a task: infer model; build_engine serves task: generate.$"):
         build_engine(parse_config(INFER))

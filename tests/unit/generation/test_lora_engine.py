@@ -35,12 +35,12 @@ def prompts(count: int, length: int, seed: int) -> list[list[int]]:
     return torch.randint(1, gm.VOCAB, (count, length), generator=generator).tolist()
 
 
-def eager(model: torch.nn.Module, prompt: list[int]) -> tuple[list[int], list[float]]:
-    """``model``'s greedy tokens after ``prompt`` and each one's logprob, by transformers' own generate."""
+def eager(model: torch.nn.Module, prompt: list[int], new: int = NEW_TOKENS) -> tuple[list[int], list[float]]:
+    """``model``'s ``new`` greedy tokens after ``prompt`` and each one's logprob, by transformers' own generate."""
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                             min_new_tokens=NEW_TOKENS, do_sample=False, output_scores=True,
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                             min_new_tokens=new, do_sample=False, output_scores=True,
                              return_dict_in_generate=True, pad_token_id=0)
     tokens = out.sequences[0, len(prompt):].tolist()
     logprobs = [torch.log_softmax(score[0].float(), -1)[token].item() for score, token in zip(out.scores, tokens)]
@@ -120,3 +120,39 @@ def test_a_prompt_cached_under_one_adapter_is_computed_again_under_another(serve
         check([done], [lm if name is None else peft[name]], [shared])
         # Only the second "attention" run reuses a cached prefix: its own first run's two whole blocks.
         assert hits() - before == (32 if run == 3 else 0)
+
+
+def repetitive(seed: int, length: int) -> list[int]:
+    """A prompt repeating a short random phrase, so n-gram speculation finds proposals in it."""
+    phrase = torch.randint(1, gm.VOCAB, (5,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return (phrase * (length // 5 + 1))[:length]
+
+
+def test_speculative_decoding_verifies_each_row_under_its_own_adapter(served):
+    """n-gram speculation with adapters: each round's verify call takes each row's adapter, so every row's
+    greedy output is still its PEFT model's, with proposals accepted and rejected. (No logprobs: a row asking
+    for them takes its logits home every step and is not speculated.)"""
+    _, peft, lm, root = served
+    config = parse_config({
+        "name": "lora-speculative", "task": "generate", "model": {"pretrained": "llama"}, "background_compile": False,
+        "generation": {"max_num_seqs": 4, "max_model_len": 48, "prefill_buckets": [48], "decode_batch_buckets": [4],
+                       "decode_context_buckets": [48], "on_device_sampling": False,
+                       "speculative_config": {"method": "ngram", "num_speculative_tokens": 2},
+                       "lora": {**LORA, "lora_modules": {name: name for name in ("attention", "mlp")}}}})
+    front = build_engine(config, root)
+
+    def counted(name: str) -> float:
+        return REGISTRY.get_sample_value(f"neuron_serve_spec_decode_num_{name}_total",
+                                         {"model_name": "lora-speculative", "replica": "0"}) or 0.0
+
+    names = ["attention", None, "mlp", "attention"]
+    asked = [repetitive(seed, 20) for seed in range(len(names))]
+    new = 26  # long enough for the tiny random models' answers to repeat themselves, which n-grams then propose
+    try:
+        done = front.generate_batch(asked, SamplingParams(max_tokens=new, temperature=0), adapters=names,
+                                    timeout=300)
+    finally:
+        front.close()
+    for completion, name, prompt in zip(done, names, asked):
+        assert completion.tokens == eager(lm if name is None else peft[name], prompt, new)[0]
+    assert 0 < counted("accepted_tokens") < counted("draft_tokens")

@@ -49,6 +49,17 @@ def test_prefix_caching_and_speculation_at_tp2_keep_greedy_output(at_tp2):
     assert at_tp2["cached_speculative_equal"] == [True] * 6
 
 
+def test_lora_adapters_at_tp2_answer_as_peft_with_their_buffers_whole_on_each_core(at_tp2):
+    """Rows of four adapters (ranks 2 to 16, on two buffer slots) and of the base at TP 2, each decoding 8 tokens:
+    PEFT's tokens, logprobs within 1e-4. The buffers are kept whole on each core (the plan splits the cache): the
+    2 layers' 7 projections, an A of (3 slots, in, 16) and a B of (3, 16, out) each, float32: (in + out) summed
+    over q, k, v, o, gate, up, down is 64+64, 64+32, 64+32, 64+64, 64+128, 64+128, 128+64 = 1024."""
+    lora = at_tp2["lora"]
+    assert lora["equal"] == [True] * 5
+    assert lora["worst_logprob_error"] < 1e-4
+    assert lora["bytes_per_core"] == 2 * 1024 * 16 * 3 * 4
+
+
 def test_a_tensor_parallel_artifact_loads_over_its_group_and_answers_the_same(at_tp2):
     assert at_tp2["artifact_equal"] == [True] * 5
 
