@@ -10,8 +10,12 @@ the slot taken is a free one, else the least recently used one no running sequen
 When every slot is used by running sequences, the request waits (it is not admitted) until
 one ends: nothing fails.
 
+An unloaded adapter first *retires*: refused to new requests, still known to the ones an engine
+already took (running or waiting for a slot), and removed when the last of them ends
+(``Engine.unload_adapter``).
+
 ``acquire`` and ``release`` run on the engine's thread (the buffers are written between its
-calls); ``add`` and ``remove`` may come from any thread (a load route): an adapter is read
+calls); ``add``, ``retire`` and ``remove`` may come from any thread (a load route): an adapter is read
 and checked on the caller's thread, then known under the lock.
 """
 
@@ -70,6 +74,7 @@ class Adapters:
         self._users: Counter[int] = Counter()  # buffer slot -> running sequences using it
         self._idle: OrderedDict[int, str] = OrderedDict()  # resident and unused: slot -> name, least recent first
         self._dropped: set[int] = set()  # slots of adapters removed while in use: freed when the last user ends
+        self.retiring: set[str] = set()  # unloaded, kept for the requests taken before: refused to new ones
         self.writes = 0  # adapters written into a slot (each a load onto the core, no compile)
 
     # -- known adapters ----------------------------------------------------------------------
@@ -86,12 +91,19 @@ class Adapters:
             self._keep(adapter)
         return adapter
 
+    def retire(self, name: str) -> None:
+        """Refuse adapter ``name`` to new requests; the ones taken before still start and run on it."""
+        with self._lock:
+            if name in self.paths:
+                self.retiring.add(name)
+
     def remove(self, name: str) -> None:
         """Forget adapter ``name``: requests already running with it finish on it; new ones are refused."""
         with self._lock:
             self._remove(name)
 
     def _remove(self, name: str) -> None:
+        self.retiring.discard(name)
         self.paths.pop(name, None)
         self._keys.pop(name, None)
         self._host.pop(name, None)
@@ -109,8 +121,9 @@ class Adapters:
             return None if name is None else self._keys[name]
 
     def __contains__(self, name: str) -> bool:
+        """Whether a new request may name adapter ``name`` (known, and not retiring)."""
         with self._lock:
-            return name in self.paths
+            return name in self.paths and name not in self.retiring
 
     # -- slots on the core -------------------------------------------------------------------
 

@@ -113,13 +113,13 @@ class Engine(Engines):
 
     def submit(self, request: EngineRequest, sink: Callable[[TokenEvent], None]) -> None:
         seq = Sequence(request.request_id, request.prompt, request.params, sink)
-        if request.adapter is not None:
-            if self.adapters is None or request.adapter not in self.adapters:
-                raise InvalidInput(f"adapter {request.adapter!r} is not loaded.")
-            seq.adapter, seq.adapter_key = request.adapter, self.adapters.key(request.adapter)
         if request.grammar is not None:
             seq.constraint = self._matcher(request.grammar)
-        with self._lock:
+        with self._lock:  # an unload sees this request, or this request sees the unload
+            if request.adapter is not None:
+                if self.adapters is None or request.adapter not in self.adapters:
+                    raise InvalidInput(f"adapter {request.adapter!r} is not loaded.")
+                seq.adapter, seq.adapter_key = request.adapter, self.adapters.key(request.adapter)
             self._open[seq.request_id] = seq
             self._inbox.append(seq)
             self._wake.notify()
@@ -138,10 +138,15 @@ class Engine(Engines):
         self.adapters.add(name, path)
 
     def unload_adapter(self, name: str) -> None:
-        """Stop serving adapter ``name``: running requests finish on it; KeyError if it is not loaded."""
+        """Stop serving adapter ``name`` to new requests; the ones already taken (running, or waiting for a slot)
+        finish on it, and it is forgotten when the last ends. KeyError if it is not loaded."""
         if self.adapters is None or name not in self.adapters:
             raise KeyError(name)
-        self.adapters.remove(name)
+        with self._lock:
+            if any(seq.adapter == name for seq in self._open.values()):
+                self.adapters.retire(name)
+            else:
+                self.adapters.remove(name)
 
     @property
     def running(self) -> int:
@@ -386,6 +391,9 @@ class Engine(Engines):
             seq.adapter_slot = None
         with self._lock:
             self._open.pop(seq.request_id, None)
+            if seq.adapter in (self.adapters.retiring if self.adapters is not None else ()) and \
+                    not any(other.adapter == seq.adapter for other in self._open.values()):
+                self.adapters.remove(seq.adapter)  # unloaded while this request ran: it was the last one
         seq.finish_reason, seq.stop_reason = reason, stop
         event = event or TokenEvent(seq.request_id, None, prompt_tokens=len(seq.prompt),
                                     completion_tokens=len(seq.output), prompt_logprobs=seq.prompt_logprobs)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -56,12 +58,12 @@ def lora(server_factory, tmp_path_factory):
     srv.stop()
 
 
-def expected(server, model: str, prompt: list[int]) -> tuple[str, list[float]]:
-    """PEFT's (or the base's) greedy text after ``prompt`` and each token's logprob."""
+def expected(server, model: str, prompt: list[int], new: int = NEW_TOKENS) -> tuple[str, list[float]]:
+    """PEFT's (or the base's) ``new`` greedy tokens after ``prompt`` as text, and each token's logprob."""
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = server.peft[model].generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                          max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                                          max_new_tokens=new, min_new_tokens=new, do_sample=False,
                                           output_scores=True, return_dict_in_generate=True, pad_token_id=0)
     tokens = out.sequences[0, len(prompt):].tolist()
     logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, tokens)]
@@ -177,6 +179,44 @@ def test_an_adapter_loaded_while_serving_answers_on_every_replica_without_a_comp
     assert (status, json.loads(body)) == (404, {"error": {
         "message": "The lora adapter 'qv' cannot be found.", "type": "not_found_error", "param": "lora_name",
         "code": "model_not_found"}})
+
+
+def test_unloading_an_adapter_lets_its_running_streams_finish_and_refuses_new_ones(lora):
+    """Streams on an adapter run when it is unloaded: each one already answering finishes whole, as PEFT's model
+    answers; a request arriving after the unload is 404."""
+    source = lora.dir / "adapters" / "qv"
+    assert post(lora, "/v1/load_lora_adapter", {"lora_name": "brief", "lora_path": str(source)}) == \
+        (200, "Success: LoRA adapter 'brief' added successfully.")
+    ids, long = prompt(30), 36  # up to max_model_len (48): a stream of many steps
+    lora.peft["brief"] = lora.peft["qv"]
+    streaming = threading.Event()
+
+    def stream(client: openai.OpenAI) -> list[tuple[float, str, str | None]]:
+        chunks = []
+        for chunk in client.completions.create(model="brief", prompt=ids, max_tokens=long, temperature=0,
+                                               stream=True):
+            chunks.append((time.monotonic(), chunk.choices[0].text, chunk.choices[0].finish_reason))
+            streaming.set()
+        return chunks
+
+    # More streams than the two replicas' 8 slots: some wait in an engine's queue while others stream.
+    with openai.OpenAI(base_url=f"{lora.url}/v1", api_key=TOKEN, max_retries=0) as client, \
+            ThreadPoolExecutor(12) as pool:
+        streams = [pool.submit(stream, client) for _ in range(12)]
+        assert streaming.wait(60)
+        assert post(lora, "/v1/unload_lora_adapter", {"lora_name": "brief"}) == \
+            (200, "Success: LoRA adapter 'brief' removed successfully.")
+        unloaded = time.monotonic()
+        finished = [f.result(timeout=120) for f in streams]
+        with pytest.raises(openai.NotFoundError) as gone:
+            complete(client, "brief", ids)
+    assert gone.value.body["code"] == "model_not_found"
+    want = expected(lora, "brief", ids, long)[0]
+    for chunks in finished:
+        assert "".join(text for _, text, _ in chunks) == want
+        assert chunks[-1][2] == "length"
+    # Some streams were still answering after the unload was acknowledged: they finished first.
+    assert max(chunks[-1][0] for chunks in finished) > unloaded
 
 
 def test_refusals_name_the_model_the_adapter_and_the_reason(lora):

@@ -73,7 +73,8 @@ async def openai_answer(plane: GenerationPlane, kind: Literal["completions", "ch
         try:
             adapter = await plane.adapter_for(request.model)
         except UnknownModel:
-            raise openai.unknown_model(request.model, [plane.name, *plane.adapters]) from None
+            # The adapters served now (the registry's), not the ones this replica has not yet dropped.
+            raise openai.unknown_model(request.model, [plane.name, *await plane.adapter_cards()]) from None
         if request.user is not None:  # who the end user is, for the operator's logs; kept nowhere else
             logger.info("%s: OpenAI %s request for end user %r", plane.name, kind, request.user)
         echo = tool = None

@@ -4,6 +4,9 @@ serves, more adapters than buffer slots, and prefix caching kept apart per adapt
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -120,6 +123,31 @@ def test_a_prompt_cached_under_one_adapter_is_computed_again_under_another(serve
         check([done], [lm if name is None else peft[name]], [shared])
         # Only the second "attention" run reuses a cached prefix: its own first run's two whole blocks.
         assert hits() - before == (32 if run == 3 else 0)
+
+
+def test_unloading_an_adapter_lets_the_requests_taken_finish_on_it(served):
+    """Six requests on an adapter, four running on the engine's slots and two waiting, when it is unloaded: all
+    six finish as PEFT's model answers; a new request is refused, and the adapter is forgotten after the last."""
+    front, peft, _, root = served
+    [engine] = front.engines.engines
+    front.engines.load_adapter("qv", str(root / "qv"))
+    asked, new = prompts(6, 9, seed=8), 24
+    done = []
+    worker = threading.Thread(target=lambda: done.extend(front.generate_batch(
+        asked, SamplingParams(max_tokens=new, temperature=0), adapters="qv", timeout=300)))
+    worker.start()
+    deadline = time.monotonic() + 60
+    while engine.running < 4 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    running = engine.running
+    front.engines.unload_adapter("qv")
+    with pytest.raises(InvalidInput, match="adapter 'qv' is not loaded"):
+        front.generate_batch(asked[:1], SamplingParams(max_tokens=2, temperature=0), adapters="qv")
+    worker.join(120)
+    assert running == 4  # the unload came while four ran (and two waited)
+    assert [c.tokens for c in done] == [eager(peft["qv"], p, new)[0] for p in asked]
+    assert {c.finish_reason for c in done} == {"length"}
+    assert "qv" not in engine.adapters.paths and "qv" not in engine.adapters.resident
 
 
 def repetitive(seed: int, length: int) -> list[int]:
