@@ -1,6 +1,6 @@
 """LoRA adapters served: streams spread over adapters against streams on the base, one server, one run.
 
-    python -m bench.lora [--quick] [--out DIR]    # also a part of python -m bench
+    python -m bench.lora [--quick] [--tensor-parallel-size N] [--out DIR]    # also a part of python -m bench
 
 The generation benchmark's Llama (4 layers, hidden 256, vocabulary 2048; random weights,
 bench/generate.py) served by ``neuron-serve deploy`` with ``generation.lora``: four PEFT
@@ -15,8 +15,9 @@ Workloads, token-id prompts of 32 tokens asking for 64 (``ignore_eos``), streame
 Output tokens per second and time per output token p50 of each; the adapters' TPOT is
 given against the base's (target: at most 1.3x). Then an adapter's load time at rank 16:
 ``/v1/load_lora_adapter`` of a fifth adapter (the request, answered once a replica read and
-checked it) and the first request on it (its buffers written onto the core). Writes
-lora.md (printed too) and lora.json.
+checked it) and the first request on it (its buffers written onto the core). With
+``--tensor-parallel-size 2`` the model is split over both cores (one replica; the adapter
+buffers kept whole on each). Writes lora.md (printed too) and lora.json.
 """
 
 from __future__ import annotations
@@ -69,13 +70,14 @@ def write_files(folder: Path) -> None:
         model.save_pretrained(folder / "adapters" / name)
 
 
-def serve(folder: Path) -> OpenAIServer:
+def serve(folder: Path, tensor_parallel_size: int = 1) -> OpenAIServer:
     import yaml  # noqa: PLC0415
 
     path = folder / "lora.yaml"
     path.write_text(yaml.safe_dump({
         "name": "llm", "task": "generate", "model": {"pretrained": str(folder / "llm")},
-        "generation": {**GENERATION, "lora": {"max_loras": len(ADAPTERS), "max_lora_rank": RANK,
+        "cores_per_replica": tensor_parallel_size,
+        "generation": {**GENERATION, "tensor_parallel_size": tensor_parallel_size, "lora": {"max_loras": len(ADAPTERS), "max_lora_rank": RANK,
                                               "allow_runtime_updates": True,
                                               "lora_modules": {n: f"adapters/{n}" for n in ADAPTERS}}}}))
     cli = str(Path(sys.executable).with_name("neuron-serve"))
@@ -103,10 +105,10 @@ def post(path: str, body: dict) -> tuple[float, bytes]:
     return time.perf_counter() - started, data
 
 
-def measure(folder: Path, rounds: int, log) -> dict:
+def measure(folder: Path, rounds: int, log, tensor_parallel_size: int = 1) -> dict:
     from bench.generate import VOCAB  # noqa: PLC0415
 
-    server = serve(folder)
+    server = serve(folder, tensor_parallel_size)
     url = f"http://127.0.0.1:{PORT}/v1/completions"
     try:
         probe = json.dumps({"model": "llm", "prompt": [1, 2, 3], "max_tokens": 1}).encode()
@@ -135,6 +137,7 @@ def measure(folder: Path, rounds: int, log) -> dict:
             f"(the next {again_s * 1e3:.0f} ms)")
     finally:
         server.stop()
+    figures["tensor_parallel_size"] = tensor_parallel_size
     figures["tpot_ratio"] = figures["adapters"]["tpot_p50_s"] / figures["base"]["tpot_p50_s"]
     figures["tokens_per_s_ratio"] = figures["adapters"]["tokens_per_s"] / figures["base"]["tokens_per_s"]
     return figures
@@ -146,7 +149,8 @@ def report(figures: dict) -> str:
     return "\n".join([
         "## LoRA adapters (served over HTTP, one server)", "",
         f"{STREAMS} streams at once, {PROMPT}-token prompts, {NEW} new tokens each; rank-{RANK} adapters on every "
-        f"attention and MLP projection, max_loras {len(ADAPTERS)}.", "",
+        f"attention and MLP projection, max_loras {len(ADAPTERS)}, tensor_parallel_size "
+        f"{figures.get('tensor_parallel_size', 1)}.", "",
         "| workload | output tok/s | TPOT p50 |", "|---|---:|---:|",
         f"| {STREAMS} streams on the base | {base['tokens_per_s']:.1f} | {base['tpot_p50_s'] * 1e3:.2f} ms |",
         f"| {STREAMS} streams over {len(ADAPTERS)} adapters | {lora['tokens_per_s']:.1f} "
@@ -162,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.lora", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="2 rounds of 8 streams a workload instead of 6")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, choices=(1, 2),
+                        help="cores the model is split over (2: both of this machine's, one replica)")
     parser.add_argument("--out", type=Path, help="results directory (default bench/results/<timestamp>)")
     args = parser.parse_args(argv)
     out = args.out or RESULTS / time.strftime("%Y%m%d-%H%M%S")
@@ -173,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         write_files(folder)
-        figures = measure(folder, 2 if args.quick else 6, log)
+        figures = measure(folder, 2 if args.quick else 6, log, args.tensor_parallel_size)
     text = report(figures)
     (out / "lora.md").write_text(text)
     (out / "lora.json").write_text(json.dumps(figures, indent=2))
