@@ -156,22 +156,26 @@ def repetitive(seed: int, length: int) -> list[int]:
     return (phrase * (length // 5 + 1))[:length]
 
 
-def test_speculative_decoding_verifies_each_row_under_its_own_adapter(served):
-    """n-gram speculation with adapters: each round's verify call takes each row's adapter, so every row's
-    greedy output is still its PEFT model's, with proposals accepted and rejected. (No logprobs: a row asking
-    for them takes its logits home every step and is not speculated.)"""
+@pytest.mark.parametrize("proposer", [{"method": "ngram"}, {"method": "draft_model", "model": "llama"}],
+                         ids=["ngram", "base-as-draft"])
+def test_speculative_decoding_verifies_each_row_under_its_own_adapter(served, proposer):
+    """Speculation with adapters: each round's verify call takes each row's adapter, so every row's greedy output
+    is still its PEFT model's, with proposals accepted and rejected; n-gram proposals, or a draft model's (the
+    base model as its own draft: its proposals are the base's, verified under each row's adapter). No logprobs:
+    a row asking for them takes its logits home every step and is not speculated."""
     _, peft, lm, root = served
+    model = f"lora-speculative-{proposer['method']}"
     config = parse_config({
-        "name": "lora-speculative", "task": "generate", "model": {"pretrained": "llama"}, "background_compile": False,
+        "name": model, "task": "generate", "model": {"pretrained": "llama"}, "background_compile": False,
         "generation": {"max_num_seqs": 4, "max_model_len": 48, "prefill_buckets": [48], "decode_batch_buckets": [4],
                        "decode_context_buckets": [48], "on_device_sampling": False,
-                       "speculative_config": {"method": "ngram", "num_speculative_tokens": 2},
+                       "speculative_config": {**proposer, "num_speculative_tokens": 2},
                        "lora": {**LORA, "lora_modules": {name: name for name in ("attention", "mlp")}}}})
     front = build_engine(config, root)
 
     def counted(name: str) -> float:
         return REGISTRY.get_sample_value(f"neuron_serve_spec_decode_num_{name}_total",
-                                         {"model_name": "lora-speculative", "replica": "0"}) or 0.0
+                                         {"model_name": model, "replica": "0"}) or 0.0
 
     names = ["attention", None, "mlp", "attention"]
     asked = [repetitive(seed, 20) for seed in range(len(names))]
