@@ -21,7 +21,9 @@ from openai import BadRequestError, NotFoundError, OpenAI
 from sentence_transformers import CrossEncoder, SentenceTransformer
 
 EMBEDDING_TOLERANCE = 1e-5
-SCORE_TOLERANCE = 1e-4
+# A score is a sigmoid of one logit: batched with other requests into a longer bucket, XLA:CPU's kernels sum the
+# encoder's products in another order than eager's (1.2e-4 seen on a busy machine).
+SCORE_TOLERANCE = 3e-4
 MODELS = ("embedder", "reranker", "classifier")
 TEXTS = ["the compile cache", "gRPC over HTTP/1 behind HAProxy, one call a request",
          "Ready means every port answers for every model, and deploy prints its ready line only then", "a"]
