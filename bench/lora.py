@@ -77,9 +77,9 @@ def serve(folder: Path, tensor_parallel_size: int = 1) -> OpenAIServer:
     path.write_text(yaml.safe_dump({
         "name": "llm", "task": "generate", "model": {"pretrained": str(folder / "llm")},
         "cores_per_replica": tensor_parallel_size,
-        "generation": {**GENERATION, "tensor_parallel_size": tensor_parallel_size, "lora": {"max_loras": len(ADAPTERS), "max_lora_rank": RANK,
-                                              "allow_runtime_updates": True,
-                                              "lora_modules": {n: f"adapters/{n}" for n in ADAPTERS}}}}))
+        "generation": {**GENERATION, "tensor_parallel_size": tensor_parallel_size,
+                       "lora": {"max_loras": len(ADAPTERS), "max_lora_rank": RANK, "allow_runtime_updates": True,
+                                "lora_modules": {n: f"adapters/{n}" for n in ADAPTERS}}}}))
     cli = str(Path(sys.executable).with_name("neuron-serve"))
     spec = servers.ServerSpec("neuron-serve-lora", "neuron-serve",
                               [cli, "deploy", str(path), "--host", "127.0.0.1", "--port", str(PORT), "--no-grpc"],

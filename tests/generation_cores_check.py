@@ -4,11 +4,15 @@ Compiles a tiny Llama once, copies it onto core 1, runs eight greedy prompts at 
 the group and prints one JSON object: whether every answer equals transformers' greedy
 generation, how many requests each core's engine served, and which engine each of three
 requests went to once core 0 holds three long ones, and whether prompt logprobs asked of both engines at
-once equal transformers' log-softmax.
+once equal transformers' log-softmax. Then LoRA on the two engines: seeded sampled and greedy requests of
+mixed lengths over two adapters and the base (sampled on the core), and an adapter loaded on the group
+afterwards, each answer against its PEFT model's.
 """
 
 import json
+import tempfile
 import threading
+from pathlib import Path
 
 import torch
 
@@ -69,7 +73,54 @@ def main() -> None:
         logprobs_equal.append(max(abs(g - float(want[i, p[i + 1]])) for i, g in enumerate(got)) < 1e-4)
     frontend.close()
     print(json.dumps({"equal": equal, "served": at_once, "routed": routed, "scored": logprobs_equal,
-                      "devices": [str(e.executor.device) for e in group.engines]}))
+                      "devices": [str(e.executor.device) for e in group.engines], "lora": _lora(prompts)}))
+
+
+ADAPTERS = {"attention": {"r": 4, "lora_alpha": 8, "target_modules": gm.ATTENTION},
+            "mlp": {"r": 8, "lora_alpha": 16, "target_modules": gm.MLP},
+            "qv": {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"]}}
+
+
+def _lora(prompts: list[list[int]]) -> dict:
+    """What clients send to a replica of two cores with adapters: every third request greedy, the others seeded
+    and sampled (temperature with top-p, or top-k), over "attention", "mlp" and the base, spread over both
+    engines; then "qv", loaded on the group, sampled. Whether each answer is its model's: PEFT's greedy tokens,
+    or the tokens its PEFT model's own logits give under the compiled sampler's draws (eager_sampled)."""
+    from neuron_serve.config.schema import parse_config  # noqa: PLC0415
+    from neuron_serve.generation.build import build_engine  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory() as folder:
+        root = Path(folder)
+        lm = gm.build("llama")
+        lm.save_pretrained(root / "llama")
+        peft = {name: gm.make_adapter(root / name, seed=i + 1, **config)
+                for i, (name, config) in enumerate(ADAPTERS.items())}
+        config = parse_config({
+            "name": "lora", "task": "generate", "model": {"pretrained": "llama"}, "cores_per_replica": 2,
+            "generation": {"max_num_seqs": 4, "max_model_len": 48, "prefill_buckets": [48],
+                           "decode_batch_buckets": [4], "decode_context_buckets": [48],
+                           "lora": {"max_loras": 2, "max_lora_rank": 8,
+                                    "lora_modules": {"attention": "attention", "mlp": "mlp"}}}})
+        front = build_engine(config, root)
+        names = ["attention", None, "mlp", "attention", "mlp", None, "attention", "mlp"]
+        params = [SamplingParams(max_tokens=10, temperature=0) if i % 3 == 0 else
+                  SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=i) if i % 3 == 1 else
+                  SamplingParams(max_tokens=10, temperature=1.0, top_k=20, seed=i) for i in range(len(names))]
+        late = [SamplingParams(max_tokens=10, temperature=0.7, seed=99 + i) for i in range(4)]
+        try:
+            done = front.generate_batch(prompts, params, adapters=names, timeout=300)
+            front.engines.load_adapter("qv", str(root / "qv"))
+            loaded = front.generate_batch(prompts[:4], late, adapters="qv", timeout=300)
+            written = [e.adapters.writes for e in front.engines.engines]
+        finally:
+            front.close()
+
+        def want(model, prompt, p):
+            return gm.eager_sampled(model, prompt, 10, p) if p.temperature > 0 else gm.eager_greedy(model, prompt, 10)
+
+        equal = [d.tokens == want(lm if n is None else peft[n], q, p) for d, n, q, p in zip(done, names, prompts, params)]
+        equal += [d.tokens == want(peft["qv"], q, p) for d, q, p in zip(loaded, prompts, late)]
+    return {"equal": equal, "written": written}
 
 
 if __name__ == "__main__":

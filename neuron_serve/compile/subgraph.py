@@ -246,8 +246,8 @@ class CompiledSubgraph(torch.nn.Module):
         # A host input the executable takes split (a state, at the compile's first call) moves in its layout; the
         # others move whole, which a program over a group takes as replicated.
         split = [i for i in host if i in self._layouts]
-        for group, layouts in ((split, [self._layouts[i] for i in split] if split else None),
-                               ([i for i in host if i not in self._layouts], None)):
+        whole = [i for i in host if i not in self._layouts] if split else host
+        for group, layouts in ((split, [self._layouts[i] for i in split]), (whole, None)):
             if group:
                 moved = xla()._XLAC._xla_tensors_from_aten([_dense(args[i]) for i in group],
                                                            [str(self.device)] * len(group), layouts)

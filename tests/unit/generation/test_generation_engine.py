@@ -451,7 +451,8 @@ def test_a_steps_tokens_reach_their_sinks_while_the_next_model_call_computes(lla
 
 def test_an_engine_per_core_each_with_its_own_cache():
     """Two emulated cores (a fresh process): requests spread over both engines, every answer right, prompt
-    logprobs asked of both at once too (their model compiles once, on the compile queue)."""
+    logprobs asked of both at once too (their model compiles once, on the compile queue); LoRA adapters on both
+    engines, sampled and greedy rows alike."""
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2", "PYTHONWARNINGS": "ignore",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "generation_cores_check.py")], capture_output=True,
@@ -465,3 +466,7 @@ def test_an_engine_per_core_each_with_its_own_cache():
     assert result["served"] == [4, 4], result["served"]
     assert result["routed"] == [1, 1, 1], result["routed"]
     assert result["scored"] == [True] * 4
+    # LoRA over both engines: 8 sampled and greedy rows over two adapters and the base, then 4 sampled rows of an
+    # adapter loaded on the group, each its PEFT model's; both engines wrote adapters into their buffers.
+    assert result["lora"]["equal"] == [True] * 12
+    assert all(written >= 1 for written in result["lora"]["written"])
