@@ -57,6 +57,11 @@ class ModelNotFound(NeuronServeError):
     http_status = 404
 
 
+class AdapterNotLoaded(ModelNotFound):
+    """A request names a LoRA adapter its engine does not serve: unloaded after the replica checked the name and
+    before the engine took the request. Answered as an unknown model is."""
+
+
 class ModelNotReady(NeuronServeError):
     http_status = 503
 

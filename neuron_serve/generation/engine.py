@@ -25,7 +25,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..errors import InvalidInput
+from ..errors import AdapterNotLoaded, InvalidInput
 from . import choice
 from .executor import CoreGroupExecutor, Executor
 from .metrics import EngineMetrics
@@ -118,7 +118,7 @@ class Engine(Engines):
         with self._lock:  # an unload sees this request, or this request sees the unload
             if request.adapter is not None:
                 if self.adapters is None or request.adapter not in self.adapters:
-                    raise InvalidInput(f"adapter {request.adapter!r} is not loaded.")
+                    raise AdapterNotLoaded(f"adapter {request.adapter!r} is not loaded.")
                 seq.adapter, seq.adapter_key = request.adapter, self.adapters.key(request.adapter)
             self._open[seq.request_id] = seq
             self._inbox.append(seq)

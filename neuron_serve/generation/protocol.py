@@ -33,6 +33,7 @@ class TokenEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    error_status: int = 500  # the HTTP status ``error`` is answered with (404: an adapter unloaded meanwhile)
     text: str = ""  # the output text this event adds (the front end's, with a tokenizer; never a stop string)
     timed_out: bool = False  # an abort because the request ran past the engine's request_timeout_s (last event)
     # With prompt_logprobs, on the request's first event: per prompt token, None (the first) or

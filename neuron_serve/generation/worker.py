@@ -144,7 +144,8 @@ def serve(conn: Connection) -> int:
             try:
                 engines.submit(request, outbox.post)
             except Exception as exc:  # noqa: BLE001 - said as its end (a grammar the engine cannot read, ...)
-                outbox.post(TokenEvent(request.request_id, None, finish_reason="error", error=str(exc)))
+                outbox.post(TokenEvent(request.request_id, None, finish_reason="error", error=str(exc),
+                                       error_status=getattr(exc, "http_status", 500)))
         elif message[0] == "abort":
             engines.abort(message[1], message[2])
         elif message[0] == "adapter":

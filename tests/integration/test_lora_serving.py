@@ -208,9 +208,9 @@ def test_unloading_an_adapter_lets_its_running_streams_finish_and_refuses_new_on
             ThreadPoolExecutor(12) as pool:
         streams = [pool.submit(stream, client) for _ in range(12)]
         assert streaming.wait(60)
+        unloading = time.monotonic()
         assert post(lora, "/v1/unload_lora_adapter", {"lora_name": "brief"}) == \
             (200, "Success: LoRA adapter 'brief' removed successfully.")
-        unloaded = time.monotonic()
         finished = [chunks for f in streams if (chunks := f.result(timeout=120)) is not None]
         with pytest.raises(openai.NotFoundError) as gone:
             complete(client, "brief", ids)
@@ -220,8 +220,9 @@ def test_unloading_an_adapter_lets_its_running_streams_finish_and_refuses_new_on
     for chunks in finished:
         assert "".join(text for _, text, _ in chunks) == want
         assert chunks[-1][2] == "length"
-    # Some streams were still answering after the unload was acknowledged: they finished first.
-    assert max(chunks[-1][0] for chunks in finished) > unloaded
+    # Some streams were still answering when the unload was asked for (under load the acknowledgement, which
+    # every replica gives, may come after the last of them ends).
+    assert max(chunks[-1][0] for chunks in finished) > unloading
 
 
 def test_refusals_name_the_model_the_adapter_and_the_reason(lora):

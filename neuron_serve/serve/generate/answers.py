@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Literal
 
-from ...errors import InvalidInput, NeuronServeError
+from ...errors import AdapterNotLoaded, InvalidInput, NeuronServeError
 from ...generation.sampling import SamplingParams
 from ...generation.structured import Constraint
 from .plane import GenerationPlane, Piece, UnknownModel
@@ -97,6 +97,8 @@ async def openai_answer(plane: GenerationPlane, kind: Literal["completions", "ch
         stream = plane.run([p for p, _ in every], [s for _, s in every], adapter)
         first = await _first(stream)
     except Exception as exc:  # noqa: BLE001 - every failure is answered with OpenAI's error object
+        if isinstance(exc, AdapterNotLoaded):  # unloaded after adapter_for found it: as if never found
+            exc = openai.unknown_model(request.model, [plane.name, *await plane.adapter_cards()])
         answer = openai_error(exc)
         plane.record(answer.status, time.perf_counter() - started)
         return answer

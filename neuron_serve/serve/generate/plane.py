@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Callable, Protocol, Sequence
 from ... import metrics
 from ...config.schema import ModelConfig, _under
 from ...config.generation import GenerationSettings
-from ...errors import InvalidInput, NeuronServeError, RequestTimeout
+from ...errors import AdapterNotLoaded, InvalidInput, NeuronServeError, RequestTimeout
 from ...generation.frontend import Frontend
 from ...generation.protocol import TokenEvent
 from ...generation.sampling import SamplingParams
@@ -325,6 +325,11 @@ class GenerationPlane:
         if event.timed_out:
             raise RequestTimeout(event.error)
         if event.error is not None:
+            # A refusal at the engine process's submit is answered as the in-process engine's raise is.
+            if event.error_status == AdapterNotLoaded.http_status:
+                raise AdapterNotLoaded(event.error)
+            if event.error_status == InvalidInput.http_status:
+                raise InvalidInput(event.error)
             raise GenerationFailed(f"generation failed: {event.error}")
         piece = Piece(index, prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens)
         if event.prompt_logprobs is not None:

@@ -7,13 +7,18 @@ import os
 import signal
 import threading
 
+import httpx
 import pytest
 
 import generation_models as gm
+from neuron_serve.config.schema import parse_config
 from neuron_serve.errors import ConfigError, InvalidInput, ModelNotReady, Overloaded
 from neuron_serve.generation import SamplingParams
 from neuron_serve.generation.frontend import Frontend
 from neuron_serve.generation.process import EngineProcess
+from neuron_serve.serve.generate import plane as generate_plane
+from neuron_serve.serve.generate.http import generate_app
+from neuron_serve.serve.generate.plane import GenerationPlane
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
 
@@ -142,3 +147,28 @@ def test_closing_ends_open_requests_with_abort(pretrained):
                    lambda e: e.finished and finished.append(e.finish_reason))
     closing.close()
     assert finished == ["abort"] and closing.engines.process.returncode == 0
+
+
+def test_an_adapter_the_engine_no_longer_serves_is_a_404_as_an_unknown_model_is(engines, pretrained):
+    """The race an unload leaves: the replica found the adapter, the engine process had dropped it by the time
+    the request arrived. The engine's refusal crosses the process with its status; OpenAI's answer is the one an
+    unknown model gets (it was a 500 "generation failed")."""
+    config = parse_config(_config(pretrained, lora={"max_lora_rank": 8, "lora_modules": {"gone": "gone"}}))
+    plane = GenerationPlane(config, engines)  # believes it serves "gone"; the engines (no LoRA) do not
+    plane.start()
+    generate_plane.set_current(plane)
+    transport = httpx.ASGITransport(app=generate_app())
+
+    async def ask() -> httpx.Response:
+        async with httpx.AsyncClient(transport=transport, base_url="http://model") as client:
+            return await client.post("/v1/completions", json={"model": "gone", "prompt": [1, 2], "max_tokens": 2})
+
+    try:
+        answer = asyncio.run(ask())
+    finally:
+        generate_plane.set_current(None)
+    assert answer.status_code == 404
+    assert answer.json()["error"] == {
+        # What the replica serves by its registry (here its model.yaml's, which still names "gone").
+        "message": "the model 'gone' does not exist; this server serves: tiny, gone", "type": "not_found_error",
+        "param": "model", "code": "model_not_found"}

@@ -15,7 +15,7 @@ from generation_models import ATTENTION, MLP, make_adapter
 from prometheus_client import REGISTRY
 
 from neuron_serve.compile import subgraph
-from neuron_serve.errors import InvalidInput
+from neuron_serve.errors import AdapterNotLoaded
 from neuron_serve.config.schema import parse_config
 from neuron_serve.generation import SamplingParams
 from neuron_serve.generation.build import build_engine
@@ -100,7 +100,7 @@ def test_rows_of_three_adapters_and_the_base_in_one_batch_each_equal_peft(served
 def test_an_adapter_loaded_while_serving_answers_as_peft_and_once_unloaded_is_refused(served):
     front, peft, _, root = served
     asked = prompts(2, 7, seed=4)
-    with pytest.raises(InvalidInput, match="adapter 'qv' is not loaded"):
+    with pytest.raises(AdapterNotLoaded, match="adapter 'qv' is not loaded"):
         front.generate_batch(asked[:1], SamplingParams(max_tokens=2, temperature=0), adapters="qv")
     front.engines.load_adapter("qv", str(root / "qv"))
     compiles = subgraph._compiles
@@ -109,7 +109,7 @@ def test_an_adapter_loaded_while_serving_answers_as_peft_and_once_unloaded_is_re
     check(done, [peft["qv"], peft["mlp"]], asked)
     assert subgraph._compiles == compiles  # loading an adapter writes buffers, never compiles
     front.engines.unload_adapter("qv")
-    with pytest.raises(InvalidInput, match="adapter 'qv' is not loaded"):
+    with pytest.raises(AdapterNotLoaded, match="adapter 'qv' is not loaded"):
         front.generate_batch(asked[:1], SamplingParams(max_tokens=2, temperature=0), adapters="qv")
 
 
@@ -141,7 +141,7 @@ def test_unloading_an_adapter_lets_the_requests_taken_finish_on_it(served):
         time.sleep(0.001)
     running = engine.running
     front.engines.unload_adapter("qv")
-    with pytest.raises(InvalidInput, match="adapter 'qv' is not loaded"):
+    with pytest.raises(AdapterNotLoaded, match="adapter 'qv' is not loaded"):
         front.generate_batch(asked[:1], SamplingParams(max_tokens=2, temperature=0), adapters="qv")
     worker.join(120)
     assert running == 4  # the unload came while four ran (and two waited)
