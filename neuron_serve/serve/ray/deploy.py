@@ -62,24 +62,21 @@ def deploy(configs: list[tuple[ModelConfig, str | None]], host: str, port: int, 
         # For `neuron-serve shutdown` (another process) to drain HAProxy as deploy does.
         if ingress.admin_location():
             internal_kv._internal_kv_put(HAPROXY_ADMIN_KEY, ingress.admin_location(), namespace=SERVER_APP)  # noqa: SLF001
-    for config, base_dir in configs:
-        try:
-            serve.run(model_application(config, base_dir, grpc), name=config.name,
-                      route_prefix=f"/v2/models/{config.name}", blocking=False)
-        except RuntimeError:
-            # serve.run waits for the application and raises a generic message when
-            # its replicas cannot start; the replicas' own error is in the status.
-            return {config.name: f"failed: {build_failure(config.name)}"}
+    # Every application at once, the wait below: serve.run waits for each application in turn, so the models'
+    # replicas started one model after another and the server app's after them all (7 s of a one-model start).
+    targets = [serve.RunTarget(model_application(config, base_dir, grpc), name=config.name,
+                               route_prefix=f"/v2/models/{config.name}") for config, base_dir in configs]
     if not keep_server:
-        serve.run(server, name=SERVER_APP, route_prefix="/", blocking=False)
+        targets.append(serve.RunTarget(server, name=SERVER_APP, route_prefix="/"))
+    serve.run_many(targets, wait_for_applications_running=False)
     deadline = time.monotonic() + timeout_s
     names = {c.name for c, _ in configs}
     while True:
         apps = serve.status().applications
         states = {n: str(apps[n].status) if n in apps else "MISSING" for n in names | {SERVER_APP}}
-        failed = {n: apps[n].message for n, s in states.items() if "DEPLOY_FAILED" in s}
-        if failed:
-            return {n: f"failed: {m}" for n, m in failed.items()}
+        failed = [n for n, s in states.items() if "DEPLOY_FAILED" in s]
+        if failed:  # the replicas' own error (the model's), not Serve's generic message
+            return {n: f"failed: {build_failure(n)}" for n in failed}
         if all("RUNNING" in s for s in states.values()):
             # Running is not yet answering: wait until every port does, for every model.
             infer = [c.name for c, _ in configs if c.task != "generate"]  # generate replicas serve no gRPC
