@@ -91,10 +91,7 @@ def _lora(prompts: list[list[int]]) -> dict:
 
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
-        lm = gm.build("llama")
-        lm.save_pretrained(root / "llama")
-        peft = {name: gm.make_adapter(root / name, seed=i + 1, **config)
-                for i, (name, config) in enumerate(ADAPTERS.items())}
+        lm, peft = gm.base_and_adapters(root, ADAPTERS)
         config = parse_config({
             "name": "lora", "task": "generate", "model": {"pretrained": "llama"}, "cores_per_replica": 2,
             "generation": {"max_num_seqs": 4, "max_model_len": 48, "prefill_buckets": [48],

@@ -95,3 +95,12 @@ def make_adapter(directory: Path, arch: str = "llama", seed: int = 1, safe: bool
                 parameter.normal_(0, 0.1)
     model.save_pretrained(directory, safe_serialization=safe)
     return model.eval()
+
+
+def base_and_adapters(root: Path, adapters: dict[str, dict]) -> tuple[torch.nn.Module, dict[str, torch.nn.Module]]:
+    """The tiny Llama saved to ``root``/llama and each of ``adapters`` (name -> LoraConfig fields, the n-th
+    seeded n + 1) to ``root``/name, as a model.yaml's ``lora_modules`` names them; the base and PEFT's models."""
+    lm = build("llama")
+    lm.save_pretrained(root / "llama")
+    peft = {name: make_adapter(root / name, seed=i + 1, **config) for i, (name, config) in enumerate(adapters.items())}
+    return lm, peft

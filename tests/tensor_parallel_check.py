@@ -103,10 +103,7 @@ def _lora() -> dict:
 
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
-        lm = gm.build("llama")
-        lm.save_pretrained(root / "llama")
-        peft = {name: gm.make_adapter(root / name, seed=i + 1, **config)
-                for i, (name, config) in enumerate(LORA_ADAPTERS.items())}
+        lm, peft = gm.base_and_adapters(root, LORA_ADAPTERS)
         config = parse_config({"name": "lora", "task": "generate", "model": {"pretrained": "llama"},
                                "cores_per_replica": 2,
                                "generation": {**ONE_BUCKET, "tensor_parallel_size": 2, "on_device_sampling": False,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import generation_models as gm
-from generation_models import ATTENTION, MLP, make_adapter
+from generation_models import ATTENTION, MLP
 from prometheus_client import REGISTRY
 
 from neuron_serve.compile import subgraph
@@ -55,9 +55,7 @@ def served(tmp_path_factory):
     """The tiny Llama served from a model.yaml with generation.lora (prefix caching on), three adapters loaded at
     start from paths relative to it; PEFT's model of each adapter (and of "qv", loaded later), the base model."""
     root = tmp_path_factory.mktemp("lora-engine")
-    peft = {name: make_adapter(root / name, seed=seed + 1, **config) for seed, (name, config) in enumerate(ADAPTERS.items())}
-    lm = gm.build("llama")
-    lm.save_pretrained(root / "llama")
+    lm, peft = gm.base_and_adapters(root, ADAPTERS)
     config = parse_config({
         "name": "lora", "task": "generate", "model": {"pretrained": "llama"},
         "generation": {"max_num_seqs": 4, "max_model_len": 48, "prefill_buckets": [48], "decode_batch_buckets": [4],
