@@ -42,7 +42,7 @@ started = time.perf_counter()
 import torch
 import torch.utils._pytree as pytree
 from neuron_serve.config.schema import build_model, load_deployment
-from neuron_serve.build.from_config import StagedBuild
+from neuron_serve.assembly.from_config import StagedBuild
 from neuron_serve.runtime.runner import ModelRunner
 from neuron_serve.targets.pjrt import xla
 xla()  # torch-xla and its PJRT client start the same way cold or warm

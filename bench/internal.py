@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from neuron_serve.compile.subgraph import CompiledSubgraph  # noqa: E402
 from neuron_serve.config.schema import load_config  # noqa: E402
-from neuron_serve.build.from_config import build  # noqa: E402
+from neuron_serve.assembly.from_config import build  # noqa: E402
 from neuron_serve.runtime.observer import RuntimeObserver  # noqa: E402
 from neuron_serve.runtime.runner import ModelRunner  # noqa: E402
 

@@ -79,7 +79,7 @@ def in_process(calls: int) -> list[dict]:
     """Median ms of one batch-1 request through each layer of the serving path, innermost first."""
     import torch  # noqa: PLC0415
 
-    from neuron_serve.build.from_config import build  # noqa: PLC0415
+    from neuron_serve.assembly.from_config import build  # noqa: PLC0415
     from neuron_serve.compile.subgraph import CompiledSubgraph  # noqa: PLC0415
     from neuron_serve.config.schema import load_config  # noqa: PLC0415
     from neuron_serve.serve.protocols import oip_rest  # noqa: PLC0415

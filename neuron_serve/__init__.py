@@ -18,8 +18,8 @@ _PUBLIC = {
     "trace_buckets": ".api",
     "bucket_model_trace": ".api",
     "dynamic_batch": ".api",
-    "save": ".build.artifact",
-    "load": ".build.artifact",
+    "save": ".assembly.artifact",
+    "load": ".assembly.artifact",
     "BucketModelConfig": ".buckets.shape",
     "BucketSpec": ".buckets.shape",
     "CompiledModel": ".model",
@@ -28,8 +28,8 @@ _PUBLIC = {
     "UnsupportedModelError": ".errors",
     "PartitionerConfig": ".partition.config",
     "ModelPlacement": ".partition.placement",
-    "replace_weights": ".build.weights",
-    "move_trace_to_device": ".build.weights",
+    "replace_weights": ".assembly.weights",
+    "move_trace_to_device": ".assembly.weights",
 }
 
 __all__ = ["__version__", *_PUBLIC]

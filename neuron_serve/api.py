@@ -9,7 +9,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from .build import progress
+from .assembly import progress
 from .buckets import dynamic_batch as batching
 from .analysis.capture import as_args, capture
 from .analysis.explain_failure import compile_error
@@ -33,7 +33,7 @@ from .partition.placement import ModelPlacement, as_placement
 from .partition.plan import ACCEL_PREFIX, PartitionPlan, Placement, plan_partitions
 from .positional import TRACE_ORDER, infer_keywords
 from .targets import get_target
-from .build.weights import check_inline_weights
+from .assembly.weights import check_inline_weights
 
 logger = logging.getLogger("neuron_serve")
 

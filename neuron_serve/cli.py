@@ -127,8 +127,8 @@ def _analyze_generation(args: argparse.Namespace, config, base_dir: Path) -> int
 
 
 def _build(args: argparse.Namespace) -> int:
-    from .build import artifact  # noqa: PLC0415
-    from .build.from_config import build  # noqa: PLC0415
+    from .assembly import artifact  # noqa: PLC0415
+    from .assembly.from_config import build  # noqa: PLC0415
 
     config = load_config(args.config)
     if config.model.artifact is not None:
@@ -190,7 +190,7 @@ def _deploy(args: argparse.Namespace) -> int:
         weights = str(Path(args.weights).expanduser().resolve())
         configs = [(parse_config({**config.model_dump(), "weights": weights}, f"{args.configs[0]} with --weights"),
                     base_dir)]
-    from .build.from_config import check_weights  # noqa: PLC0415
+    from .assembly.from_config import check_weights  # noqa: PLC0415
 
     for config, base_dir in configs:
         auth.resolve_token(config)  # a missing token fails here, before Ray starts

@@ -96,7 +96,7 @@ BUILD_COMPILES = Counter(
     "each compiled size; loading an artifact compiles them again in emulation; swapping in 'weights' compiles none)",
     ["model", "replica"],
 )
-# A replica's compile queue (build/queue.py): how each compiled model went, and where the
+# A replica's compile queue (assembly/queue.py): how each compiled model went, and where the
 # model's compiles stand (a replica is ready on its first compiled models and compiles the
 # rest in the background, model.yaml's background_compile). ``bucket`` names the compiled
 # model as its progress line does ("batch 16", "bucket 2 batch 4"; the model's name alone

@@ -26,7 +26,7 @@ def compiled(name: str, batch: bool):
     """The deployments/<name>.yaml model, compiled at one batch size: 1, or its trace batch with ``batch``."""
     from pathlib import Path  # noqa: PLC0415
 
-    from neuron_serve.build.from_config import build  # noqa: PLC0415
+    from neuron_serve.assembly.from_config import build  # noqa: PLC0415
     from neuron_serve.config.schema import load_config  # noqa: PLC0415
 
     path = Path(__file__).resolve().parents[2] / "deployments" / f"{name}.yaml"

@@ -1,6 +1,6 @@
 """``neuron-serve build`` of a task: generate model: its compiled models, buckets and tokenizer.
 
-The artifact is a neuron-serve artifact (see neuron_serve.build.artifact) of every prefill and
+The artifact is a neuron-serve artifact (see neuron_serve.assembly.artifact) of every prefill and
 decode model, sharing one state (the cache, saved empty), plus in its manifest the
 buckets, vocabulary size and EOS ids the engine needs, and for a tensor-parallel model
 its split (loaded again over a group of as many cores), and the tokenizer's files under
@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..build import artifact
+from ..assembly import artifact
 from ..buckets.generation import GenerationBuckets
 from ..compile import sharding as spmd
 from ..errors import ArtifactError

@@ -23,7 +23,7 @@ from . import eos_token_ids
 from . import tensor_parallel
 from .frontend import Frontend
 from .group import EngineGroup
-from ..build.queue import READY, compile_queue
+from ..assembly.queue import READY, compile_queue
 from .compiling import GenerationBuild, compile_generation
 from .model import GenerationModel
 from .slots import kv_cache_bytes

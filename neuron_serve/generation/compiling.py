@@ -1,6 +1,6 @@
 """A causal LM's generation models compiled on the process's compile queue, one job a model.
 
-Every compile runs on the compile queue's one thread (build/queue.py: torch.export and
+Every compile runs on the compile queue's one thread (assembly/queue.py: torch.export and
 tracing are not thread-safe), never inside an engine step. The models that answer every
 request come first, :func:`ready_shapes`: the prefill of ``max_model_len`` tokens (any
 prompt, padded) and the greedy decode of ``max_num_seqs`` rows over ``max_model_len``
@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from ..api import trace_bucket_on_state
-from ..build import progress
-from ..build.queue import BACKGROUND, FAILED, NEEDED, READY, CompileGroup, CompileJob, CompileQueue, compile_queue
+from ..assembly import progress
+from ..assembly.queue import BACKGROUND, FAILED, NEEDED, READY, CompileGroup, CompileJob, CompileQueue, compile_queue
 from ..buckets.generation import GenerationBuckets
 from ..compile import sharding as spmd
 from ..compile.aliases import shared_state

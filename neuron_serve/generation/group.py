@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Sequence as Seq
 
-from ..build.queue import READY, compile_queue
+from ..assembly.queue import READY, compile_queue
 from ..config.generation import DEFAULT_MAX_WAITING
 from ..targets.pjrt import on_this_thread, use_device, xla
 from .engine import Engine

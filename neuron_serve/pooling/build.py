@@ -19,7 +19,7 @@ import torch
 
 from ..api import dynamic_batch, trace_buckets
 from ..buckets.shape import BucketSpec
-from ..build import progress
+from ..assembly import progress
 from ..compile import cache as compile_cache
 from ..compile.subgraph import compile_count
 from ..config.schema import ModelConfig

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from neuron_serve.build.from_config import build
+from neuron_serve.assembly.from_config import build
 from neuron_serve.config.schema import build_model, parse_config
 
 HERE = Path(__file__).resolve().parent / "models"  # the factories model.yaml names
@@ -29,7 +29,7 @@ def eager(config):
 
 @pytest.fixture(scope="session")
 def built(config):
-    """The model as a replica builds it: through neuron_serve.build.from_config from its model.yaml."""
+    """The model as a replica builds it: through neuron_serve.assembly.from_config from its model.yaml."""
     return build(config, HERE)
 
 

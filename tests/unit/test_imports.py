@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "neuron_serve"
-COMPILER = ("neuron_serve.api", "neuron_serve.build.from_config", "neuron_serve.build.grid",
-            "neuron_serve.build.artifact", "neuron_serve.build.weights", "neuron_serve.analysis",
+COMPILER = ("neuron_serve.api", "neuron_serve.assembly.from_config", "neuron_serve.assembly.grid",
+            "neuron_serve.assembly.artifact", "neuron_serve.assembly.weights", "neuron_serve.analysis",
             "neuron_serve.partition.plan", "neuron_serve.compile", "neuron_serve.report")
 
 INFER, GENERATE, POOLING, GRPC, RAY = (f"neuron_serve.serve.{p}" for p in ("infer", "generate", "pooling", "grpc", "ray"))
@@ -37,12 +37,12 @@ RULES = {
     "neuron_serve.config.pooling": SCHEMA + ("neuron_serve.config.schema", "neuron_serve.partition"),
     # A build's progress lines, which the compiler and the generation models report to: of the package
     # they read only logs.py and the compiled model's Partition type.
-    "neuron_serve.build.progress": COMPILER + ("neuron_serve.config", "neuron_serve.buckets", "neuron_serve.partition",
+    "neuron_serve.assembly.progress": COMPILER + ("neuron_serve.config", "neuron_serve.buckets", "neuron_serve.partition",
                                                "neuron_serve.targets", "neuron_serve.runtime", "neuron_serve.generation",
                                                "neuron_serve.serve", "neuron_serve.metrics", "neuron_serve.cli"),
     # The compile queue, which the serving edge, the data plane and the engines hand compiles to: it
     # runs closures and knows no compiler, model or torch.
-    "neuron_serve.build.queue": COMPILER + ("neuron_serve.config", "neuron_serve.model", "neuron_serve.buckets",
+    "neuron_serve.assembly.queue": COMPILER + ("neuron_serve.config", "neuron_serve.model", "neuron_serve.buckets",
                                             "neuron_serve.partition", "neuron_serve.targets", "neuron_serve.runtime",
                                             "neuron_serve.generation", "neuron_serve.serve", "neuron_serve.metrics",
                                             "neuron_serve.cli", "torch"),
@@ -72,7 +72,7 @@ RULES = {
     "neuron_serve.serve.pooling": COMPILER + POOLING_BUILD + ("neuron_serve.generation.engine", GENERATE, GRPC, RAY,
                                                               SERVER_APP),
     "neuron_serve.targets": COMPILER + ("neuron_serve.runtime", "neuron_serve.serve"),
-    "neuron_serve.analysis": ("neuron_serve.api", "neuron_serve.build.from_config", "neuron_serve.partition",
+    "neuron_serve.analysis": ("neuron_serve.api", "neuron_serve.assembly.from_config", "neuron_serve.partition",
                              "neuron_serve.report", "neuron_serve.runtime", "neuron_serve.serve"),
     "neuron_serve.partition": ("neuron_serve.analysis", "neuron_serve.api", "neuron_serve.report"),
     "neuron_serve.compile": ("neuron_serve.analysis", "neuron_serve.partition", "neuron_serve.api",

@@ -11,7 +11,7 @@ import torch
 
 import neuron_serve
 from neuron_serve import logs
-from neuron_serve.build.progress import BuildProgress, reporting
+from neuron_serve.assembly.progress import BuildProgress, reporting
 from reference_models import MLP
 
 OPERATOR_LISTS = ("The following operations are currently supported:", "Num Partitions: 2",
@@ -74,7 +74,7 @@ def test_a_replica_reads_verbose_from_the_environment(tmp_path):
     script = (
         "import os, sys, torch, neuron_serve\n"
         "from neuron_serve import logs\n"
-        "from neuron_serve.build.progress import BuildProgress, reporting\n"
+        "from neuron_serve.assembly.progress import BuildProgress, reporting\n"
         "for verbose in ('', '1'):\n"
         "    os.environ[logs.VERBOSE_ENV] = verbose\n"
         "    logs.configure()\n"

@@ -13,10 +13,10 @@ import torch
 
 import neuron_serve
 from neuron_serve.errors import ArtifactError
-from neuron_serve.build.from_config import build, check_weights
+from neuron_serve.assembly.from_config import build, check_weights
 from neuron_serve.compile.subgraph import compile_count
 from neuron_serve.config.schema import parse_config
-from neuron_serve.build.weights import is_weight_separated
+from neuron_serve.assembly.weights import is_weight_separated
 from test_weights import ATOL, Net, X
 
 from example_models import mlp  # deployments/, on the path of every test (tests/conftest.py)

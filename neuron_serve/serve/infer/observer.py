@@ -14,7 +14,7 @@ import logging
 from typing import Any, Callable
 
 from ... import metrics
-from ...build.queue import COMPILED, CompileJob
+from ...assembly.queue import COMPILED, CompileJob
 from ...model import CompiledModel
 from ...runtime.observer import RuntimeObserver
 from ...runtime.runner import ModelRunner

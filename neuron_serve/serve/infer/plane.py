@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from ...build.queue import CompileGroup, CompileJob
+from ...assembly.queue import CompileGroup, CompileJob
 from ...version import __version__
 from ...config.schema import ModelConfig
 from ...errors import InvalidInput, NeuronServeError

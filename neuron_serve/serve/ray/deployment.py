@@ -117,7 +117,7 @@ class ModelServer:
 def _build_plane(config: ModelConfig, base_dir: str | None, replica: str) -> ModelDataPlane:
     """The model's data plane, once the start-up models are compiled and loaded; the models still
     compiling join it as each is compiled (all of it on the compile queue's thread)."""
-    from ...build.from_config import StagedBuild  # noqa: PLC0415 - the compiler is loaded by replicas only
+    from ...assembly.from_config import StagedBuild  # noqa: PLC0415 - the compiler is loaded by replicas only
 
     build = StagedBuild(config, base_dir)
     planes: list[ModelDataPlane] = []

@@ -16,7 +16,7 @@ import sys
 from ray import serve
 
 from ... import logs
-from ...build.queue import READY, compile_queue
+from ...assembly.queue import READY, compile_queue
 from ...config.schema import ModelConfig, parse_config
 from ...pooling.tokens import Tokens
 from ..grpc import service as grpc_service

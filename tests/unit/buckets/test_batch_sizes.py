@@ -7,7 +7,7 @@ import neuron_serve
 from neuron_serve.config.schema import parse_config
 from neuron_serve.errors import ConfigError, InvalidInput
 from neuron_serve.buckets.batch_sizes import default_batch_sizes, monotone, plan
-from neuron_serve.build.progress import BuildProgress, reporting
+from neuron_serve.assembly.progress import BuildProgress, reporting
 from reference_models import MLP
 
 TOLERANCE = 1e-5

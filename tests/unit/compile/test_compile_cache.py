@@ -9,7 +9,7 @@ import neuron_serve
 from neuron_serve.analysis import placement
 from neuron_serve.compile import cache as compile_cache
 from neuron_serve import logs
-from neuron_serve.build.progress import BuildProgress, reporting
+from neuron_serve.assembly.progress import BuildProgress, reporting
 from reference_models import MLP
 
 

@@ -133,7 +133,7 @@ def test_every_shape_bucket_is_pipelined_and_answers_as_eager(model, monkeypatch
 
 
 def test_an_artifact_built_pipelined_is_refused_by_a_model_yaml_asking_to_replicate(traced, tmp_path):
-    from neuron_serve.build.from_config import build  # noqa: PLC0415
+    from neuron_serve.assembly.from_config import build  # noqa: PLC0415
     from neuron_serve.errors import ArtifactError  # noqa: PLC0415
 
     neuron_serve.save(traced, tmp_path / "four")

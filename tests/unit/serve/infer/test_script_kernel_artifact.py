@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import neuron_serve
-from neuron_serve.build.from_config import build
+from neuron_serve.assembly.from_config import build
 from neuron_serve.config.schema import parse_config
 from neuron_serve.runtime.runner import ModelRunner
 from neuron_serve.serve.infer.http import infer as rest_infer

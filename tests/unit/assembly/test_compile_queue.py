@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from neuron_serve.build.queue import BACKGROUND, NEEDED, READY, CompileQueue, Counts
+from neuron_serve.assembly.queue import BACKGROUND, NEEDED, READY, CompileQueue, Counts
 
 
 @pytest.fixture

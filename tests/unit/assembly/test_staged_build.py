@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from neuron_serve import metrics
-from neuron_serve.build.from_config import StagedBuild
-from neuron_serve.build.queue import CompileQueue
+from neuron_serve.assembly.from_config import StagedBuild
+from neuron_serve.assembly.queue import CompileQueue
 from neuron_serve.config.schema import build_model, parse_config
 from neuron_serve.errors import ConfigError
 from neuron_serve.serve.infer.http import infer as rest_infer

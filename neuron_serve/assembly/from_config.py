@@ -7,7 +7,7 @@ swapped into the weight-separated model without compiling. Either way the result
 :class:`~neuron_serve.model.CompiledModel` named after the model.yaml's inputs and
 outputs, which the runtime then runs without looking at the model.yaml again.
 
-Every compile runs on the process's compile queue (build/queue.py), one compiled model a
+Every compile runs on the process's compile queue (assembly/queue.py), one compiled model a
 job (:class:`StagedBuild`): a replica is ready on the first (model.yaml's
 ``background_compile``) and takes the others as they are compiled; :func:`build` waits for
 all of them.
