@@ -12,7 +12,7 @@ import torch.utils._pytree as pytree
 from .assembly import progress
 from .buckets import dynamic_batch as batching
 from .analysis.capture import as_args, capture
-from .analysis.explain_failure import compile_error
+from .analysis.explain_failure import compile_error, internal_compile_error
 from .analysis.placement import GraphAnalysis, analyze_graph
 from .analysis.report import build_report, log_support, write_report
 from .buckets.shape import BucketModelConfig, BucketSpec
@@ -32,7 +32,7 @@ from .partition.pipeline import pipeline_partitions
 from .partition.placement import ModelPlacement, as_placement
 from .partition.plan import ACCEL_PREFIX, PartitionPlan, Placement, plan_partitions
 from .positional import TRACE_ORDER, infer_keywords
-from .targets import get_target
+from .targets import get_target, xla_state
 from .assembly.weights import check_inline_weights
 
 logger = logging.getLogger("neuron_serve")
@@ -85,6 +85,24 @@ def _unsupported_error(analysis: GraphAnalysis) -> UnsupportedModelError:
     )
 
 
+def _compiled_subgraph(source: torch.fx.GraphModule, args: tuple, name: str, **options: Any) -> CompiledSubgraph:
+    """``source`` compiled; a failure of torch-xla's own state is tried once more in a clean state, then raised as
+    an internal error (an operator's failure names the operator and its line)."""
+    for attempt in (1, 2):
+        with xla_state.exclusive():
+            try:
+                return CompiledSubgraph(source, args, name=name, **options)
+            except Exception as exc:  # torch-xla raises many types
+                if not xla_state.internal_failure(exc):
+                    raise compile_error(exc, source, name) from None
+                if attempt == 2:
+                    raise internal_compile_error(exc, name) from None
+                logger.warning("compiling subgraph %s failed inside torch-xla (%s: %s); trying it again in a clean "
+                               "state", name, type(exc).__name__, str(exc).strip().splitlines()[0][:200])
+                xla_state.clean_state()
+    raise AssertionError("unreachable")
+
+
 def _compile_partitions(plan: PartitionPlan, flat_inputs: list, compiler_workdir: str | None,
                         compiler_args: CompilerArgs = NONE, inline_weights: bool = True,
                         donate: dict[str, list[int]] | None = None) -> tuple[list, dict]:
@@ -107,12 +125,9 @@ def _compile_partitions(plan: PartitionPlan, flat_inputs: list, compiler_workdir
             if compiler_args.cast_dtype is not None:  # neuronx-cc's --auto-cast, reproduced in the graph
                 auto_cast(source, compiler_args.auto_cast, getattr(torch, compiler_args.cast_dtype))
             with progress.subgraph(name, index, accel_total):
-                try:
-                    compiled = CompiledSubgraph(source, args, name=name, compiler_workdir=compiler_workdir,
-                                                compiler_args=compiler_args, inline_weights=inline_weights,
-                                                donate=(donate or {}).get(name, ()))
-                except Exception as exc:  # torch-xla raises many types; name the operator and its line
-                    raise compile_error(exc, source, name) from None
+                compiled = _compiled_subgraph(source, args, name, compiler_workdir=compiler_workdir,
+                                              compiler_args=compiler_args, inline_weights=inline_weights,
+                                              donate=(donate or {}).get(name, ()))
             setattr(gm, name, compiled)
         return gm.get_submodule(name)(*args)
 

@@ -34,6 +34,15 @@ class UnsupportedModelError(NeuronServeError, RuntimeError):
     exit_code = 3
 
 
+class InternalCompileError(NeuronServeError, RuntimeError):
+    """torch-xla failed for a reason of its own (its process state, memory, an interrupt) while compiling or
+    probing, twice: once, then again in a clean state. Not the model's operators: the message names what was
+    being compiled and torch-xla's words; nothing of it is cached."""
+
+    exit_code = 5
+    internal = True
+
+
 class InvalidInput(NeuronServeError, ValueError):
     """Inputs do not match what the compiled model accepts; ``field``, when known, is the request field at fault
     (OpenAI's error object names it as ``param``)."""

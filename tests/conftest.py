@@ -10,6 +10,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "deployments"))  # example_models, as model.yaml files resolve it
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from collected_files import COLLECTED  # noqa: E402 - from the folder just put on the path
 # One compile cache per test run (servers started by tests inherit it), never the user's.
 os.environ.setdefault("NEURON_SERVE_CACHE_DIR", tempfile.mkdtemp(prefix="neuron-serve-test-cache-"))
 
@@ -43,6 +44,7 @@ def fresh_cache(tmp_path):
     compile_cache.configure()
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: tests/unit/test_collection.py sees every collected file
 def pytest_collection_modifyitems(config, items):
     """The documentation's examples last.
 
@@ -51,6 +53,7 @@ def pytest_collection_modifyitems(config, items):
     removes, and they compile graphs that other tests expect to compile first (torch-xla
     keeps compiled graphs per process). Run last, they change nothing another test sees.
     """
+    config.stash[COLLECTED] = {Path(str(item.path)).resolve() for item in items}
     items.sort(key=lambda item: "test_doc_examples.py" in item.nodeid)  # stable: the rest keep their order
 
 

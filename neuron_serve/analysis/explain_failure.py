@@ -18,7 +18,7 @@ import traceback
 import torch
 import torch.fx
 
-from ..errors import UnsupportedModelError
+from ..errors import InternalCompileError, UnsupportedModelError
 from .callsite import CallSite, call_site
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -113,6 +113,18 @@ def compile_error(exc: BaseException, gm: torch.fx.GraphModule, subgraph: str) -
     error = UnsupportedModelError(
         f"torch-xla could not compile subgraph {subgraph}: {op} at {where} failed with "
         f"{type(exc).__name__}: {_first_line(exc)}. {fix}"
+    )
+    error.cause = exc
+    return error
+
+
+def internal_compile_error(exc: BaseException, subgraph: str) -> InternalCompileError:
+    """The error for a subgraph whose compile failed inside torch-xla's own state twice (the second time in a clean
+    state): not the model's operators, so it names none and asks for no change to the model."""
+    error = InternalCompileError(
+        f"torch-xla failed inside its own state compiling subgraph {subgraph}, twice (the second time in a clean "
+        f"state): {type(exc).__name__}: {_first_line(exc)}. This is not the model's operators: nothing about them "
+        "was cached; deploy again, and report it if it persists."
     )
     error.cause = exc
     return error

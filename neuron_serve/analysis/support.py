@@ -6,6 +6,14 @@ torch_xla.debug.metrics), or when its one-op graph fails to compile. Each answer
 cached per (operator, argument shapes and dtypes, target, versions), so a model with
 many identical layers compiles each distinct one-op graph once; the persistent compile
 cache keeps the answers across processes, so a second start compiles none.
+
+Only verdicts are cached: a probe that fails for a reason of torch-xla's own (its process
+state, memory; ``xla_state.internal_failure``) is retried once in a clean state and, failing
+again, raised as an :class:`~neuron_serve.errors.InternalCompileError`, never stored. A stored
+entry with such a reason (written before this rule) is not trusted, and a stored "unsupported"
+is never used alone: it is decided afresh, once a process, before it puts an operator on CPU
+or refuses a model. Every probe holds the process's XLA state (``xla_state.exclusive``) and
+syncs only its own tensors.
 """
 
 from __future__ import annotations
@@ -20,7 +28,8 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from ..compile import cache as compile_cache
-from ..targets import Decision, Target
+from ..errors import InternalCompileError
+from ..targets import Decision, Target, xla_state
 from ..targets.pjrt import versions, xla
 
 logger = logging.getLogger("neuron_serve")
@@ -91,19 +100,46 @@ class SupportOracle:
     def _lookup(self, key: tuple, target: Any, op: str, args: tuple, kwargs: dict) -> Decision:
         store = compile_cache.current()
         stored = store.get("support", key) if store is not None else None
-        if stored is not None:
+        if stored is not None and _trusted(stored, op):
             return Decision(**stored)
         with self._xla_lock:
             if key in self._cache:  # another thread decided it while this one waited
                 return self._cache[key]
             if store is None:
-                return self._run_on_xla(target, op, args, kwargs)
+                return self._probe(target, op, args, kwargs)
 
             def decide() -> dict:
-                decision = self._run_on_xla(target, op, args, kwargs)
+                decision = self._probe(target, op, args, kwargs)
+                if stored is not None and decision.supported:
+                    logger.info("compile cache: %s was stored as unsupported (%s); decided afresh, it runs on the "
+                                "accelerator, and the entry is replaced", op, stored.get("reason"))
                 return {"supported": decision.supported, "failure_at": decision.failure_at, "reason": decision.reason}
-            # Another replica starting beside this one may be deciding the same: it is decided once.
+            # Another replica starting beside this one may be deciding the same: it is decided once. A stored entry
+            # not trusted is decided again and written over.
+            if stored is not None:
+                with store.lease("support", key):
+                    payload = decide()
+                    store.put("support", key, payload)
+                return Decision(**payload)
             return Decision(**store.get_or_compute("support", key, decide, missed=True))
+
+    def _probe(self, target: Any, op: str, args: tuple, kwargs: dict) -> Decision:
+        """The operator run on XLA; a failure of torch-xla's own state is tried once more in a clean state, and
+        raised if it comes back (an operator's verdict is never made of it)."""
+        with xla_state.exclusive():
+            decision, failure = self._run_on_xla(target, op, args, kwargs)
+            if failure is None or not xla_state.internal_failure(failure):
+                return decision
+            logger.warning("the support check of %s failed inside torch-xla (%s); trying it again in a clean state",
+                           op, decision.reason)
+            xla_state.clean_state()
+            decision, failure = self._run_on_xla(target, op, args, kwargs)
+            if failure is not None and xla_state.internal_failure(failure):
+                raise InternalCompileError(
+                    f"torch-xla failed inside its own state while checking whether {op} runs on the accelerator, "
+                    f"twice (the second time in a clean state): {decision.reason}. This is not a verdict on the "
+                    "operator and nothing was cached; deploy again, and report it if it persists.")
+            return decision
 
     @staticmethod
     def _concrete_args(node: torch.fx.Node, gm: torch.fx.GraphModule) -> tuple[tuple, dict]:
@@ -114,7 +150,9 @@ class SupportOracle:
 
         return torch.fx.node.map_arg((node.args, node.kwargs), value)
 
-    def _run_on_xla(self, target: Any, op: str, args: tuple, kwargs: dict) -> Decision:
+    def _run_on_xla(self, target: Any, op: str, args: tuple, kwargs: dict) -> tuple[Decision, BaseException | None]:
+        """The decision, and the exception that made it a "no" (None for a "yes" or a lowering fallback). Only this
+        probe's own tensors are synced; the counters are read under the caller's hold of the XLA state."""
         torch_xla = xla()
         import torch_xla.debug.metrics as metrics  # noqa: PLC0415
 
@@ -125,17 +163,31 @@ class SupportOracle:
         try:
             with torch.no_grad():
                 out = target(*pytree.tree_map(to_xla, args), **pytree.tree_map(to_xla, kwargs))
-                torch_xla.sync()
-                for leaf in pytree.tree_leaves(out):
-                    if isinstance(leaf, torch.Tensor):
-                        leaf.cpu()
-        except Exception as exc:  # any failure here means "cannot run on the accelerator"
+                leaves = [leaf for leaf in pytree.tree_leaves(out) if isinstance(leaf, torch.Tensor)]
+                on_xla = [leaf for leaf in leaves if leaf.device.type == "xla"]
+                if on_xla:
+                    torch_xla._XLAC._xla_sync_multi(on_xla, devices=[], wait=True)
+                for leaf in leaves:
+                    leaf.cpu()
+        except Exception as exc:  # the compiler or the lowering refused it, or torch-xla failed (the caller tells)
             logger.debug("%s failed on XLA: %s", op, exc)
-            return Decision(False, COMPILE_STAGE, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            return Decision(False, COMPILE_STAGE, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"), exc
         fallbacks = sorted(c for c in metrics.counter_names() if c.startswith("aten::"))
         if fallbacks:
-            return Decision(False, LOWERING_STAGE, f"torch-xla has no lowering (CPU fallback: {', '.join(fallbacks)})")
-        return Decision.ok()
+            return Decision(False, LOWERING_STAGE,
+                            f"torch-xla has no lowering (CPU fallback: {', '.join(fallbacks)})"), None
+        return Decision.ok(), None
+
+
+def _trusted(stored: dict, op: str) -> bool:
+    """Whether a stored decision can be used as it is: a "yes", not a "no" (decided afresh before it places an
+    operator on CPU or refuses a model) nor a failure of torch-xla's own written as one by an older version."""
+    if stored.get("supported"):
+        return True
+    if xla_state.internal_failure(stored.get("reason")):
+        logger.warning("compile cache: the entry for %s says unsupported for a reason of torch-xla's own (%s), not "
+                       "a verdict on the operator; not trusted, decided afresh", op, stored.get("reason"))
+    return False
 
 
 def _attr(gm: torch.fx.GraphModule, target: str) -> Any:

@@ -28,6 +28,7 @@ from typing import Any, Iterator
 
 import torch
 
+from ..targets import xla_state
 from ..targets.pjrt import emulated, xla
 
 logger = logging.getLogger("neuron_serve")
@@ -148,7 +149,8 @@ def mark(tensor: torch.Tensor, spec: Spec | None, devices: int) -> None:
     """Annotate ``tensor`` (on the SPMD device) as split by ``spec``, or replicated when None."""
     import torch_xla.distributed.spmd as xs  # noqa: PLC0415
 
-    xs.mark_sharding(tensor, mesh(devices), spec if spec is not None else (None,) * tensor.dim())
+    with xla_state.exclusive():  # a tensor already on the group is laid out anew: device work
+        xs.mark_sharding(tensor, mesh(devices), spec if spec is not None else (None,) * tensor.dim())
 
 
 def layout(spec: Spec, example: torch.Tensor, devices: int) -> Any:

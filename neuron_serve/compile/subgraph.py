@@ -20,6 +20,7 @@ import torch
 import torch.fx
 
 from ..config.compiler_args import NONE, CompilerArgs
+from ..targets import xla_state
 from ..targets.pjrt import emulated, use_device, xla
 from . import sharding as spmd
 from .lift_weights import lift_weights
@@ -121,8 +122,16 @@ class CompiledSubgraph(torch.nn.Module):
         donate: Sequence[int] = (),
         sharding: spmd.Sharding | None = None,
     ) -> None:
-        global _compiles
         super().__init__()
+        # Tracing syncs and clears the whole device's lazy state: nothing else may run XLA work meanwhile.
+        with xla_state.exclusive():
+            self._build(gm, example_args, name, device, compiler_workdir, inline_weights, weights, compiler_args,
+                        donate, sharding)
+
+    def _build(self, gm: torch.fx.GraphModule, example_args: Sequence[torch.Tensor], name: str, device: Any,
+               compiler_workdir: str | None, inline_weights: bool, weights: dict[str, torch.Tensor] | None,
+               compiler_args: CompilerArgs, donate: Sequence[int], sharding: spmd.Sharding | None) -> None:
+        global _compiles
         torch_xla = xla()
         from torch_xla._dynamo.dynamo_bridge import extract_compiled_graph  # noqa: PLC0415
 
@@ -207,12 +216,13 @@ class CompiledSubgraph(torch.nn.Module):
 
     def hlo_text(self) -> str:
         """The HLO torch-xla lowers this subgraph to (what the compiler compiles)."""
-        use_device(self.device)
-        # The compiled module replays its executable; lowering again needs a fresh copy.
-        lowered, _ = _copy_to(self.source, self.device, list(self.weights.values()))
-        with torch.no_grad():
-            outputs = lowered(*[a.to(self.device) for a in self.example_args], *self._weights_on_device)
-        return xla()._XLAC._get_xla_tensors_hlo(list(outputs))
+        with xla_state.exclusive():
+            use_device(self.device)
+            # The compiled module replays its executable; lowering again needs a fresh copy.
+            lowered, _ = _copy_to(self.source, self.device, list(self.weights.values()))
+            with torch.no_grad():
+                outputs = lowered(*[a.to(self.device) for a in self.example_args], *self._weights_on_device)
+            return xla()._XLAC._get_xla_tensors_hlo(list(outputs))
 
     def load_to(self, device: Any) -> "CompiledSubgraph":
         """A copy of this subgraph compiled for and resident on ``device`` (another core).
@@ -231,7 +241,7 @@ class CompiledSubgraph(torch.nn.Module):
         if self.inline_weights:
             raise ValueError(f"{self.name} holds its weights inside the executable")
         self.weights = {name: weights[name].detach().clone() for name in self.weights}
-        with torch.no_grad():
+        with torch.no_grad(), xla_state.exclusive():
             self._weights_on_device = _on_device(list(self.weights.values()), self._transposed, self.device)
 
     def _to_device(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -257,9 +267,12 @@ class CompiledSubgraph(torch.nn.Module):
 
     def forward(self, *args: torch.Tensor) -> Any:
         with torch.no_grad():
-            on_device = self._to_device(args)
-            self._donate(on_device)
-            outputs = self._run(on_device + self._weights_on_device)
+            # The dispatch holds the XLA state (a trace beside it would see the donated inputs); the outputs are
+            # device data once launched, fetched without it while the next caller dispatches.
+            with xla_state.exclusive():
+                on_device = self._to_device(args)
+                self._donate(on_device)
+                outputs = self._run(on_device + self._weights_on_device)
             return self._outputs(outputs)
 
     def timed(self, *args: torch.Tensor) -> tuple[Any, dict[str, float]]:
@@ -269,7 +282,7 @@ class CompiledSubgraph(torch.nn.Module):
         forward(); the partition report uses them to show what transfers cost.
         """
         wait = xla()._XLAC._xla_wait_device_ops
-        with torch.no_grad():
+        with torch.no_grad(), xla_state.exclusive():
             started = time.perf_counter()
             on_device = [a.to(self.device) for a in args] + self._weights_on_device
             self._donate(on_device)

@@ -28,6 +28,7 @@ from ..compile import sharding as spmd
 from ..errors import InvalidInput
 from ..model import Bucket, CompiledModel
 from ..model.state import DeviceState
+from ..targets import xla_state
 from ..targets.pjrt import xla
 from . import lora_layers
 from .sampler import GREEDY, RowChoice, row_parameters
@@ -250,8 +251,9 @@ class GenerationModel:
 
     def reset(self) -> None:
         """Empty the cache (every slot), on the core."""
-        self.state.load([torch.zeros_like(t, device="cpu") for t in self.state.tensors])
-        self._split_cache()
+        with xla_state.exclusive():  # no other XLA work sees the cache between its load and its layout
+            self.state.load([torch.zeros_like(t, device="cpu") for t in self.state.tensors])
+            self._split_cache()
 
     def _run(self, shape: Shape, inputs: list[torch.Tensor]) -> "StepOutput":
         outputs = self._buckets[shape].run_flat(inputs)

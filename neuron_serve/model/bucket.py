@@ -11,6 +11,7 @@ import torch.utils._pytree as pytree
 
 from ..buckets import dynamic_batch
 from ..errors import InvalidInput
+from ..targets import xla_state
 from . import graph
 from .state import Alias, DeviceState
 
@@ -139,9 +140,12 @@ class Bucket(torch.nn.Module):
             if self.state is None:
                 outputs = graph.run(self.graph_module, flat, call)
             else:
-                outputs = graph.run(self.graph_module, [*flat, *self.state.tensors], call)
-                for alias in self.aliases:
-                    self.state.update(alias.slot, outputs[alias.output])
-                    # As torch-neuronx: the aliased output is the state itself, on the core.
-                    outputs[alias.output] = self.state.tensors[alias.slot]
+                # From the call that donates the state's buffers to the update that replaces them, the state
+                # tensors hold no data: no other XLA work (a trace's sync sees every live tensor) may run between.
+                with xla_state.exclusive():
+                    outputs = graph.run(self.graph_module, [*flat, *self.state.tensors], call)
+                    for alias in self.aliases:
+                        self.state.update(alias.slot, outputs[alias.output])
+                        # As torch-neuronx: the aliased output is the state itself, on the core.
+                        outputs[alias.output] = self.state.tensors[alias.slot]
         return pytree.tree_unflatten(outputs, self.out_spec)

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..targets import xla_state
 from ..targets.pjrt import xla
 
 
@@ -34,7 +35,7 @@ class DeviceState:
         torch_xla = xla()
         self.names = list(names)
         self.device = device if device is not None else torch_xla.device()
-        with torch.no_grad():
+        with torch.no_grad(), xla_state.exclusive():
             self.tensors = [t.detach().to(self.device) for t in initial]
 
     def __len__(self) -> int:
@@ -45,9 +46,10 @@ class DeviceState:
         current = self.tensors[slot]
         if value is current:
             return
-        if value.device.type != "xla":  # computed on the host (the trace-time check keeps this from happening)
-            value = value.to(self.device)
-        xla()._XLAC._replace_xla_tensor(current, value)
+        with xla_state.exclusive():
+            if value.device.type != "xla":  # computed on the host (the trace-time check keeps this from happening)
+                value = value.to(self.device)
+            xla()._XLAC._replace_xla_tensor(current, value)
 
     def copy_row(self, src: int, dst: int, count: int | None = None) -> None:
         """Copy index ``src`` of every state tensor's first dimension over index ``dst``, on the device (of the
@@ -59,7 +61,7 @@ class DeviceState:
         """
         torch_xla = xla()
         tensors = self.tensors[:count]
-        with torch.no_grad():
+        with torch.no_grad(), xla_state.exclusive():  # its pending graph must not meet a trace's sync or clear
             index = torch.tensor([src, dst], dtype=torch.long).to(self.device)
             for t in tensors:
                 t.index_copy_(0, index[1:], t.index_select(0, index[:1]))
@@ -72,7 +74,7 @@ class DeviceState:
         device."""
         torch_xla = xla()
         tensors = self.tensors[start:start + len(values)]
-        with torch.no_grad():
+        with torch.no_grad(), xla_state.exclusive():
             index = torch.tensor([row], dtype=torch.long).to(self.device)
             for t, value in zip(tensors, values):
                 t.index_copy_(0, index, value.to(t.dtype)[None].to(self.device))
@@ -90,12 +92,12 @@ class DeviceState:
             if tuple(value.shape) != tuple(current.shape) or value.dtype != current.dtype:
                 raise ValueError(f"state '{name}' has shape {tuple(current.shape)} and dtype {current.dtype}; got "
                                  f"{tuple(value.shape)} and {value.dtype}")
-        with torch.no_grad():
+        with torch.no_grad(), xla_state.exclusive():
             for slot, value in enumerate(values):
                 self.update(slot, value.detach().to(self.device))
 
     def to(self, device: Any) -> None:
         """Move the state onto ``device`` (another core), as new tensors there."""
-        with torch.no_grad():
+        with torch.no_grad(), xla_state.exclusive():
             self.tensors = [t.cpu().to(device) for t in self.tensors]
         self.device = device
