@@ -233,7 +233,7 @@ class CompileQueue:
                 job.seconds = time.perf_counter() - started
                 job.error = f"{type(exc).__name__}: {exc}"
                 what = f"compile of {job.label}" if job.kind == "compile" else job.label
-                logger.warning("%s failed after %.1f s: %s", what, job.seconds, job.error)
+                logger.warning("%s failed after %.1f s: %s%s", what, job.seconds, job.error, _whose(exc, job))
                 with self._cond:
                     job.state = FAILED
                     job._fn = None
@@ -256,6 +256,16 @@ class CompileQueue:
                 listener(job)
             except Exception:  # a listener (metrics, a progress line) must never stop the compiles
                 logger.exception("a compile queue listener failed on %s", job.label)
+
+
+def _whose(exc: BaseException, job: CompileJob) -> str:
+    """What a failure means for the replica, when it is torch-xla's own (errors.InternalCompileError), not the
+    model's: a start-up model's stops the start; a later one's leaves the replica serving on what it has."""
+    if not getattr(exc, "internal", False):
+        return ""
+    if job.priority == READY:
+        return " (an internal failure of torch-xla, not the model: the replica cannot start without this model)"
+    return " (an internal failure of torch-xla, not the model: the replica serves on the models it has compiled)"
 
 
 class CompileGroup:

@@ -56,7 +56,7 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
     process then gets N XLA:CPU devices), or serve the model, where each group of cores
     runs in a process of its own. LoRA adapters: ``build.build_engine`` of a model.yaml with generation.lora."""
     from . import tensor_parallel  # noqa: PLC0415
-    from .assembly import check_cache_fits  # noqa: PLC0415
+    from .build import check_cache_fits  # noqa: PLC0415
     from .engine import Engine  # noqa: PLC0415
     from .frontend import Frontend  # noqa: PLC0415
     from .group import describe  # noqa: PLC0415
@@ -76,7 +76,7 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
     model = compile_generation(lm, buckets, target=target, tensor_parallel_size=tensor_parallel_size)
     if draft is not None:
         from ..errors import InvalidInput  # noqa: PLC0415
-        from .assembly import check_draft  # noqa: PLC0415
+        from .build import check_draft  # noqa: PLC0415
 
         if speculative_config is None:
             raise InvalidInput("draft needs speculative_config (its num_speculative_tokens, k)")

@@ -20,7 +20,7 @@ from ..config.schema import ModelConfig, _under
 from ..config.generation import GenerationSettings
 from ..targets import get_target
 from . import tensor_parallel
-from .assembly import DRAFT_FIELD, _pretrained, load_lm
+from .build import DRAFT_FIELD, _pretrained, load_lm
 from .shapes import example_inputs, shapes_of, slot_module
 from .slots import kv_cache_bytes
 

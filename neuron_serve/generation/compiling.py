@@ -33,7 +33,7 @@ from ..assembly.queue import BACKGROUND, FAILED, NEEDED, READY, CompileGroup, Co
 from ..buckets.generation import GenerationBuckets
 from ..compile import sharding as spmd
 from ..compile.aliases import shared_state
-from ..errors import ConfigError, UnsupportedModelError
+from ..errors import ConfigError, InternalCompileError, UnsupportedModelError
 from ..model import Bucket
 from ..targets.pjrt import on_this_thread, use_device
 from . import lora_layers, tensor_parallel
@@ -206,6 +206,8 @@ class GenerationBuild:
                                              self._state,
                                              target=self.target, compiler_args=self.compiler_args,
                                              initial=self._initial)
+        except InternalCompileError as exc:  # torch-xla's own failure: say which model it was compiling
+            raise InternalCompileError(f"{self.name} {shape.label}: {exc}") from None
         except UnsupportedModelError as exc:
             # The operator list stands; the usual hint (partition onto CPU) does not apply around the cache.
             listed = str(exc).rsplit("\nPass partitioner_config", 1)[0]

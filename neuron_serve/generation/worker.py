@@ -107,7 +107,7 @@ def serve(conn: Connection) -> int:
 
     from ..config.schema import parse_config  # noqa: PLC0415 - after sys.path is set
     from ..targets.pjrt import start_emulated_cores_on_threads  # noqa: PLC0415
-    from .assembly import build_engines  # noqa: PLC0415
+    from .build import build_engines  # noqa: PLC0415
     from .metrics import compile_listener, compile_state  # noqa: PLC0415
     from .protocol import AdapterReply, CompileState, TokenEvent  # noqa: PLC0415
 

@@ -103,6 +103,23 @@ def test_a_failed_job_is_recorded_with_its_reason_and_the_worker_goes_on(queue, 
                for r in caplog.records)
 
 
+def test_an_internal_failure_says_it_is_not_the_model_s_and_what_the_replica_does(queue, caplog):
+    from neuron_serve.errors import InternalCompileError  # noqa: PLC0415
+
+    def fails():
+        raise InternalCompileError("torch-xla failed inside its own state compiling subgraph accel_0, twice")
+
+    late = queue.submit("qwen prefill_64", fails, priority=BACKGROUND, group="qwen")
+    first = queue.submit("qwen prefill_512", fails, priority=READY, group="qwen")
+    assert queue.wait([late, first], timeout=10)
+    said = {r.getMessage().split(" failed after")[0]: r.getMessage() for r in caplog.records}
+    assert said["compile of qwen prefill_64"].endswith(
+        "twice (an internal failure of torch-xla, not the model: the replica serves on the models it has compiled)")
+    assert said["compile of qwen prefill_512"].endswith(
+        "twice (an internal failure of torch-xla, not the model: the replica cannot start without this model)")
+    assert "cannot run" not in said["compile of qwen prefill_64"]
+
+
 def test_counts_group_by_state_and_leave_loads_out(queue):
     blocker, release = _blocked(queue)
     queue.submit("m batch 1", lambda: 1, group="m")
