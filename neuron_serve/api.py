@@ -89,16 +89,16 @@ def _compiled_subgraph(source: torch.fx.GraphModule, args: tuple, name: str, **o
     """``source`` compiled; a failure of torch-xla's own state is tried once more in a clean state, then raised as
     an internal error (an operator's failure names the operator and its line)."""
     for attempt in (1, 2):
-        with xla_state.exclusive():
-            try:
-                return CompiledSubgraph(source, args, name=name, **options)
-            except Exception as exc:  # torch-xla raises many types
-                if not xla_state.internal_failure(exc):
-                    raise compile_error(exc, source, name) from None
-                if attempt == 2:
-                    raise internal_compile_error(exc, name) from None
-                logger.warning("compiling subgraph %s failed inside torch-xla (%s: %s); trying it again in a clean "
-                               "state", name, type(exc).__name__, str(exc).strip().splitlines()[0][:200])
+        try:
+            return CompiledSubgraph(source, args, name=name, **options)
+        except Exception as exc:  # torch-xla raises many types
+            if not xla_state.internal_failure(exc):
+                raise compile_error(exc, source, name) from None
+            if attempt == 2:
+                raise internal_compile_error(exc, name) from None
+            logger.warning("compiling subgraph %s failed inside torch-xla (%s: %s); trying it again in a clean "
+                           "state", name, type(exc).__name__, str(exc).strip().splitlines()[0][:200])
+            with xla_state.exclusive():
                 xla_state.clean_state()
     raise AssertionError("unreachable")
 

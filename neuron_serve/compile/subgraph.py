@@ -123,10 +123,10 @@ class CompiledSubgraph(torch.nn.Module):
         sharding: spmd.Sharding | None = None,
     ) -> None:
         super().__init__()
-        # Tracing syncs and clears the whole device's lazy state: nothing else may run XLA work meanwhile.
-        with xla_state.exclusive():
-            self._build(gm, example_args, name, device, compiler_workdir, inline_weights, weights, compiler_args,
-                        donate, sharding)
+        # The trace's whole-process calls (its sync, its clearing of pending IR) hold the XLA state themselves
+        # (xla_state.install); the rest works on this subgraph's own tensors, beside serving.
+        self._build(gm, example_args, name, device, compiler_workdir, inline_weights, weights, compiler_args,
+                    donate, sharding)
 
     def _build(self, gm: torch.fx.GraphModule, example_args: Sequence[torch.Tensor], name: str, device: Any,
                compiler_workdir: str | None, inline_weights: bool, weights: dict[str, torch.Tensor] | None,

@@ -42,6 +42,9 @@ def xla():
         )
     import torch_xla  # noqa: PLC0415 - must follow the environment set above
 
+    from . import xla_state  # noqa: PLC0415
+
+    xla_state.install(torch_xla)
     return torch_xla
 
 

@@ -9,14 +9,17 @@ device work (a decode call whose cache buffers are donated and not yet replaced,
 being written) sees that thread's tensors: "Check failed: data()->tensor_data" or "Failed to
 get computation by hash", which have nothing to do with the model being compiled.
 
-:func:`exclusive` is the process's one device lock. What holds it: every trace and compile of
-a subgraph (``CompiledSubgraph``), every probe, every load onto a core, every write of device
-state (the KV cache's slot copies, the LoRA buffers, a cache laid out over a group) and every
-compiled call's dispatch (inputs moved, the executable launched, its aliased state replaced).
-It is re-entrant, and it covers dispatch, not computation: an executable runs on the device
-after its call returns, and reading its outputs (device data, no pending graph) needs no lock.
-So a compile delays a serving call by at most the compile's own traced part; see
-docs/guides/serving.md for the measured cost.
+:func:`exclusive` is the process's one device lock. What holds it: torch-xla's three calls that
+act on the whole process (:func:`install` wraps them: the sync of every live tensor, the clearing
+of every pending IR, the clearing of every counter), every operator-support probe, every write of
+device state (the KV cache's slot copies, the LoRA buffers, a cache laid out over a group) and
+every compiled call's dispatch (inputs moved, the executable launched, its aliased state
+replaced). It is re-entrant. A trace or compile holds it only for those whole-process calls: the
+rest of it (tracing its own tensors, XLA compiling them) runs beside serving, which it cannot
+disturb, so a background compile delays a serving call by a sync, not by a compile. It covers
+dispatch, not computation: an executable runs on the device after its call returns, and reading
+its outputs (device data, no pending graph) needs no lock. docs/guides/serving.md has the
+measured cost.
 
 :func:`internal_failure` tells a failure of this state (or of the runtime: memory, an
 interrupt) from a compiler's verdict on an operator: only a verdict is ever cached.
@@ -62,6 +65,27 @@ def exclusive() -> Iterator[None]:
         yield
     finally:
         _LOCK.release()
+
+
+# torch-xla's calls that act on every tensor or counter of the process, whoever calls them (torch_xla.sync,
+# xm.mark_step, the dynamo bridge's trace, metrics.clear_counters all go through these).
+PROCESS_WIDE = ("_xla_step_marker", "_clear_pending_irs", "_clear_xla_counters")
+
+
+def install(torch_xla) -> None:
+    """Make torch-xla's whole-process calls (:data:`PROCESS_WIDE`) hold :func:`exclusive`: a trace's sync can then
+    never fall in the middle of another thread's call. Once per process (``pjrt.xla`` calls it on import)."""
+    native = torch_xla._XLAC
+    for name in PROCESS_WIDE:
+        call = getattr(native, name, None)
+        if call is None or getattr(call, "_holds_xla_state", False):
+            continue
+
+        def held(*args, _call=call, **kwargs):
+            with exclusive():
+                return _call(*args, **kwargs)
+        held._holds_xla_state = True
+        setattr(native, name, held)
 
 
 def waits() -> dict[str, float]:
