@@ -132,7 +132,11 @@ def test_ready_on_the_largest_bucket_then_each_compiled_model_joins_and_answers_
     assert [len(s) for s in shapes] == [1, 2, 3, 4, 5, 6, 6]
     assert all(set(a) < set(b) for a, b in zip(shapes, shapes[1:-1]))
     assert shapes[-1] == [(4, 1), (4, 4), (8, 1), (8, 4), (16, 1), (16, 4)]
-    assert seen[0][1] == {"compiled": 1, "pending": 5, "failed": 0, "background": True}
+    # The worker compiles the next model while the first stage is checked (only its join onto the core waits for
+    # the test), so that one may be counted compiled already; nothing failed, and every model is counted.
+    first = seen[0][1]
+    assert first["compiled"] in (1, 2) and first["compiled"] + first["pending"] == 6, first
+    assert (first["failed"], first["background"]) == (0, True)
     assert seen[-1][1] == {"compiled": 6, "pending": 0, "failed": 0, "background": True}
     lines = [r.getMessage() for r in caplog.records if r.name == "neuron_serve"]
     assert "compiled seqs bucket 3 batch 4 (1 of 6) in" in lines[lines.index(next(
