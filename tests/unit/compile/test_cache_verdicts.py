@@ -149,3 +149,27 @@ def test_a_subgraph_compile_failing_inside_torch_xla_is_retried_then_an_internal
 ])
 def test_what_counts_as_a_failure_of_torch_xla_s_own(reason, internal):
     assert xla_state.internal_failure(reason) is internal
+
+
+def test_torch_xla_s_whole_process_calls_wait_for_another_thread_s_device_work():
+    """A trace's sync (torch_xla.sync, as the dynamo bridge calls it) never falls inside another thread's call."""
+    import threading  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    torch_xla = xla()
+    assert all(getattr(getattr(torch_xla._XLAC, name), "_holds_xla_state", False) for name in xla_state.PROCESS_WIDE)
+    holding, synced = threading.Event(), []
+
+    def dispatch():
+        with xla_state.exclusive():
+            holding.set()
+            time.sleep(0.3)
+            synced.append(("dispatch done", time.perf_counter()))
+
+    worker = threading.Thread(target=dispatch)
+    worker.start()
+    assert holding.wait(10)
+    torch_xla.sync()
+    synced.append(("sync", time.perf_counter()))
+    worker.join(10)
+    assert [what for what, _ in synced] == ["dispatch done", "sync"]
