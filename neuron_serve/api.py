@@ -33,6 +33,7 @@ from .partition.placement import ModelPlacement, as_placement
 from .partition.plan import ACCEL_PREFIX, PartitionPlan, Placement, plan_partitions
 from .positional import TRACE_ORDER, infer_keywords
 from .targets import get_target, xla_state
+from .targets.pjrt import xla
 from .assembly.weights import check_inline_weights
 
 logger = logging.getLogger("neuron_serve")
@@ -99,7 +100,7 @@ def _compiled_subgraph(source: torch.fx.GraphModule, args: tuple, name: str, **o
             logger.warning("compiling subgraph %s failed inside torch-xla (%s: %s); trying it again in a clean "
                            "state", name, type(exc).__name__, str(exc).strip().splitlines()[0][:200])
             with xla_state.exclusive():
-                xla_state.clean_state()
+                xla_state.clean_state(xla())
     raise AssertionError("unreachable")
 
 

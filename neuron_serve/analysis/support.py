@@ -132,7 +132,7 @@ class SupportOracle:
                 return decision
             logger.warning("the support check of %s failed inside torch-xla (%s); trying it again in a clean state",
                            op, decision.reason)
-            xla_state.clean_state()
+            xla_state.clean_state(xla())
             decision, failure = self._run_on_xla(target, op, args, kwargs)
             if failure is not None and xla_state.internal_failure(failure):
                 raise InternalCompileError(

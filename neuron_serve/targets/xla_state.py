@@ -105,12 +105,10 @@ def internal_failure(failure: BaseException | str | None) -> bool:
     return any(marker in text for marker in INTERNAL_MARKERS)
 
 
-def clean_state() -> None:
+def clean_state(torch_xla) -> None:
     """Bring the process's XLA state back to rest before a retry: wait for what is running on the devices and
     drop the pending graph a failed trace left behind. Hold :func:`exclusive` around it and the retry: every
-    other thread's device work ends before it leaves the lock, so what is dropped is the failed attempt's."""
-    from .pjrt import xla  # noqa: PLC0415
-
-    torch_xla = xla()
+    other thread's device work ends before it leaves the lock, so what is dropped is the failed attempt's.
+    ``torch_xla`` is the module ``pjrt.xla()`` imported (this module is below pjrt: pjrt installs it)."""
     torch_xla._XLAC._xla_wait_device_ops(devices=[])
     torch_xla._XLAC._clear_pending_irs(str(torch_xla.device()))

@@ -476,20 +476,28 @@ def leave_and_see_the_abort(server, path: str, model: str, max_tokens: int, stre
 
 
 def test_stream_arrives_as_generated_not_buffered(llm):
+    # 250 tokens take the tiny model about 0.15 s: a client not scheduled for that long (two test processes on two
+    # cores) reads the whole stream at once however it was sent. A buffered stream arrives at once every time, so
+    # one try in three that arrives in pieces tells them apart.
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 250, "temperature": 0, "ignore_eos": True, "stream": True}
-    started = time.perf_counter()
-    conn = _open_stream(llm, "/v1/completions", body)
-    arrivals, data = [], b""
-    with conn:
-        while not data.endswith(b"\r\n0\r\n\r\n"):  # the chunked body's end
-            chunk = conn.recv(65536)
-            assert chunk, data[-500:]
-            arrivals.append(time.perf_counter() - started)
-            data += chunk
-    assert b"data: [DONE]" in data
-    assert data.count(b'"finish_reason":"length"') == 1
-    # Through HAProxy and the Serve handle, the first token arrives long before the last.
-    assert arrivals[0] < 0.5 * arrivals[-1] and len(arrivals) > 10, arrivals
+    tries = []
+    for _ in range(3):
+        started = time.perf_counter()
+        conn = _open_stream(llm, "/v1/completions", body)
+        arrivals, data = [], b""
+        with conn:
+            while not data.endswith(b"\r\n0\r\n\r\n"):  # the chunked body's end
+                chunk = conn.recv(65536)
+                assert chunk, data[-500:]
+                arrivals.append(time.perf_counter() - started)
+                data += chunk
+        assert b"data: [DONE]" in data
+        assert data.count(b'"finish_reason":"length"') == 1
+        # Through HAProxy and the Serve handle, the first token arrives long before the last.
+        if arrivals[0] < 0.5 * arrivals[-1] and len(arrivals) > 10:
+            return
+        tries.append(arrivals)
+    pytest.fail(f"every stream arrived in a few pieces at its end (arrival times of each read): {tries}")
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", f"/v2/models/{MODEL}/v1/completions"])
