@@ -136,7 +136,9 @@ class CompiledSubgraph(torch.nn.Module):
         from torch_xla._dynamo.dynamo_bridge import extract_compiled_graph  # noqa: PLC0415
 
         self.name = name
-        self.source = copy.deepcopy(gm)  # CPU copy, to load onto further cores
+        # A CPU copy of the graph, to load onto further cores; its weights are the graph's own tensors, not copies
+        # (each compiled model of a grid would otherwise hold another copy of every weight on the host).
+        self.source = copy.deepcopy(gm, {id(t): t for t in (*gm.parameters(), *gm.buffers())})
         self._tuple_out = _returns_tuple(self.source)
         self.inline_weights = inline_weights
         # Weights apart from the executable: lifted into trailing inputs, kept on the device.
