@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 from . import artifact, progress
-from .grid import Entry, GridBuild
+from .grid import Entry, GridBuild, Source
 from .queue import BACKGROUND, COMPILED, FAILED, READY, CompileGroup, CompileJob, CompileQueue, compile_queue
 from ..api import dynamic_batch
 from ..buckets.shape import as_dims
@@ -167,9 +167,11 @@ class StagedBuild:
     """
 
     def __init__(self, config: ModelConfig, base_dir: str | Path | None = None, *,
-                 background: bool | None = None, queue: CompileQueue | None = None) -> None:
+                 background: bool | None = None, queue: CompileQueue | None = None,
+                 source: Source | None = None) -> None:
         self.config = config
         self.base_dir = base_dir
+        self.source = source  # the grid's module and buckets, when not the model.yaml's factory (pooling)
         self.background = config.background_compile if background is None else background
         # This build's jobs; a process may build a model of the same name twice (tests, bench).
         self.compiles: CompileGroup = (queue or compile_queue()).group(f"{config.name}#{next(_builds)}")
@@ -198,7 +200,8 @@ class StagedBuild:
             loading = self.compiles.submit(f"load {self.config.name}", functools.partial(self._load, needed, load),
                                            priority=READY, kind="load")
             return self._ready(needed, loading)
-        self.grid = GridBuild(self.config, self.base_dir, self._weights_swapper(), staged=self.background)
+        self.grid = GridBuild(self.config, self.base_dir, self._weights_swapper(), staged=self.background,
+                              source=self.source)
         early = [e for e in self.grid.order if e in self.grid.ready or not self.background]
         self._open = len(self.grid.order)
         needed = [self._submit(entry, READY, grow) for entry in early]
@@ -302,7 +305,10 @@ class StagedBuild:
     def model(self) -> CompiledModel:
         """The models compiled so far, as one CompiledModel named as the model.yaml says."""
         module = self._artifact_module if self.path is not None else self.grid.model()
-        _name(module, self.config)
+        if self.source is not None:
+            module.input_names, module.output_names = list(self.source.input_names), list(self.source.output_names)
+        else:
+            _name(module, self.config)
         module.build_info.seconds = time.perf_counter() - self.started
         module.build_info.compiles = compile_count() - self._compiles
         module.build_info.weights = self.config.weights_path(self.base_dir)

@@ -17,12 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from . import progress
 from ..api import dynamic_batch, trace_entry
 from ..buckets.order import compile_order
 from ..buckets.shape import BucketSpec
 from ..config.schema import ModelConfig, build_model
 from ..model import Bucket, CompiledModel
+from ..partition.config import PartitionerConfig
 
 
 @dataclass(frozen=True, order=True)
@@ -33,41 +36,60 @@ class Entry:
     batch: int
 
 
+@dataclass(frozen=True)
+class Source:
+    """A grid whose module, example and buckets are made elsewhere (a pooling model's graph over its length
+    buckets) instead of from the model.yaml's factory, inputs and ``buckets``."""
+
+    module: torch.nn.Module
+    example: tuple
+    spec: BucketSpec
+    input_names: list[str]
+    output_names: list[str]
+    labels: list[str]  # a name per shape bucket, as its progress lines say it ("len 64")
+    partitioner: PartitionerConfig
+
+
 class GridBuild:
     """One model.yaml's grid: its entries in compile order, each compiled by :meth:`compile`
     (on the compile queue's thread), and :meth:`model` of those compiled so far. ``staged``:
     the replica is ready on ``ready`` and compiles the rest behind (else the grid's own order)."""
 
     def __init__(self, config: ModelConfig, base_dir: str | Path | None,
-                 swap_weights: Callable[[CompiledModel], None] | None = None, staged: bool = True) -> None:
+                 swap_weights: Callable[[CompiledModel], None] | None = None, staged: bool = True,
+                 source: Source | None = None) -> None:
         self.config = config
         self.base_dir = base_dir
+        self.source = source
         self.swap_weights = swap_weights  # hands each compiled model the model.yaml's 'weights' checkpoint
         self.sizes = config.compiled_batch_sizes()  # None: the example's batch only
-        self.spec = None
-        if config.buckets is not None:
+        self.spec = source.spec if source is not None else None
+        if source is None and config.buckets is not None:
             self.spec = BucketSpec.build(sizes=config.buckets.sizes, inputs=config.buckets.inputs,
                                          pad_values=config.buckets.pad_values,
                                          input_names=[i.name for i in config.inputs])
         shapes = self.spec.sizes if self.spec is not None else [[1]]
-        first_shape = (config.inputs[0].shape or [1])[0]
-        batches = self.sizes or [first_shape]
+        batches = self.sizes or [(config.inputs[0].shape or [1])[0]]
         ready = [(len(shapes) - 1, max(batches))]  # any request fits it: see buckets/order.py
         if staged:  # what a replica needs to be ready first, then the most padding saved first
             self.order = [Entry(b, n) for b, n in compile_order(shapes, batches, max(batches), ready)]
         else:  # everything before ready: bucket by bucket, smallest batch first, as trace_buckets
             self.order = [Entry(b, n) for b in range(len(shapes)) for n in sorted(batches)]
         self.ready = [Entry(b, n) for b, n in ready]
-        self.progress = progress.BuildProgress(config.name, len(shapes), batch_sizes=len(batches))
-        self._module = None
-        self._example = config.example_inputs()  # one draw for every model of the grid, as trace_buckets
+        self.progress = progress.BuildProgress(config.name, len(shapes), batch_sizes=len(batches),
+                                               labels=source.labels if source is not None else None)
+        self._module = source.module if source is not None else None
+        # One draw for every model of the grid, as trace_buckets.
+        self._example = source.example if source is not None else config.example_inputs()
         self._compiled: dict[Entry, Bucket] = {}
         self._lock = threading.Lock()
 
     def label(self, entry: Entry) -> str:
         """The entry as its progress line names it: ``mlp batch 16``, ``encoder bucket 2 batch 4``."""
         parts = [self.config.name]
-        if self.spec is not None and len(self.spec.sizes) > 1:
+        if self.source is not None:
+            parts.append(self.source.labels[entry.bucket])
+        elif self.spec is not None and len(self.spec.sizes) > 1:
             parts.append(f"bucket {entry.bucket + 1}")
         if self.sizes is not None and len(self.sizes) > 1:
             parts.append(f"batch {entry.batch}")
@@ -82,18 +104,18 @@ class GridBuild:
         if self._module is None:  # the factory runs once, for the first compile
             self._module = build_model(config, self.base_dir)
         batch = entry.batch if self.sizes is not None else None  # None: the example's own batch
+        partitioner = self.source.partitioner if self.source is not None else config.partitioner_config(self.base_dir)
         with progress.current(self.progress):
             self.progress.at(entry.bucket, batch)
             bucket = trace_entry(self._module, self._example, buckets=self.spec, bucket=entry.bucket, batch_size=batch,
-                                 batch_sizes=self.sizes or (),
-                                 partitioner_config=config.partitioner_config(self.base_dir),
+                                 batch_sizes=self.sizes or (), partitioner_config=partitioner,
                                  compiler_args=config.compiler_args, target=config.target,
                                  inline_weights_to_neff=config.inline_weights_to_neff is not False,
                                  placement=config.model_placement())
         alone = CompiledModel([bucket])
         if self.swap_weights is not None:
             self.swap_weights(alone)
-        if config.dynamic_batch:
+        if config.dynamic_batch or self.source is not None:  # a pooling model takes any number of texts
             dynamic_batch(alone)
         with self._lock:
             self._compiled[entry] = bucket

@@ -1,27 +1,27 @@
 """From a pooling model.yaml to a compiled model: one graph per sequence-length bucket and batch size.
 
-The graph (source.py) is traced with ``trace_buckets``: the bucket spec pads every input
-along its sequence dimension to the smallest length bucket that holds it (token ids with
-the tokenizer's pad id, the attention mask with zeros), each bucket is compiled at every
-batch size of ``batch_sizes`` (or the defaults of ``batching.max_batch_size``), and
-``dynamic_batch`` lets any number of rows run as the cheapest of them, as an infer model's
-do. The replica runs it with the same runtime (request queue, cores round-robin).
+The graph (source.py) is compiled as an infer model's grid (assembly/grid.py, one job on the
+compile queue per compiled model): the bucket spec pads every input along its sequence
+dimension to the smallest length bucket that holds it (token ids with the tokenizer's pad id,
+the attention mask with zeros), each bucket is compiled at every batch size of
+``batch_sizes`` (or the defaults of ``batching.max_batch_size``), and ``dynamic_batch`` lets
+any number of rows run as the cheapest of them. A replica is ready on the first compiled
+model and takes the others as they compile; it runs them with the same runtime (request
+queue, cores round-robin).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..api import dynamic_batch, trace_buckets
+from ..assembly.from_config import StagedBuild
+from ..assembly.grid import Source
+from ..assembly.queue import READY, compile_queue
 from ..buckets.shape import BucketSpec
-from ..assembly import progress
-from ..compile import cache as compile_cache
-from ..compile.subgraph import compile_count
 from ..config.schema import ModelConfig
 from ..errors import ConfigError
 from ..model import CompiledModel
@@ -43,39 +43,48 @@ def example_inputs(spec: PoolingSpec, rows: int) -> tuple[torch.Tensor, ...]:
     return tuple(given[name] for name in spec.input_names)
 
 
-def compile_pooling(graph: torch.nn.Module, spec: PoolingSpec, config: ModelConfig,
-                    base_dir: str | Path | None = None) -> CompiledModel:
-    """``graph`` compiled at every length bucket and batch size of ``config``, with dynamic batching."""
+def grid_source(graph: torch.nn.Module, spec: PoolingSpec, config: ModelConfig,
+                base_dir: str | Path | None = None) -> Source:
+    """``graph`` as a grid: its length buckets (token ids padded with the tokenizer's pad id, the mask with zeros)
+    at every compiled batch size of ``config``."""
     sizes = config.compiled_batch_sizes()
     buckets = BucketSpec.build(sizes=list(spec.length_buckets), inputs={i: 1 for i in range(len(spec.input_names))},
                                pad_values={0: spec.pad_token_id})
     # Operators the accelerator cannot run go to CPU subgraphs (the partitioner's defaults) unless model.yaml
     # sets the partitioner; the placement line of the build names them.
-    partitioner = config.partitioner_config(base_dir) or PartitionerConfig()
-    labels = [f"len {n}" for n in spec.length_buckets]
-    with progress.reporting(progress.BuildProgress(config.name, len(labels), batch_sizes=len(sizes), labels=labels)):
-        compiled = trace_buckets(graph, example_inputs(spec, max(sizes)), buckets, partitioner_config=partitioner,
-                                 target=config.target, batch_sizes=sizes, compiler_args=config.compiler_args)
-    dynamic_batch(compiled)
-    compiled.input_names = list(spec.input_names)
-    compiled.output_names = [spec.output_name]
-    return compiled
+    return Source(module=graph, example=example_inputs(spec, max(sizes)), spec=buckets,
+                  input_names=list(spec.input_names), output_names=[spec.output_name],
+                  labels=[f"len {n}" for n in spec.length_buckets],
+                  partitioner=config.partitioner_config(base_dir) or PartitionerConfig())
+
+
+def staged(config: ModelConfig, base_dir: str | Path | None = None, *,
+           background: bool | None = None) -> tuple[StagedBuild, PoolingSpec, Any]:
+    """The pooling model of ``config`` loaded and its grid ready to compile, as an infer model's: a replica is ready
+    on the longest length bucket at the largest batch size (any input fits it) and compiles the rest behind
+    (model.yaml's ``background_compile``). (build, spec without its hidden size, tokenizer)."""
+    graph, spec, tokenizer = source.load(config, base_dir)
+    return StagedBuild(config, base_dir, background=background,
+                       source=grid_source(graph, spec, config, base_dir)), spec, tokenizer
+
+
+def described(compiled: CompiledModel, spec: PoolingSpec) -> PoolingSpec:
+    """``spec`` with the hidden size of the embeddings ``compiled`` makes, checked against model.yaml's dimensions."""
+    spec = spec.with_hidden_size(int(compiled.signature().outputs[0].shape[-1]))
+    check_dimensions(spec)
+    return spec
 
 
 def build(config: ModelConfig, base_dir: str | Path | None = None) -> tuple[CompiledModel, PoolingSpec, Any]:
-    """Load, compile and describe the pooling model of ``config``: (compiled model, spec, tokenizer)."""
-    started = time.perf_counter()
-    compiles = compile_count()
-    store = compile_cache.current()  # opens the persistent cache before anything compiles
-    graph, spec, tokenizer = source.load(config, base_dir)
-    compiled = compile_pooling(graph, spec, config, base_dir)
-    spec = spec.with_hidden_size(int(compiled.signature().outputs[0].shape[-1]))
-    check_dimensions(spec)
-    compiled.build_info.seconds = time.perf_counter() - started
-    compiled.build_info.compiles = compile_count() - compiles
-    compiled.build_info.cache_hits = {kind: s.hits for kind, s in (store.stats.items() if store is not None else ())}
-    logger.info("model %s built in %.1fs (task %s, lengths %s)", config.name, compiled.build_info.seconds,
-                spec.task, list(spec.length_buckets))
+    """Load and compile the pooling model of ``config``, every length bucket and batch size of it:
+    (compiled model, spec, tokenizer). The compiles run on the process's compile queue."""
+    job = compile_queue().submit(f"load {config.name} (pooling model)", lambda: staged(config, base_dir,
+                                                                                        background=False),
+                                 priority=READY, kind="load")
+    build_, spec, tokenizer = job.future.result()
+    compiled = build_.start()
+    spec = described(compiled, spec)
+    logger.info("model %s: task %s, lengths %s", config.name, spec.task, list(spec.length_buckets))
     return compiled, spec, tokenizer
 
 

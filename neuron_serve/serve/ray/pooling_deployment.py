@@ -1,8 +1,8 @@
 """The Ray Serve deployment of a pooling model (task: embed, score, classify).
 
-A replica builds the model once (the compiled graph over length buckets and batch sizes,
-its spec and tokenizer: neuron_serve.pooling.build), loads it on its cores through the
-infer data plane, and serves the pooling routes and OIP v2 (HTTP and gRPC) under
+A replica builds the model (the compiled graph over length buckets and batch sizes, its spec
+and tokenizer: neuron_serve.pooling.build), is ready on its first compiled model and takes
+the others as they compile, loads it on its cores through the infer data plane, and serves the pooling routes and OIP v2 (HTTP and gRPC) under
 ``/v2/models/{name}``. The server app's ``/v1`` pooling routes find the model by the body's
 ``model`` and call ``pooling`` on a replica through a Serve handle.
 """
@@ -93,15 +93,21 @@ class PoolingServer:
 
 
 def build_plane(config: ModelConfig, base_dir: str | None, replica: str) -> PoolingPlane:
-    """The replica's pooling plane over its data plane, from the model built here: one job on the
-    process's compile queue (compiled whole, then loaded onto the cores, which compiles too)."""
+    """The replica's pooling plane over its data plane, as an infer model's: ready once the longest length bucket
+    at the largest batch size is compiled and loaded (any input fits it); the other compiled models join it as each
+    is compiled, in the background (model.yaml's ``background_compile``), all of it on the compile queue."""
+    from ...pooling.build import described, staged  # noqa: PLC0415 - the compiler is loaded by replicas only
 
-    def build_it() -> PoolingPlane:
-        from ...pooling.build import build  # noqa: PLC0415 - the compiler is loaded by replicas only
+    # The model's directory is read and its graph made on the queue's thread, as every trace.
+    loading = compile_queue().submit(f"load {config.name} (pooling model)", lambda: staged(config, base_dir),
+                                     priority=READY, group=config.name, kind="load")
+    build, spec, tokenizer = loading.future.result()
+    planes: list[PoolingPlane] = []
 
-        model, spec, tokenizer = build(config, base_dir)
-        data = ModelDataPlane(config, model, replica, parameters=spec.describe())
-        return PoolingPlane(config, data, Tokens(tokenizer, spec), spec)
+    def load(model) -> PoolingPlane:
+        known = described(model, spec)
+        data = ModelDataPlane(config, model, replica, parameters=known.describe(), compiles=build.compiles)
+        planes.append(PoolingPlane(config, data, Tokens(tokenizer, known), known))
+        return planes[0]
 
-    job = compile_queue().submit(f"{config.name} (pooling model)", build_it, priority=READY, group=config.name)
-    return job.future.result()
+    return build.start(load, grow=lambda model: planes[0].data.grow(model))
