@@ -82,7 +82,8 @@ async def openai_answer(plane: GenerationPlane, kind: Literal["completions", "ch
             tool = openai.tools(request, plane.tool_call_parser)
             for i, given in enumerate(tool.tools if tool.mode != "none" else ()):
                 check(plane, Constraint("json_schema", given.parameters, f"tools[{i}].function.parameters"))
-            prompts = [plane.chat(openai.chat_messages(request), tools=request.tools if tool.tools else None)]
+            prompts = [plane.chat(openai.chat_messages(request), tools=request.tools if tool.tools else None,
+                                  calls=tool.mode != "none")]
         else:
             given = openai.completion_prompts(request)
             prompts = [plane.encode(p) for p in given]

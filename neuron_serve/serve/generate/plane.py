@@ -244,13 +244,21 @@ class GenerationPlane:
         """How the model writes tool calls (model.yaml's generation.tool_call_parser); None: not configured."""
         return self.config.generation.tool_call_parser if self.config.generation is not None else None
 
-    def chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def chat(self, messages: list[dict], tools: list[dict] | None = None, calls: bool = False) -> list[int]:
         """Prompt ids of chat messages, through the tokenizer's chat template (with the assistant's turn opened);
-        ``tools`` reach the template as transformers passes them (``tools=``)."""
+        ``tools`` reach the template as transformers passes them (``tools=``). ``calls``: the request lets the
+        model call them (a tool_choice other than "none")."""
         tokenizer = self._need_tokenizer("a chat request")
-        if not getattr(tokenizer, "chat_template", None):
+        template = getattr(tokenizer, "chat_template", None)
+        if not template:
             raise InvalidInput(f"model {self.name!r}'s tokenizer has no chat template; use /v1/completions, or give "
                                f"the tokenizer a chat_template.")
+        # A template that never reads `tools` (SmolLM2's, many small models') would drop them without a word: the
+        # model would answer, or be forced into a call, without seeing a tool.
+        if tools and calls and "tools" not in (template if isinstance(template, str) else " ".join(template)):
+            raise InvalidInput(f"tools: model {self.name!r}'s chat template does not show tools to the model, so it "
+                               f"cannot call them; send the request without tools (or with tool_choice \"none\"), or "
+                               f"give the tokenizer a chat template that renders tools.")
         try:
             text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # a template's own checks (roles in order, ...) raise jinja errors
