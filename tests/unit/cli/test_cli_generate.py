@@ -146,11 +146,12 @@ def test_a_warm_start_takes_every_support_decision_from_the_compile_cache(fresh_
     assert warm.stats["support"].misses == 0 and warm.stats["support"].hits >= cold
 
 
-def test_the_llm_example_is_made_locally_and_generates_as_transformers_does(tmp_path):
-    made = subprocess.run([sys.executable, str(ROOT / "deployments" / "example_models" / "make_llm.py"),
+def test_the_tiny_llm_is_made_locally_and_generates_as_transformers_does(tmp_path):
+    made = subprocess.run([sys.executable, str(ROOT / "deployments" / "example_models" / "make_tiny_llm.py"),
                            str(tmp_path / "llm")], capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stderr
-    (tmp_path / "llm.yaml").write_text((ROOT / "deployments" / "llm.yaml").read_text())
+    (tmp_path / "llm.yaml").write_text("name: llm\ntask: generate\nmodel:\n  pretrained: llm\ngeneration:\n"
+                                       "  max_num_seqs: 8\n  max_model_len: 256\n  decode_steps: 4\n")
     config, folder = load_deployment(tmp_path / "llm.yaml")
     group = build_engine(config, folder, background=True)  # served as it is: on its first models
     try:
