@@ -79,14 +79,18 @@ def tokenizer():
     return made
 
 
+# Shows the tools to the model, as Hermes' and Qwen's templates do: a template that never reads them is refused.
+TEMPLATE = ("{% if tools %}tools: {% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
+            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
+
+
 def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def served(tokenizer, answer: str, parser: str | None = None) -> tuple[openai.AsyncOpenAI, ScriptedEngines]:
     """A client of the model's app answering ``answer`` to every prompt."""
-    tokenizer.chat_template = tokenizer.chat_template or (
-        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
+    tokenizer.chat_template = TEMPLATE
     engines = ScriptedEngines(lambda prompt: _encode(tokenizer, answer), tokenizer.eos_token_id)
     info = {"engines": 1, "slots": 4, "max_waiting": 4, "vocab_size": len(tokenizer), "max_model_len": 256,
             "eos_token_ids": [tokenizer.eos_token_id]}
@@ -215,6 +219,29 @@ def test_a_hermes_tool_call_becomes_openais_tool_calls(tokenizer, stream):
     assert content == "Let me look. " and answer[-1].choices[0].finish_reason == "tool_calls"
     assert calls[0].function.name == "get_weather" and calls[0].id.startswith("call_")
     assert json.loads("".join(t.function.arguments or "" for t in calls)) == {"city": "Paris"}
+
+
+def test_tools_a_chat_template_never_shows_are_refused_unless_the_model_may_not_call_them(tokenizer):
+    client, engines = served(tokenizer, ANSWER, parser="hermes")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}assistant:"
+    messages = [{"role": "user", "content": "Weather?"}]
+
+    async def calls():
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=8)
+        plain = await client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER],
+                                                     tool_choice="none", max_tokens=64)
+        return refused.value, plain
+
+    try:
+        refused, plain = run(calls())
+    finally:
+        tokenizer.chat_template = TEMPLATE
+    assert refused.status_code == 400 and refused.body["message"] == (
+        "tools: model 'scripted''s chat template does not show tools to the model, so it cannot call them; send the "
+        "request without tools (or with tool_choice \"none\"), or give the tokenizer a chat template that renders "
+        "tools.")
+    assert plain.choices[0].message.content == ANSWER and len(engines.requests) == 1
 
 
 def test_the_front_end_checks_once_and_the_engine_gets_its_decision(tokenizer):
