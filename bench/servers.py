@@ -81,7 +81,8 @@ class Server:
         return f"http://127.0.0.1:{self.spec.port}/v2/models/{model}/infer"
 
     def wait_ready(self, probes: dict[str, tuple[bytes, dict]]) -> float:
-        """Block until every model answers a real request with 200 (and ``ready_line`` is logged); returns seconds."""
+        """Block until every model answers a real request with 200 (and ``ready_line`` is logged), and for
+        neuron-serve until its background compile is done; returns the seconds to ready."""
         deadline = self.started + self.spec.startup_s
         pending = dict(probes)
         while pending or (self.spec.ready_line and self.spec.ready_line not in self.log_path.read_text(errors="replace")):
@@ -98,7 +99,26 @@ class Server:
                 except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                     pass
             time.sleep(1 if pending else 0.2)
-        return time.monotonic() - self.started
+        ready = time.monotonic() - self.started
+        if self.spec.ready_line == READY_LINE:  # neuron-serve: measured once its background compile is done
+            self.wait_compiled(deadline)
+        return ready
+
+    def wait_compiled(self, deadline: float) -> None:
+        """Block until no replica has a model left to compile (``neuron_serve_compiled_models`` in state pending:
+        a replica serves on its first compiled models while the rest compile behind)."""
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.spec.port}/metrics", timeout=30) as response:
+                    text = response.read().decode()
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                text = ""
+            pending = [line for line in text.splitlines()
+                       if line.startswith("neuron_serve_compiled_models{") and 'state="pending"' in line]
+            if text and not any(float(line.rsplit(" ", 1)[1]) > 0 for line in pending):
+                return
+            time.sleep(2)
+        raise RuntimeError(f"{self.spec.key} still compiling after {self.spec.startup_s}s; see {self.log_path}")
 
     def memory_mb(self) -> dict[str, float]:
         """Resident memory: per replica process for Ray servers, else the whole process tree."""

@@ -2,6 +2,7 @@
 
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -11,10 +12,19 @@ from bench import generate_http, servers  # noqa: E402
 from neuron_serve.serve.ports import free_port  # noqa: E402
 
 # Answers every POST at once, as a model's app does, and logs the last start-up line later,
-# as `neuron-serve deploy` does once the server app is up too.
+# as `neuron-serve deploy` does once the server app is up too; its /metrics says a model is left to compile
+# until 1.5 s after that line, as a replica's background compile does.
 LATE_LINE = textwrap.dedent("""
     import http.server, sys, threading, time
+    started = time.monotonic()
     class Answer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            pending = 1 if time.monotonic() < started + float(sys.argv[2]) + 1.5 else 0
+            body = f'neuron_serve_compiled_models{{model="x",state="pending"}} {pending}.0\\n'.encode()
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
         def do_POST(self):
             self.rfile.read(int(self.headers.get("content-length", 0)))
             self.send_response(200)
@@ -30,7 +40,7 @@ LATE_LINE = textwrap.dedent("""
 """)
 
 
-def test_a_server_whose_model_answers_early_is_started_only_at_its_ready_line(tmp_path):
+def test_a_server_whose_model_answers_early_is_started_only_at_its_ready_line_and_measured_once_compiled(tmp_path):
     port, delay = free_port(), 2.0
     spec = servers.ServerSpec("late", "late", [sys.executable, "-c", LATE_LINE, str(port), str(delay),
                                                "serving x on http://127.0.0.1/v2 (metrics: /metrics)"], port,
@@ -38,8 +48,9 @@ def test_a_server_whose_model_answers_early_is_started_only_at_its_ready_line(tm
     server = servers.Server(spec, tmp_path)
     try:
         seconds = server.wait_ready({"x": (b"{}", {"Content-Type": "application/json"})})
-        assert seconds >= delay
+        assert delay <= seconds < delay + 1.5  # the seconds to ready, not to the end of the compile
         assert servers.READY_LINE in server.log_path.read_text()
+        assert time.monotonic() - server.started >= delay + 1.5  # returned once nothing was left to compile
     finally:
         server.stop()
 
