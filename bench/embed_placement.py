@@ -2,8 +2,8 @@
 
     python -m bench.embed_placement [--quick] [--out DIR]   # also a part of python -m bench
 
-In process, on bench/embeddings.py's model (a BERT of all-MiniLM-L6-v2's shape, mean pooling,
-normalised; XLA:CPU stands in for the NeuronCore):
+In process, on bench/embeddings.py's model (all-MiniLM-L6-v2, mean pooling, normalised; XLA:CPU stands in for
+the NeuronCore):
 
 1. Pooling inside the compiled graph against on the host: the same encoder compiled twice,
    once ending in sentence-transformers' Pooling and Normalize (a vector a row comes back),
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or embeddings.RESULTS / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     calls = 10 if args.quick else 30
-    model_dir = embeddings.write_model(out / "embed-model")
+    model_dir = embeddings.real_model()
     figures = {"calls": calls, "pooling": pooling(model_dir, calls), "tokenization": tokenization(model_dir, 200)}
     markdown = report(figures)
     (out / "embed_placement.md").write_text(markdown + "\n")

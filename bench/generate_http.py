@@ -2,15 +2,14 @@
 
     python -m bench.generate_http [--quick] [--out DIR] [--servers a,b]   # also a part of python -m bench
 
-One model directory, deployments/llm/ (``make llm-example``: a small Llama with random
-weights and its byte-level BPE tokenizer), served by four servers, one at a time (each is
-started, measured and stopped before the next starts):
+One model directory, deployments/llm/ (``make llm-example``: SmolLM2-135M-Instruct, 30 layers, float32,
+with its own tokenizer), served by four servers, one at a time (each is started, measured and stopped before
+the next starts):
 
-1. ``neuron-serve``: ``neuron-serve deploy`` of deployments/llm.yaml with two changes,
-   written to ``<out>/neuron-serve-llm.yaml``: ``max_model_len`` 512 (the example's 256 is
-   shorter than the longest request here, 200 prompt + 128 new tokens) and ``max_num_seqs``
-   32 (the highest concurrency, so no request waits for a KV-cache slot; the peers have no
-   such bound). Its compile happens at deploy, before any request.
+1. ``neuron-serve``: ``neuron-serve deploy`` of deployments/llm.yaml with room for the workload, written to
+   ``<out>/neuron-serve-llm.yaml``: ``max_model_len`` 512 (200 prompt + 128 new tokens at most) and
+   ``max_num_seqs`` 32 (the highest concurrency, so no request waits for a KV-cache slot; the peers have no
+   such bound), decode buckets of 1, 8 and 32 rows. Measured once its background compile is done.
 2. ``transformers-cb``: ``transformers serve --continuous-batching`` with the directory
    as its model (a local path is served as it is, named by that path), sdpa attention,
    a paged cache of 64 pages of 256 tokens (32 sequences x 512, as bench/generate.py; auto-
@@ -22,8 +21,9 @@ started, measured and stopped before the next starts):
 
 Workload: a seeded list of text prompts whose lengths under the model's tokenizer are 8 to
 200 tokens, each with 16 to 128 new tokens, the same list for every server; streamed
-``/v1/completions`` at temperature 0, ``concurrency`` requests in flight (aiohttp,
-closed loop) at concurrency 1, 8 and 32. Each point sends its own slice of the list (no
+``/v1/completions`` at temperature 0 (greedy), ``concurrency`` requests in flight (aiohttp,
+closed loop) at concurrency 1, 8 and 32; then sampled (temperature 0.8, top_p 0.95, a seed a
+request) at concurrency 8 and 32. Each point sends its own slice of the list (no
 prompt is sent twice to a server, so no prefix cache can help); a few short requests warm
 each server up first.
 
@@ -65,6 +65,8 @@ RESULTS = ROOT / "bench" / "results"
 MODEL_DIR = ROOT / "deployments" / "llm"
 CONCURRENCY = (1, 8, 32)
 REQUESTS = {"full": {1: 8, 8: 32, 32: 96}, "quick": {1: 4, 8: 16, 32: 32}}  # requests per point
+SAMPLED = {"full": {8: 32, 32: 96}, "quick": {8: 16, 32: 32}}  # the sampled points' requests
+SAMPLING = {"temperature": 0.8, "top_p": 0.95}
 WARMUP = 4  # short requests (8 new tokens), all at once, before a server's first point
 PROMPT_TOKENS, NEW_TOKENS = (8, 200), (16, 128)
 MAX_MODEL_LEN = 512
@@ -265,7 +267,10 @@ def write_neuron_serve_yaml(model_dir: Path, path: Path) -> None:
 
     config = yaml.safe_load((ROOT / "deployments" / "llm.yaml").read_text())
     config["model"]["pretrained"] = str(model_dir.resolve())
-    config.setdefault("generation", {}).update(max_model_len=MAX_MODEL_LEN, max_num_seqs=max(CONCURRENCY))
+    config.setdefault("generation", {}).update(max_model_len=MAX_MODEL_LEN, max_num_seqs=max(CONCURRENCY),
+                                               prefill_buckets=[64, MAX_MODEL_LEN],
+                                               decode_batch_buckets=[1, 8, max(CONCURRENCY)],
+                                               decode_context_buckets=[MAX_MODEL_LEN])
     path.write_text(yaml.safe_dump(config, sort_keys=False))
 
 
@@ -293,12 +298,14 @@ def specs(model_dir: Path, llm_yaml: Path, python: str = sys.executable) -> dict
 
 
 def request_body(request: dict, model: str, extra: dict, max_tokens: int | None = None) -> dict:
+    """A streamed completion: greedy, or sampled with its own seed when ``request`` says so."""
+    sampling = {**SAMPLING, "seed": request["seed"]} if "seed" in request else {"temperature": 0}
     return {"model": model, "prompt": request["prompt"], "max_tokens": max_tokens or request["max_tokens"],
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **extra}
+            **sampling, "stream": True, "stream_options": {"include_usage": True}, **extra}
 
 
 def measure_server(key: str, spec, model: str, extra: dict, slices: dict, warmup: list[dict], out: Path,
-                   log) -> dict:
+                   log, sampled: dict | None = None) -> dict:
     """Start one server, warm it up, take every concurrency point, stop it."""
     server = OpenAIServer(spec, out / "logs")
     entry: dict = {"label": spec.label, "points": {}}
@@ -319,6 +326,11 @@ def measure_server(key: str, spec, model: str, extra: dict, slices: dict, warmup
             log(f"  {key:16s} c{conc:<3d} {point['tokens_per_s']:8.1f} tok/s  TTFT p50 {ms(point['ttft_p50_s'])} ms  "
                 f"TPOT p50 {ms(point['tpot_p50_s'])} ms  errors {point['errors']}  short {point['short']}"
                 + (f"  ({point['first_error']})" if point["first_error"] else ""))
+        for conc, requests in (sampled or {}).items():
+            results, wall = asyncio.run(run_point(url, [request_body(r, model, extra) for r in requests], conc))
+            point = entry.setdefault("sampled", {})[conc] = summarise(results, requests, wall)
+            log(f"  {key:16s} c{conc:<3d} sampled {point['tokens_per_s']:8.1f} tok/s  TTFT p50 "
+                f"{ms(point['ttft_p50_s'])} ms  TPOT p50 {ms(point['tpot_p50_s'])} ms  errors {point['errors']}")
         entry["memory_mb"] = server.memory_mb()
     finally:
         server.stop()
@@ -348,6 +360,12 @@ def ratios(systems: dict) -> dict:
         if point(ours, one) and point(ours, one)[figure] and theirs:
             best, p = min(theirs, key=lambda kp: kp[1][figure])
             result[f"{figure[:-2]}_c{one}"] = {"peer": best, "ratio": point(ours, one)[figure] / p[figure]}
+    sampled = {k: e.get("sampled", {}).get(top) for k, e in systems.items()}
+    theirs = [(k, p) for k, p in sampled.items() if k != ours and p and p["errors"] < p["requests"]]
+    if sampled.get(ours) and theirs:
+        best, p = max(theirs, key=lambda kp: kp[1]["tokens_per_s"])
+        result[f"sampled_tokens_per_s_c{top}"] = {"peer": best,
+                                                  "ratio": sampled[ours]["tokens_per_s"] / p["tokens_per_s"]}
     return result
 
 
@@ -358,7 +376,9 @@ def report(figures: dict) -> str:
     for key, entry in systems.items():
         if entry.get("failed"):
             lines.append(f"| {entry['label']} | | | failed: {entry['failed'][:80]} | | | | |")
-        for conc, p in entry.get("points", {}).items():
+        points = [(str(c), p) for c, p in entry.get("points", {}).items()]
+        points += [(f"{c} sampled", p) for c, p in entry.get("sampled", {}).items()]
+        for conc, p in points:
             lines.append(f"| {entry['label']} | {conc} | {p['requests']} | {p['tokens_per_s']:.1f} | "
                          f"{ms(p['ttft_p50_s'])} / {ms(p['ttft_p99_s'])} | {ms(p['tpot_p50_s'])} / "
                          f"{ms(p['tpot_p99_s'])} | {p['errors']} | {p['short']} |")
@@ -366,6 +386,8 @@ def report(figures: dict) -> str:
     found = figures["ratios"]
     lines += ["", "neuron-serve against the best peer of the same run (n/a: a figure is missing):", ""]
     for name, text in [(f"tokens_per_s_c{max(CONCURRENCY)}", f"output tok/s at concurrency {max(CONCURRENCY)}"),
+                       (f"sampled_tokens_per_s_c{max(CONCURRENCY)}",
+                        f"output tok/s at concurrency {max(CONCURRENCY)}, sampled"),
                        (f"ttft_p50_c{min(CONCURRENCY)}", "TTFT p50 at concurrency 1"),
                        (f"ttft_p99_c{min(CONCURRENCY)}", "TTFT p99 at concurrency 1"),
                        (f"tpot_p50_c{min(CONCURRENCY)}", "TPOT p50 at concurrency 1"),
@@ -373,7 +395,8 @@ def report(figures: dict) -> str:
         r = found.get(name)
         lines.append(f"- {text}: " + (f"{r['ratio']:.2f}x {labels[r['peer']]}'s" if r else "n/a"))
     w = figures["workload"]
-    lines += ["", f"Workload: {w['requests']} streamed /v1/completions requests per server at temperature 0, prompts "
+    lines += ["", f"Workload: {w['requests']} streamed /v1/completions requests per server at temperature 0 (and the "
+              f"sampled points at temperature {SAMPLING['temperature']}, top_p {SAMPLING['top_p']}, a seed each), prompts "
               f"{w['prompt_tokens']} tokens, {w['new_tokens']} new tokens each ({figures['mode']} run; requests per "
               f"point {figures['requests_per_point']}); load average {figures['load_average'][0]:.1f} at the start, "
               f"{figures['load_average'][-1]:.1f} at the end on {os.cpu_count()} cores. `short`: requests whose "
@@ -405,10 +428,13 @@ def main(argv: list[str] | None = None) -> int:
     mode = "quick" if args.quick else "full"
     counts = REQUESTS[mode]
     requests = make_workload(AutoTokenizer.from_pretrained(args.model_dir, local_files_only=True),
-                             WARMUP + sum(counts.values()))
-    warmup, start, slices = requests[:WARMUP], WARMUP, {}
+                             WARMUP + sum(counts.values()) + sum(SAMPLED[mode].values()))
+    warmup, start, slices, sampled = requests[:WARMUP], WARMUP, {}, {}
     for conc in CONCURRENCY:
         slices[conc], start = requests[start:start + counts[conc]], start + counts[conc]
+    for conc, count in SAMPLED[mode].items():
+        sampled[conc] = [{**r, "seed": start + i} for i, r in enumerate(requests[start:start + count])]
+        start += count
     measured = requests[WARMUP:]
     keys = args.servers.split(",")
     if unknown := set(keys) - set(all_keys):
@@ -421,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         f"results in {out}")
     for key in keys:
         spec, model, extra = chosen[key]
-        systems[key] = measure_server(key, spec, model, extra, slices, warmup, out, log)
+        systems[key] = measure_server(key, spec, model, extra, slices, warmup, out, log, sampled)
     load.append(os.getloadavg()[0])
     lengths = sorted(r["prompt_tokens"] for r in measured)
     figures = {"mode": mode, "requests_per_point": counts, "load_average": load, "systems": systems,
