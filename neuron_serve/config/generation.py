@@ -207,6 +207,33 @@ class GenerationSettings(BaseModel):
                     "Qwen 2.5 and later); llama3_json, an answer that is JSON objects {name, parameters} separated "
                     "by ; (Llama 3.1 and later). Without it, tools are still served with tool_choice \"required\", "
                     "a named function or \"none\"")
+    quantization: Literal["int8", "fp8"] | None = Field(
+        default=None,
+        description="weight-only quantization of the linear layers (vLLM's name; NxD Inference's scheme): int8, or "
+                    "fp8 (e4m3 within a NeuronCore's range of +-240), symmetric, quantized at start-up from the "
+                    "checkpoint's weights, held on the core with their scales and dequantized to the compute dtype "
+                    "inside the compiled graph. A checkpoint already quantized (its config's quantization_config, "
+                    "as llm-compressor or ModelOpt write it) is loaded as it is without this field; given, it must "
+                    "agree. Default: none")
+    quantization_type: Literal["per_channel_symmetric", "per_tensor_symmetric"] = Field(
+        "per_channel_symmetric",
+        description="with quantization (NxD Inference's name): one scale per output channel, or one per weight")
+    modules_to_not_convert: list[str] | None = Field(
+        default=None,
+        description="with quantization: linear layers kept in the compute dtype, by name, last part of the name "
+                    "(lm_head, o_proj) or shell pattern (model.layers.0.*); default [lm_head] (embeddings are never "
+                    "quantized)")
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field(
+        "auto",
+        description="the KV cache's dtype (vLLM's name): auto, the model's dtype; fp8 (fp8_e4m3), e4m3 within a "
+                    "NeuronCore's range with a scale per layer for keys and one for values, from the checkpoint "
+                    "when it has them, else measured at start-up on a few prompts (calculate_kv_scales): about "
+                    "twice the slots of a bfloat16 cache in the same memory")
+    calculate_kv_scales: bool | None = Field(
+        default=None,
+        description="with kv_cache_dtype fp8: true measures the scales at start-up (the keys' and values' largest "
+                    "magnitude per layer over a few prompts), even when the checkpoint has its own; false takes "
+                    "the checkpoint's and refuses one without; default: the checkpoint's, else measured")
     request_timeout_s: float | None = Field(
         default=None, gt=0,
         description="a request not finished this many seconds after it arrived (waiting or generating) is aborted: "
@@ -221,7 +248,16 @@ class GenerationSettings(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "GenerationSettings":
-        """The bucket lists' checks that need no model (the length lists need max_model_len)."""
+        """The bucket lists' checks that need no model (the length lists need max_model_len), and the
+        quantization fields that need their switch."""
+        if self.quantization is None:
+            for name in ("quantization_type", "modules_to_not_convert"):
+                if name in self.model_fields_set:
+                    raise FieldError(name, "applies with quantization (int8 or fp8); set quantization or remove "
+                                           f"{name}")
+        if self.kv_cache_dtype == "auto" and self.calculate_kv_scales is not None:
+            raise FieldError("calculate_kv_scales", "applies with kv_cache_dtype fp8 (a cache in the model's own "
+                                                    "dtype has no scales); set kv_cache_dtype: fp8 or remove it")
         try:
             self._build(self.max_model_len or 2, field_prefix="", lengths=self.max_model_len is not None)
         except ConfigError as exc:

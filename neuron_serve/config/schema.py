@@ -280,6 +280,12 @@ class ModelConfig(_Strict):
     generation: GenerationSettings | None = Field(default=None, description="task: generate (defaults when absent)")
     pooling: PoolingSettings | None = Field(default=None, description="task: embed, score, classify (defaults, "
                                             "read from the model's directory, when absent)")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto",
+        description="task: generate, embed, score, classify: the dtype of the weights, the activations and the KV "
+                    "cache (vLLM's name): auto, the checkpoint's own (its config's dtype, or a factory model's "
+                    "as built); logits, the sampler and pooled outputs stay in float32. task: infer takes the "
+                    "model's own dtype (compiler_args --auto-cast casts its products)")
     target: Literal["neuron", "xla"] = DEFAULT_TARGET
     partitioner: PartitionerSettings | None = None
     compiler_args: str | list[str] | None = Field(
@@ -328,6 +334,11 @@ class ModelConfig(_Strict):
         check_pooling_task(self)
         if self.task not in POOLING_TASKS:
             check_task(self)
+        if self.task == "infer" and self.dtype != "auto":
+            raise FieldError("dtype", "applies to task: generate, embed, score or classify; a task: infer model is "
+                                      "compiled in its own dtype (cast it in its factory, or compile its products in "
+                                      "bfloat16 with compiler_args: --auto-cast matmult --auto-cast-type bf16); "
+                                      "remove dtype")
         names = [i.name for i in self.inputs or []]
         if len(set(names)) != len(names):
             raise ValueError(f"input names must be unique, got {names}")
@@ -360,6 +371,11 @@ class ModelConfig(_Strict):
             raise ValueError(f"placement.cores_per_pipeline is {placed.cores_per_pipeline} but the replica has "
                              f"{self.cores_per_replica} core(s); set cores_per_replica to at least "
                              f"{placed.cores_per_pipeline} or lower placement.cores_per_pipeline")
+
+    def torch_dtype(self, checkpoint: torch.dtype) -> torch.dtype:
+        """The dtype a generate or pooling model computes in: ``dtype``, or with auto ``checkpoint`` (the dtype its
+        checkpoint was saved in)."""
+        return checkpoint if self.dtype == "auto" else DTYPES[self.dtype]
 
     def model_placement(self) -> ModelPlacement:
         """The placement ``trace`` takes."""
