@@ -107,6 +107,7 @@ def _analyze_generation(args: argparse.Namespace, config, base_dir: Path) -> int
             reports[form.label]["tensor_parallel"] = form.split
         if form.lora is not None:  # the LoRA adapter buffers every compiled model takes
             reports[form.label]["lora"] = form.lora
+        reports[form.label]["memory"] = form.memory  # dtype, quantization, KV cache: bytes a core, slots that fit
         if args.html or args.report_json:
             from .report import partition_report  # noqa: PLC0415
 
@@ -114,6 +115,7 @@ def _analyze_generation(args: argparse.Namespace, config, base_dir: Path) -> int
             data["model"] = f"{config.name} ({form.label})"
             data["tensor_parallel"] = form.split
             data["lora"] = form.lora
+            data["memory"] = form.memory
             pages[form.label] = data
     if args.html:  # one page per compiled model, named after its bucket
         html = Path(args.html)

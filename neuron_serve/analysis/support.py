@@ -63,7 +63,9 @@ def _example(value: Any) -> Any:
     """
     if not isinstance(value, torch.Tensor):
         return value
-    if value.dtype.is_floating_point or value.dtype.is_complex:
+    if value.dtype.is_floating_point and value.dtype.itemsize == 1:  # fp8: drawn in float32, then rounded
+        out = torch.rand(value.shape).to(value.dtype)
+    elif value.dtype.is_floating_point or value.dtype.is_complex:
         out = torch.rand(value.shape, dtype=value.dtype)
     else:
         out = torch.zeros(value.shape, dtype=value.dtype)

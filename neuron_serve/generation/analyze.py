@@ -20,9 +20,10 @@ from ..config.schema import ModelConfig, _under
 from ..config.generation import GenerationSettings
 from ..targets import get_target
 from . import tensor_parallel
-from .build import DRAFT_FIELD, _pretrained, load_lm
+from .loading import load_draft, load_lm
 from .shapes import example_inputs, shapes_of, slot_module
-from .slots import kv_cache_bytes
+from . import precision
+from .slots import cache_element_bytes, compute_dtype, kv_cache_bytes
 
 
 class Form(NamedTuple):
@@ -34,6 +35,7 @@ class Form(NamedTuple):
     analysis: GraphAnalysis
     split: dict | None = None  # with generation.tensor_parallel_size above 1: see :func:`split_of`
     lora: dict | None = None  # with generation.lora: see :func:`lora_of`
+    memory: dict | None = None  # what one core holds and in which dtypes: see :func:`memory_of`
 
 
 def split_of(lm: torch.nn.Module, buckets, size: int) -> dict | None:
@@ -42,12 +44,27 @@ def split_of(lm: torch.nn.Module, buckets, size: int) -> dict | None:
         return None
     tensor_parallel.check(lm.config, size)
     plan = tensor_parallel.plan(lm, size)
-    dtype_bytes = next(lm.parameters()).element_size()
+    dtype_bytes = cache_element_bytes(lm)
     cache = kv_cache_bytes(lm.config, buckets.max_num_seqs, buckets.max_model_len, dtype_bytes)
     return {**plan.describe(),
             "bytes_per_core": {"weights": tensor_parallel.bytes_per_core(lm, plan),
                                "kv_cache": cache if plan.state is None else cache // size},
             "bytes_whole": {"weights": tensor_parallel.bytes_per_core(lm, None), "kv_cache": cache}}
+
+
+def memory_of(lm: torch.nn.Module, buckets, size: int) -> dict:
+    """What one core of the model's engine holds (its share at tensor_parallel_size ``size``) and in which precision,
+    and how many cache slots of max_model_len positions would fit beside its weights."""
+    from .build import slots_that_fit  # noqa: PLC0415 - build imports the compiler; analyze runs it anyway
+
+    plan = tensor_parallel.plan(lm, size) if size > 1 else None
+    cache = kv_cache_bytes(lm.config, buckets.max_num_seqs, buckets.max_model_len, cache_element_bytes(lm))
+    split = size > 1 and not tensor_parallel.kv_replicated(lm.config, size)
+    return {**precision.describe(lm),
+            "bytes_per_core": {"weights": tensor_parallel.bytes_per_core(lm, plan),
+                               "kv_cache": cache // size if split else cache},
+            "max_num_seqs": buckets.max_num_seqs,
+            "slots_that_fit": slots_that_fit(lm, buckets, tensor_parallel_size=size)}
 
 
 def lora_of(lm: torch.nn.Module, settings: GenerationSettings) -> tuple[Any, dict] | None:
@@ -58,7 +75,7 @@ def lora_of(lm: torch.nn.Module, settings: GenerationSettings) -> tuple[Any, dic
     from .adapters import AdapterPolicy  # noqa: PLC0415
 
     layout = AdapterPolicy.of(lm, settings.lora, settings.tensor_parallel_size).layout
-    dtype_bytes = next(lm.parameters()).element_size()
+    dtype_bytes = compute_dtype(lm).itemsize
     return layout, {"max_loras": layout.max_loras, "max_lora_rank": layout.rank,
                     "projections": sorted({t.name for t in layout.targets}),
                     "bytes_per_core": layout.bytes(dtype_bytes)}
@@ -71,10 +88,11 @@ def forms(config: ModelConfig, base_dir: str | Path | None = None) -> Iterator[F
     buckets = settings.to_buckets(lm.config)
     split = split_of(lm, buckets, settings.tensor_parallel_size)
     lora = lora_of(lm, settings)
+    memory = memory_of(lm, buckets, settings.tensor_parallel_size)
     models = [(lm, buckets, "", split, lora)]
     spec = settings.speculative_config
     if spec is not None and spec.method == "draft_model":  # a draft proposes without adapters
-        draft = _pretrained(_under(base_dir, spec.model), DRAFT_FIELD)
+        draft = load_draft(config, base_dir)
         models.append((draft, buckets.for_draft(), "draft_", split_of(draft, buckets, settings.tensor_parallel_size),
                        None))
     every = [(model, buckets, prefix + shape.label, shape, split, lora)
@@ -85,4 +103,5 @@ def forms(config: ModelConfig, base_dir: str | Path | None = None) -> Iterator[F
         captured = capture(model, example_inputs(shape, lora=lora is not None))
         analysis = analyze_graph(captured, target)
         print(f"analyzed {label} ({index}/{len(every)})", file=sys.stderr, flush=True)
-        yield Form(label, model, captured, analysis, split, lora[1] if lora else None)
+        yield Form(label, model, captured, analysis, split, lora[1] if lora else None,
+                   memory if causal_lm is lm else memory_of(causal_lm, buckets, settings.tensor_parallel_size))

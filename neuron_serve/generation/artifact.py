@@ -38,7 +38,8 @@ def save_generation(model: GenerationModel, path: str | Path, *, eos_token_ids: 
     extra = {"generation": {**model.buckets.describe(), "vocab_size": model.vocab_size,
                             "eos_token_ids": list(eos_token_ids), "tokenizer": tokenizer is not None,
                             "weight_bytes": model.weight_bytes, "families": FAMILIES,
-                            "draft": DRAFT_DIR if model.draft is not None else None}}
+                            "draft": DRAFT_DIR if model.draft is not None else None,
+                            "precision": model.precision}}
     if model.sharding is not None:  # loaded again over a group of as many cores, split the same way
         plan = model.sharding
         extra["generation"]["sharding"] = {"devices": plan.devices, "state": plan.state,
@@ -78,6 +79,7 @@ def load_generation(path: str | Path) -> tuple[GenerationModel, list[int], str |
     tokenizer = str(root / TOKENIZER_DIR) if described["tokenizer"] else None
     model = GenerationModel(compiled.buckets[0].state, buckets, described["vocab_size"], plan,
                             described.get("weight_bytes"), compiled=dict(zip(shapes_of(buckets), compiled.buckets)))
+    model.precision = described.get("precision", {})
     if described.get("draft"):
         model.draft = load_generation(root / described["draft"])[0]
     return model, described["eos_token_ids"], tokenizer

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from ..buckets.generation import GenerationBuckets
-from ..config.schema import ModelConfig, _under, build_model
+from ..config.schema import ModelConfig, _under
 from ..config.generation import GenerationSettings
 from ..errors import ArtifactError, ConfigError
 from ..partition.pipeline import core_memory_bytes
@@ -25,79 +25,11 @@ from .frontend import Frontend
 from .group import EngineGroup
 from ..assembly.queue import READY, compile_queue
 from .compiling import GenerationBuild, compile_generation
+from .loading import DRAFT_FIELD, load_draft, load_lm, load_tokenizer
 from .model import GenerationModel
-from .slots import kv_cache_bytes
+from .slots import cache_element_bytes, kv_cache_bytes
 
 logger = logging.getLogger("neuron_serve")
-
-ATTENTION = "eager"  # SlotLM hands the layers an additive mask and its own cache; eager attention reads both
-
-
-def load_lm(config: ModelConfig, base_dir: str | Path | None = None) -> torch.nn.Module:
-    """The causal LM of ``model.factory`` or ``model.pretrained``, in eval mode with eager attention."""
-    if config.model.pretrained is not None:
-        return _pretrained(_under(base_dir, config.model.pretrained))
-    lm = build_model(config, base_dir)
-    factory = config.model.factory
-    if not hasattr(lm, "config") or not callable(getattr(lm, "get_output_embeddings", None)) \
-            or lm.get_output_embeddings() is None:
-        raise ConfigError(f"model.factory: {factory!r} returned a {type(lm).__name__}, not a transformers causal "
-                          f"LM (a model with .config and an output embedding, e.g. from "
-                          f"AutoModelForCausalLM); task: generate needs one.")
-    if getattr(lm.config, "_attn_implementation", ATTENTION) != ATTENTION:
-        if callable(getattr(lm, "set_attn_implementation", None)):
-            lm.set_attn_implementation(ATTENTION)
-        if lm.config._attn_implementation != ATTENTION:
-            raise ConfigError(f"model.factory: {factory!r} returned a model with "
-                              f"{lm.config._attn_implementation!r} attention that cannot be switched to eager; "
-                              f"build it with attn_implementation='eager'.")
-    return lm.eval()
-
-
-def _pretrained(directory: str, field: str = "model.pretrained") -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415
-
-    if not Path(directory).is_dir():
-        raise ConfigError(f"{field}: {directory} is not a directory; give a directory written by "
-                          f"save_pretrained (relative to the model.yaml's folder).")
-    try:
-        lm = AutoModelForCausalLM.from_pretrained(directory, attn_implementation=ATTENTION, local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError(f"{field}: cannot load {directory} as a transformers causal LM "
-                          f"({_first_line(exc)}); give a directory written by a causal LM's save_pretrained.") from None
-    return lm.eval()
-
-
-def load_tokenizer(config: ModelConfig, base_dir: str | Path | None = None) -> Any:
-    """``tokenizer``'s (which must load) or else the pretrained directory's tokenizer, if it has one."""
-    from transformers import AutoTokenizer  # noqa: PLC0415
-
-    if config.tokenizer is not None:
-        directory = _under(base_dir, config.tokenizer)
-        if not Path(directory).is_dir():
-            raise ConfigError(f"tokenizer: {directory} is not a directory; give a directory of transformers "
-                              f"tokenizer files (tokenizer.json, tokenizer_config.json, ...).")
-        try:
-            return AutoTokenizer.from_pretrained(directory, local_files_only=True)
-        except Exception as exc:  # transformers raises many kinds for unreadable tokenizer files
-            raise ConfigError(f"tokenizer: cannot load a tokenizer from {directory} ({_first_line(exc)}); give a "
-                              f"directory written by a tokenizer's save_pretrained.") from None
-    if config.model.pretrained is None:
-        return None
-    directory = _under(base_dir, config.model.pretrained)
-    try:
-        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    except Exception as exc:  # no tokenizer beside the model: the engine then takes token ids only
-        logger.info("%s: no tokenizer loaded from %s (%s); stop strings are refused", config.name, directory,
-                    type(exc).__name__)
-        return None
-
-
-def _first_line(exc: Exception) -> str:
-    """``Type: message`` with only the message's first line (transformers' can list every model type)."""
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-
 
 def weight_bytes(lm: torch.nn.Module) -> int:
     """Bytes of the model's parameters and buffers (each shared tensor once)."""
@@ -127,13 +59,24 @@ def check_fits(config, buckets: GenerationBuckets, weight_bytes: int, dtype_byte
     )
 
 
+def slots_that_fit(lm: torch.nn.Module, buckets: GenerationBuckets, core_bytes: int | None = None,
+                   tensor_parallel_size: int = 1) -> int:
+    """How many slots of ``buckets.max_model_len`` positions fit one core beside ``lm``'s weights (its share of
+    them at ``tensor_parallel_size``), in the cache's dtype (an fp8 cache holds twice a bfloat16 one's)."""
+    core = core_bytes if core_bytes is not None else core_memory_bytes()
+    plan = tensor_parallel.plan(lm, tensor_parallel_size) if tensor_parallel_size > 1 else None
+    share = 1 if tensor_parallel.kv_replicated(lm.config, tensor_parallel_size) else tensor_parallel_size
+    per_slot = kv_cache_bytes(lm.config, 1, buckets.max_model_len, cache_element_bytes(lm)) // share
+    return max(0, (core - tensor_parallel.bytes_per_core(lm, plan)) // per_slot)
+
+
 def check_cache_fits(lm: torch.nn.Module, buckets: GenerationBuckets, field_prefix: str = "generation.",
                      tensor_parallel_size: int = 1) -> int:
     """Refuse ``buckets``' KV cache when it does not fit next to ``lm``'s weights on one core (see check_fits).
 
     At ``tensor_parallel_size`` N each core holds its share of the weights and of the cache.
     A refusal names the smallest N (dividing the heads, up to 64) at which the model fits."""
-    dtype_bytes = next(lm.parameters()).element_size()  # the cache's dtype (see SlotLM)
+    dtype_bytes = cache_element_bytes(lm)  # the cache's dtype (see SlotLM)
     core = core_memory_bytes()
 
     def share(size: int) -> tuple[int, int]:
@@ -164,8 +107,8 @@ def compile_from_config(config: ModelConfig, base_dir: str | Path | None = None,
     With ``background`` the model returns once the models that answer every request are compiled; the rest
     compile on the process's compile queue and join it (compiling.py). A draft compiles whole, first."""
     settings = config.generation or GenerationSettings()
-    lm = load_lm(config, base_dir)
     tokenizer = load_tokenizer(config, base_dir)
+    lm = load_lm(config, base_dir, tokenizer)
     buckets = settings.to_buckets(lm.config)
     tp = settings.tensor_parallel_size
     tensor_parallel.check(lm.config, tp)  # before anything compiles
@@ -178,7 +121,7 @@ def compile_from_config(config: ModelConfig, base_dir: str | Path | None = None,
     draft = None
     spec = settings.speculative_config
     if spec is not None and spec.method == "draft_model":
-        draft = _pretrained(_under(base_dir, spec.model), DRAFT_FIELD)
+        draft = load_draft(config, base_dir, tokenizer)
         check_draft(lm, draft, settings.enable_prefix_caching)
         tensor_parallel.check(draft.config, tp, field=DRAFT_FIELD)
     build = GenerationBuild(lm, buckets, target=config.target, compiler_args=config.compiler_args,
@@ -191,9 +134,6 @@ def compile_from_config(config: ModelConfig, base_dir: str | Path | None = None,
                                          compiler_args=config.compiler_args, tensor_parallel_size=tp,
                                          name=f"{config.name} draft")
     return model, eos_token_ids(lm), tokenizer
-
-
-DRAFT_FIELD = "generation.speculative_config.model"
 
 
 def check_draft(lm: torch.nn.Module, draft: torch.nn.Module, prefix_caching: bool = False,
@@ -227,6 +167,15 @@ def _from_artifact(config: ModelConfig, base_dir: str | Path | None) -> tuple[Ge
                             f"speculative_config it was built with (the artifact's own model.yaml), or rebuild it.")
     given = config.generation.model_dump(exclude_unset=True) if config.generation else {}
     built = {**model.buckets.describe(), "tensor_parallel_size": model.tensor_parallel_size}
+    held = model.precision  # what the artifact's weights and cache were compiled in
+    if held:
+        built.update(quantization=held.get("quantization"), kv_cache_dtype=_kv_name(held.get("kv_cache_dtype")))
+        if held.get("quantization"):
+            built["quantization_type"] = held["quantization_type"]
+        given = {k: _kv_name(v) if k == "kv_cache_dtype" else v for k, v in given.items()}
+        if "dtype" in config.model_fields_set and config.dtype != held.get("dtype"):
+            raise ArtifactError(f"dtype: {path} was built in {held.get('dtype')}, but this model.yaml asks for "
+                                f"{config.dtype}; rebuild the artifact from this model.yaml or remove dtype.")
     differ = sorted(k for k in built if k in given and given[k] != built[k])
     if differ:
         raise ArtifactError(f"generation.{differ[0]}: {path} was built with {differ[0]} {built[differ[0]]}, but this "
@@ -238,6 +187,11 @@ def _from_artifact(config: ModelConfig, base_dir: str | Path | None) -> tuple[Ge
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     return model, eos, tokenizer
+
+
+def _kv_name(value: Any) -> Any:
+    """fp8 and fp8_e4m3 are one KV cache dtype."""
+    return "fp8_e4m3" if value == "fp8" else value
 
 
 def build_engines(config: ModelConfig, base_dir: str | Path | None = None, *, replica: str = "0",

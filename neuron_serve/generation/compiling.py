@@ -36,7 +36,7 @@ from ..compile.aliases import shared_state
 from ..errors import ConfigError, InternalCompileError, UnsupportedModelError
 from ..model import Bucket
 from ..targets.pjrt import on_this_thread, use_device
-from . import lora_layers, tensor_parallel
+from . import lora_layers, precision, tensor_parallel
 from .attention import grouped_for_compile
 from .model import NO_CPU_PARTITIONS, GenerationModel
 from .shapes import Shape, example_inputs, shapes_of, slot_module
@@ -131,12 +131,31 @@ class GenerationBuild:
         with self._lock:
             self.model = GenerationModel(self._state, self.buckets, self.vocab_size, self.plan, self.weight_bytes,
                                          compiled=dict(self._early), build=self, lora=self.lora)
+            self.model.precision = precision.describe(self.lm)
             self.ready_seconds = time.perf_counter() - self.started
             waiting = self._open
         logger.info("model %s built in %.1fs%s", self.name, self.ready_seconds,
                     f"; ready on {len(self._early)} of {len(self.order)} compiled models, the other {waiting} compile "
                     f"in the background" if waiting else "")
         return self.model
+
+    def start_scoring(self) -> GenerationModel:
+        """Only the prefill that keeps every position's logits, at the largest prefill bucket, compiled alone: the
+        model of teacher-forced scoring (every position's next-token distribution of a text, as prompt logprobs
+        read them), with no decode to compile (bench/quantization.py)."""
+        longest = self.buckets.prefill[-1]
+        shape = Shape("scored", 1, longest, longest, sampled=True)
+        job = self.compiles.submit(f"{self.name} {shape.label}", functools.partial(self._trace, shape, None),
+                                   priority=READY)
+        self.compiles.wait([job])
+        bucket = job.future.result()
+        with self._lock:
+            self._open = 0
+            self.finished.set()
+        model = GenerationModel(self._state, self.buckets, self.vocab_size, self.plan, self.weight_bytes,
+                                compiled={shape: bucket}, lora=self.lora)
+        model.precision = precision.describe(self.lm)
+        return model
 
     def resume(self) -> None:
         """Queue the background compiles (once the engine that runs the start-up models has started)."""

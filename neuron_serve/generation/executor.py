@@ -97,6 +97,11 @@ class Executor(abc.ABC):
     def rows_bucket(self, rows: int) -> int:
         """The decode bucket (sequences) that ``rows`` rows run in."""
 
+    @property
+    def precision(self) -> dict:
+        """What the weights and the cache hold (dtype, quantization, kv_cache_dtype: precision.describe)."""
+        return dict(getattr(getattr(self, "model", None), "precision", None) or {})
+
     @abc.abstractmethod
     def memory(self) -> dict[str, int]:
         """Bytes each core of the group holds: ``weights`` and ``kv_cache`` (and ``lora``, its adapter buffers)."""

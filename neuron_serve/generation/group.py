@@ -46,7 +46,7 @@ def describe(engines: Seq[Engine], max_waiting: int) -> dict[str, Any]:
     return {"engines": len(engines), "slots": executor.slots, "max_waiting": max_waiting,
             "vocab_size": executor.vocab_size, "max_model_len": executor.max_model_len,
             "eos_token_ids": sorted(first.eos_token_ids), "tensor_parallel_size": executor.tensor_parallel_size,
-            "memory_per_core": executor.memory()}
+            "memory_per_core": executor.memory(), "precision": executor.precision}
 
 
 class EngineGroup(Dispatcher):

@@ -30,6 +30,7 @@ from transformers.pytorch_utils import Conv1D
 from ..config.generation import DEFAULT_MAX_LORA_RANK, LORA_RANKS
 from ..errors import AdapterError
 from .lora_config import ADAPTER_CONFIG, AdapterConfig, read_config
+from .quantization import QuantizedLinear
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PICKLED_WEIGHTS = "adapter_model.bin"
@@ -90,14 +91,15 @@ class LoraBase:
             place = _IN_LAYER.match(module_name)
             if place is None or module_name.rpartition(".")[2] not in PROJECTIONS:
                 continue
-            if isinstance(module, torch.nn.Linear):
+            if isinstance(module, (torch.nn.Linear, QuantizedLinear)):
                 features = module.in_features, module.out_features
             elif isinstance(module, Conv1D):
                 features = module.weight.shape[0], module.weight.shape[1]
             else:
                 continue
             projections.append(Projection(module_name, int(place["layer"]), place["name"], *features,
-                                          module.weight.dtype, splits.get(module_name)))
+                                          getattr(module, "compute_dtype", module.weight.dtype),
+                                          splits.get(module_name)))
         return cls(type(lm).__name__, tuple(projections), modules, frozenset(embeddings), tensor_parallel_size)
 
     def projection(self, module: str) -> Projection | None:

@@ -142,6 +142,8 @@ class GenerationModel:
         self.weight_bytes = weight_bytes
         self.draft: GenerationModel | None = None  # a speculative draft's compiled models, beside these
         self.adapter_policy = None  # with LoRA: how engines hold adapters (adapters.AdapterPolicy)
+        # What the weights and cache hold: dtype, quantization, kv_cache_dtype (precision.describe; {}: not said)
+        self.precision: dict = {}
         self._buckets: dict[Shape, Bucket] = {}
         for shape, bucket in compiled.items():
             self.add(shape, bucket)
@@ -235,6 +237,7 @@ class GenerationModel:
                                build=self.build, lora=self.lora)
         copy.draft = self.draft.load_to(device) if self.draft is not None else None
         copy.adapter_policy = self.adapter_policy
+        copy.precision = self.precision
         return copy
 
     def warm_up(self) -> None:

@@ -30,11 +30,11 @@ batching needs each sequence at its own slot and position.
 from __future__ import annotations
 
 import contextlib
-import inspect
 
 import torch
 
-from . import attention, lora_layers
+from . import attention, kv_cache, lora_layers
+from .quantization import compute_dtype_of as compute_dtype
 from .sampler import sample
 
 
@@ -50,8 +50,10 @@ class SlotCache:
     is_compileable = True
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], slots: torch.Tensor,
-                 positions: torch.Tensor, context: int | None, by_slot: bool = False) -> None:
+                 positions: torch.Tensor, context: int | None, by_slot: bool = False,
+                 kv: kv_cache.KvCacheFormat | None = None) -> None:
         self.keys = list(keys)
+        self.kv = kv  # fp8 keys and values with their scales (kv_cache.py); None: the compute dtype
         self.slots = slots
         self.by_slot = by_slot  # read the rows' own slots (extend), not slots 0..rows-1 (decode)
         self.values = list(values)
@@ -69,21 +71,35 @@ class SlotCache:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         # key_states, value_states: (rows, kv_heads, tokens, head_dim), transformers' layout.
-        self.keys[layer_idx] = self.keys[layer_idx].index_put(self.key_index, key_states)
-        self.values[layer_idx] = self.values[layer_idx].index_put(self.index, value_states)
-        if self.context is None:
-            return key_states, value_states
+        kv, dtype = self.kv, key_states.dtype
+        stored_k = kv.store(key_states, layer_idx, "k") if kv is not None else key_states
+        stored_v = kv.store(value_states, layer_idx, "v") if kv is not None else value_states
+        self.keys[layer_idx] = self.keys[layer_idx].index_put(self.key_index, stored_k)
+        self.values[layer_idx] = self.values[layer_idx].index_put(self.index, stored_v)
+        if self.context is None:  # a prefill reads its own keys and values, as the cache holds them
+            if kv is None:
+                return key_states, value_states
+            return kv.read(stored_k, layer_idx, "k", dtype), kv.read(stored_v, layer_idx, "v", dtype)
         if self.by_slot:
-            return (self.keys[layer_idx].index_select(0, self.slots)[:, :, :, :self.context].transpose(2, 3),
-                    self.values[layer_idx].index_select(0, self.slots)[:, :, :self.context])
-        return (self.keys[layer_idx][:self.rows, :, :, :self.context].transpose(2, 3),
-                self.values[layer_idx][:self.rows, :, :self.context])
+            keys = self.keys[layer_idx].index_select(0, self.slots)[:, :, :, :self.context].transpose(2, 3)
+            values = self.values[layer_idx].index_select(0, self.slots)[:, :, :self.context]
+        else:
+            keys = self.keys[layer_idx][:self.rows, :, :, :self.context].transpose(2, 3)
+            values = self.values[layer_idx][:self.rows, :, :self.context]
+        if kv is None:
+            return keys, values
+        return kv.read(keys, layer_idx, "k", dtype), kv.read(values, layer_idx, "v", dtype)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
 
     def __len__(self) -> int:
         return len(self.keys)
+
+
+def cache_element_bytes(lm: torch.nn.Module) -> int:
+    """Bytes of one element of ``lm``'s slot cache: its compute dtype's, or one in fp8 (kv_cache.py)."""
+    return kv_cache.cache_dtype(lm, compute_dtype(lm)).itemsize
 
 
 def cache_shape(config, slots: int, positions: int) -> tuple[int, int, int, int]:
@@ -98,12 +114,6 @@ def kv_cache_bytes(config, slots: int, positions: int, dtype_bytes: int) -> int:
     """Bytes of the keys and values of ``slots`` x ``positions`` for a transformers config."""
     s, p, heads, head_dim = cache_shape(config, slots, positions)
     return 2 * config.num_hidden_layers * s * p * heads * head_dim * dtype_bytes
-
-
-def _cache_kwarg(lm: torch.nn.Module) -> str:
-    # transformers 5 renames ``past_key_values`` to ``cache``; take whichever the model has.
-    params = inspect.signature(lm.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
 
 
 class SlotLM(torch.nn.Module):
@@ -137,14 +147,17 @@ class SlotLM(torch.nn.Module):
         # Sampled: each row's token chosen by sampler.sample from its parameters (inputs 4 and 5), with a
         # ``done`` output; else the argmax, as a batch of greedy rows wants it at no more cost.
         self.sampled = sampled
-        self.kwarg = _cache_kwarg(lm)
+        self.kwarg = kv_cache.cache_kwarg(lm)
         shape = cache_shape(lm.config, slots, positions)
-        dtype = next(lm.parameters()).dtype
+        dtype = compute_dtype(lm)
+        self.compute_dtype = dtype
+        self.kv = kv_cache.of(lm)
+        stored = kv_cache.cache_dtype(lm, dtype)
         self.layers = lm.config.num_hidden_layers
         keys = (*shape[:2], shape[3], shape[2])
         for i in range(self.layers):
-            self.register_buffer(f"k_{i}", torch.zeros(keys, dtype=dtype), persistent=False)
-            self.register_buffer(f"v_{i}", torch.zeros(shape, dtype=dtype), persistent=False)
+            self.register_buffer(f"k_{i}", torch.zeros(keys, dtype=stored), persistent=False)
+            self.register_buffer(f"v_{i}", torch.zeros(shape, dtype=stored), persistent=False)
         # LoRA: the adapter buffers, state beside the cache (read, returned unchanged), and each row's adapter
         # slot as the last input (lora_layers.py).
         self.lora = lora
@@ -229,7 +242,7 @@ class SlotLM(torch.nn.Module):
 
     def _step(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, last: torch.Tensor,
               caches: list[torch.Tensor], adapters: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        dtype = caches[0].dtype
+        dtype = self.compute_dtype
         if self.context is None:  # prefill: the prompt's own positions
             seen = positions[:, None, :]
         else:  # decode (row r is slot r) or extend (each row its slot): the first ``context`` positions
@@ -238,7 +251,7 @@ class SlotLM(torch.nn.Module):
             seen = torch.arange(self.context, device=tokens.device)[None, None, :]
         visible = seen <= positions[:, :, None]
         mask = torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
-        cache = SlotCache(caches[0::2], caches[1::2], slots, positions, self.context, by_slot=self.extend)
+        cache = SlotCache(caches[0::2], caches[1::2], slots, positions, self.context, by_slot=self.extend, kv=self.kv)
         # A prefill attends causally to its own keys only: skip the masked blocks (attention.py).
         blocks = {"prefill_blocks": attention.prefill_blocks()} \
             if self.context is None and attention.in_use(self.lm) else {}
@@ -247,4 +260,5 @@ class SlotLM(torch.nn.Module):
             out = self.lm(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
                           logits_to_keep=0 if last is None else last, **{self.kwarg: cache}, **blocks)
         logits = out.logits if last is None else out.logits[:, 0]
-        return logits, [t for pair in zip(cache.keys, cache.values) for t in pair]
+        # Logits leave in float32 whatever the compute dtype: the sampler and the host's choices read them so.
+        return logits.float(), [t for pair in zip(cache.keys, cache.values) for t in pair]

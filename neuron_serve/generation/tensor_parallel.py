@@ -97,6 +97,9 @@ def plan(lm: torch.nn.Module, size: int) -> Sharding:
             weights[f"{name}.weight"] = COLUMN
             if isinstance(bias, torch.Tensor):
                 weights[f"{name}.bias"] = (AXIS,)
+            scale = getattr(module, "weight_scale", None)  # a quantized layer's: split with its output channels
+            if isinstance(scale, torch.Tensor) and scale.shape[0] > 1:
+                weights[f"{name}.weight_scale"] = COLUMN
         elif style in _ROW_STYLES:
             weights[f"{name}.weight"] = ROW
     return Sharding(size, weights, state=None if replicate_kv else (None, AXIS, None, None))

@@ -46,4 +46,5 @@ class PoolingGraph(torch.nn.Module):
         for head in self.heads:
             features = head(features)
         value = features[self.result]
-        return value if self.activation is None else self.activation(value)
+        value = value if self.activation is None else self.activation(value)
+        return value.float()  # embeddings and scores leave in float32, whatever the model computes in

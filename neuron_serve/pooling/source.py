@@ -47,6 +47,8 @@ def load(config: ModelConfig, base_dir: str | Path | None = None) -> tuple[Pooli
     modules = list(loaded)
     transformer = _transformer(modules[0], directory)
     model = transformer.auto_model
+    dtype = config.torch_dtype(model.get_input_embeddings().weight.dtype)
+    loaded.to(dtype)  # every module, the heads (Dense, a classifier) included
     tokenizer = _tokenizer(config, base_dir, transformer)
     names = _input_names(model, tokenizer)
     prompt = _prompt(loaded, modules)
@@ -64,7 +66,8 @@ def load(config: ModelConfig, base_dir: str | Path | None = None) -> tuple[Pooli
     spec = PoolingSpec(task=config.task, input_names=names, output_name=output, max_model_len=max_len,
                        length_buckets=tuple(settings.default_buckets(max_len)),
                        pad_token_id=int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0),
-                       vocab_size=int(model.get_input_embeddings().num_embeddings), prompt=prompt, **fields)
+                       vocab_size=int(model.get_input_embeddings().num_embeddings), prompt=prompt,
+                       dtype=str(dtype).removeprefix("torch."), **fields)
     return graph, spec, tokenizer
 
 

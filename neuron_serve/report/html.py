@@ -178,6 +178,8 @@ def _summary(data: dict) -> str:
     if data.get("compiler_args"):
         html += "<p>Compiler arguments: " + ", ".join(
             f"<code>{escape(k)}</code> {escape(v)}" for k, v in data["compiler_args"]["options"].items()) + "</p>"
+    if data.get("memory"):
+        html += _memory(data["memory"])
     if data.get("tensor_parallel"):
         html += _tensor_parallel(data["tensor_parallel"])
     if data.get("lora"):
@@ -186,6 +188,17 @@ def _summary(data: dict) -> str:
                  f"adapters at rank {lora['max_lora_rank']}, and the base's zeros, over "
                  f"{escape(', '.join(lora['projections']))}); whole on every core.</p>")
     return html
+
+
+def _memory(memory: dict) -> str:
+    """A generate model's precision and what one core holds: its weights, its KV cache, how many slots would fit."""
+    quantized = (f"{memory['quantization']} weights ({memory['quantization_type'].replace('_', ' ')}, by "
+                 f"{memory['quantized_by']})" if memory.get("quantization") else "unquantized weights")
+    held = memory["bytes_per_core"]
+    return (f"<p>Precision: <b>{escape(memory['dtype'])}</b>, {escape(quantized)}, KV cache "
+            f"<b>{escape(memory['kv_cache_dtype'])}</b>; per core {_kib(held['weights'])} of weights and "
+            f"{_kib(held['kv_cache'])} of KV cache for {memory['max_num_seqs']} slots; "
+            f"<b>{memory['slots_that_fit']}</b> slots would fit.</p>")
 
 
 def _tensor_parallel(split: dict) -> str:

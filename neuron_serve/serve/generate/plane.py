@@ -99,6 +99,7 @@ class GenerationPlane:
         self.cores = cores
         self.tensor_parallel_size = int(frontend.info.get("tensor_parallel_size", 1))
         self.memory_per_core: dict = frontend.info.get("memory_per_core", {})
+        self.precision: dict = frontend.info.get("precision", {})  # dtype, quantization, kv_cache_dtype
         self._latency = metrics.REQUEST_LATENCY.labels(model=self.name, replica=self.replica)
         self._codes: dict[str, Any] = {}
         self._mailboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -159,6 +160,7 @@ class GenerationPlane:
                 "engines": self.cores // self.tensor_parallel_size,
                 "max_num_seqs": settings.max_num_seqs,
                 "max_model_len": self.max_model_len,
+                **self.precision_card(),
                 "neuron_serve_version": __version__,
                 "compile": self.compile_state(),
                 **({"lora": self.lora_card()} if self.lora is not None else {}),
@@ -174,7 +176,13 @@ class GenerationPlane:
     def model_card(self) -> dict:
         """What ``GET /v1/models`` says of this model beyond its id (vLLM's ``max_model_len``, and its cores)."""
         return {"max_model_len": self.max_model_len, "tensor_parallel_size": self.tensor_parallel_size,
-                "compile": self.compile_state()}
+                **self.precision_card(), "compile": self.compile_state()}
+
+    def precision_card(self) -> dict:
+        """What the weights and the KV cache hold, in vLLM's names: dtype, quantization (None: full precision),
+        kv_cache_dtype (auto: the model's dtype), and with quantization its type and source."""
+        keys = ("dtype", "quantization", "quantization_type", "quantized_by", "kv_cache_dtype", "kv_cache_scales")
+        return {k: self.precision[k] for k in keys if k in self.precision}
 
     # -- LoRA adapters ----------------------------------------------------------------------
 

@@ -58,7 +58,7 @@ class PoolingPlane:
 
     def model_card(self) -> dict:
         """What ``GET /v1/models`` says of this model beyond its id."""
-        return {"max_model_len": self.spec.max_model_len, "task": self.spec.task}
+        return {"max_model_len": self.spec.max_model_len, "task": self.spec.task, "dtype": self.spec.dtype}
 
     # -- requests -------------------------------------------------------------------
 

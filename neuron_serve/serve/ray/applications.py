@@ -73,8 +73,8 @@ async def model_card(name: str) -> dict:
     parameters = meta.get("parameters", {}) if kind == "ok" else {}
     # "compile": the replica's compiled models by state (an infer or pooling model's metadata says them,
     # ModelDataPlane.compile_state; a generate model's, once its engines compile on the compile queue).
-    return {k: parameters[k] for k in ("max_model_len", "tensor_parallel_size", "task", "compile", "lora")
-            if k in parameters}
+    return {k: parameters[k] for k in ("max_model_len", "tensor_parallel_size", "task", "dtype", "quantization",
+                                       "kv_cache_dtype", "compile", "lora") if k in parameters}
 
 
 _handles: dict = {}
