@@ -15,6 +15,11 @@ EXAMPLE ?= deployments/mlp.yaml
 KSERVE_VENV  := .venv-kserve
 KSERVE_STAMP := $(KSERVE_VENV)/.installed
 KSERVE_REQS  := tests/integration/kserve-requirements.txt
+# llm-compressor, which writes the quantized checkpoints tests/quantized_checkpoints.py serves, in its own venv too:
+# it pins torch 2.10 to 2.14 and transformers below 5.18.
+LLMCOMPRESSOR_VENV  := .venv-llmcompressor
+LLMCOMPRESSOR_STAMP := $(LLMCOMPRESSOR_VENV)/.installed
+LLMCOMPRESSOR_REQS  := tests/quantized/llmcompressor-requirements.txt
 # infinity-emb, bench/embeddings.py's peer, in its own venv too: it pins numpy<2 and sentence-transformers<4.
 INFINITY_VENV  := .venv-infinity
 INFINITY_STAMP := $(INFINITY_VENV)/.installed
@@ -47,6 +52,12 @@ $(KSERVE_STAMP): $(KSERVE_REQS)
 	touch $(KSERVE_STAMP)
 
 kserve-client: $(KSERVE_STAMP)
+
+$(LLMCOMPRESSOR_STAMP): $(LLMCOMPRESSOR_REQS)
+	test -d $(LLMCOMPRESSOR_VENV) || $(PYTHON) -m venv $(LLMCOMPRESSOR_VENV)
+	$(LLMCOMPRESSOR_VENV)/bin/pip install --upgrade pip
+	$(LLMCOMPRESSOR_VENV)/bin/pip install -r $(LLMCOMPRESSOR_REQS)
+	touch $(LLMCOMPRESSOR_STAMP)
 
 $(INFINITY_STAMP): $(INFINITY_REQS)
 	test -d $(INFINITY_VENV) || $(PYTHON) -m venv $(INFINITY_VENV)
@@ -113,7 +124,7 @@ test-system-packages:
 # (conftest.py's xdist groups): a served test's Ray waits on its replicas for part of the time, which the
 # other process fills. Then, one at a time, the tests marked serial: the served tests that time a stop or
 # a drain, and the documentation's examples.
-test: $(TEST_STAMP) $(KSERVE_STAMP) test-system-packages llm-example embed-example
+test: $(TEST_STAMP) $(KSERVE_STAMP) $(LLMCOMPRESSOR_STAMP) test-system-packages llm-example embed-example
 	$(BIN)/pytest --durations=30 -n 2 --dist loadgroup --no-loadscope-reorder -m "not serial" tests
 	$(BIN)/pytest --durations=15 -m serial tests/integration
 
@@ -127,15 +138,15 @@ $(VENV)/.bench: $(TEST_STAMP)
 
 # Both include generation over HTTP (bench/generate_http.py), which serves the LLM example, and embeddings over
 # HTTP (bench/embeddings.py) against infinity-emb, from its own venv.
-bench: $(VENV)/.bench llm-example $(INFINITY_STAMP)
+bench: $(VENV)/.bench llm-example embed-example $(INFINITY_STAMP)
 	$(BIN)/python -m bench
 
-bench-quick: $(VENV)/.bench llm-example $(INFINITY_STAMP)
+bench-quick: $(VENV)/.bench llm-example embed-example $(INFINITY_STAMP)
 	$(BIN)/python -m bench --quick
 
 # Embeddings alone: neuron-serve against infinity-emb and sentence-transformers on Ray Serve, then where tokenization
 # and pooling run (bench/embed_placement.py).
-bench-embeddings: $(VENV)/.bench $(INFINITY_STAMP)
+bench-embeddings: $(VENV)/.bench embed-example $(INFINITY_STAMP)
 	$(BIN)/python -m bench.embeddings
 	$(BIN)/python -m bench.embed_placement
 

@@ -7,7 +7,8 @@ prints whether greedy generation equals transformers' with sequences joining and
 (five prompts, four slots, slot moves), with decode_steps 2 for Llama; then a seeded
 sampled request's tokens, the split of the weights and each core's bytes, and whether
 Llama saved as an artifact and loaded again answers the same; with two LoRA adapters, whether each row
-of a mixed batch answers as PEFT's model; as one JSON object.
+of a mixed batch answers as PEFT's model; with int8 weights and an fp8 cache, whether it answers as its eager
+reference; as one JSON object.
 """
 
 import json
@@ -85,6 +86,7 @@ def main(sampled_params: dict) -> None:
             engine.close()
     result["cached_speculative_equal"] = _cached_and_speculative()
     result["lora"] = _lora()
+    result["quantized"] = _quantized()
     print(json.dumps(result))
 
 
@@ -130,6 +132,30 @@ def _lora() -> dict:
             equal.append(d.tokens == tokens)
             worst = max([worst, *(abs(a - b) for a, b in zip(d.logprobs, logprobs))])
     return {"equal": equal, "worst_logprob_error": worst, "bytes_per_core": memory.get("lora")}
+
+
+def _quantized() -> dict:
+    """Llama at TP 2 with int8 weights per channel and an fp8 KV cache: greedy output against an eager model with
+    the same weights and the same rounding of keys and values; how its weights' scales are split."""
+    import precision_models as pm  # noqa: PLC0415
+    from neuron_serve.config.generation import GenerationSettings  # noqa: PLC0415
+    from neuron_serve.generation import kv_cache, precision  # noqa: PLC0415
+
+    lm = gm.build("llama")
+    precision.prepare(lm, GenerationSettings(quantization="int8", kv_cache_dtype="fp8"), dtype=torch.float32)
+    form = kv_cache.of(lm)
+    reference = pm.dequantized_copy(gm.build("llama"), "int8")
+    engine = engine_for(lm, **ONE_BUCKET, tensor_parallel_size=2, on_device_sampling=False)
+    try:
+        done = engine.generate_batch(prompts(), [SamplingParams(max_tokens=n, temperature=0) for n in NEW_TOKENS],
+                                     timeout=300)
+        split = engine.engines.model.sharding.describe()["weights"]
+        memory = engine.engines.executor.memory()
+    finally:
+        engine.close()
+    want = [pm.rounded_greedy(reference, p, n, form.k_scales, form.v_scales) for p, n in zip(prompts(), NEW_TOKENS)]
+    return {"equal": [d.tokens == w for d, w in zip(done, want)], "memory": memory,
+            "split": {k: v for k, v in split.items() if "layers.0." in k}}
 
 
 def _cached_and_speculative() -> list[bool]:

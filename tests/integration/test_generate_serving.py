@@ -633,14 +633,33 @@ generation:
 """
 
 
+QUANTIZED = """
+name: quantized
+task: generate
+model:
+  pretrained: llm
+generation:
+  max_num_seqs: 4
+  max_model_len: 128
+  prefill_buckets: [128]           # a prefill and a decode, by argmax and sampled on the core
+  decode_batch_buckets: [4]
+  decode_context_buckets: [128]
+  quantization: int8
+  kv_cache_dtype: fp8
+"""
+
+
 @pytest.fixture(scope="module")
 def pair(llm, server_factory, tmp_path_factory):
-    """Two generate models of the same directory, "left" and "right", one server."""
+    """Two generate models of the same directory, "left" and "right", and beside them "quantized" (int8 weights, an
+    fp8 KV cache), one server."""
     tmp = tmp_path_factory.mktemp("pair")
     (tmp / "llm").symlink_to(llm.model_dir)
     for name in ("left", "right"):
         (tmp / f"{name}.yaml").write_text(PAIR.format(name=name))
-    srv = server_factory([str(tmp / "left.yaml"), str(tmp / "right.yaml")], tmp)
+    (tmp / "quantized.yaml").write_text(QUANTIZED)
+    srv = server_factory([str(tmp / f"{name}.yaml") for name in ("left", "right", "quantized")], tmp)
+    srv.quantized_yaml = tmp / "quantized.yaml"
     yield srv
     srv.stop()
 
@@ -648,7 +667,7 @@ def pair(llm, server_factory, tmp_path_factory):
 def test_two_generate_models_share_v1_by_the_requests_model(llm, pair):
     expected = eager_text(llm, completion_ids(llm, PROMPTS[2]), 12)
     with openai.OpenAI(base_url=f"{pair.url}/v1", api_key="x", max_retries=0) as api:
-        assert sorted(m.id for m in api.models.list().data) == ["left", "right"]
+        assert sorted(m.id for m in api.models.list().data) == ["left", "quantized", "right"]
         left = api.models.retrieve("left")  # GET /v1/models/{id}, through the server app
         assert (left.id, left.owned_by, left.model_extra["max_model_len"]) == ("left", "neuron-serve", 128)
         with pytest.raises(openai.NotFoundError) as gone:
@@ -661,10 +680,50 @@ def test_two_generate_models_share_v1_by_the_requests_model(llm, pair):
             assert whole.model == name and whole.choices[0].text == streamed == expected
         with pytest.raises(openai.NotFoundError) as missing:
             api.completions.create(model="llm", prompt="x")
-        assert missing.value.body["message"] == "the model 'llm' does not exist; this server serves: left, right"
+        assert missing.value.body["message"] == \
+            "the model 'llm' does not exist; this server serves: left, quantized, right"
         with pytest.raises(openai.BadRequestError) as bad:
             api.completions.create(model="left", prompt="x", max_tokens=0)
         assert bad.value.body["param"] == "max_tokens"
+
+
+def test_an_int8_model_with_an_fp8_cache_answers_openai_streamed_and_sampled_as_its_reference(llm, pair):
+    """int8 weights and an fp8 KV cache, served: the model cards say so, and greedy and seeded sampled answers,
+    whole and streamed, are those of the eager model with the same weights and rounding (tests/precision_models)."""
+    import precision_models as pm  # noqa: PLC0415
+    from neuron_serve.config.schema import load_config  # noqa: PLC0415
+    from neuron_serve.generation import kv_cache  # noqa: PLC0415
+    from neuron_serve.generation.loading import load_lm  # noqa: PLC0415
+    from neuron_serve.generation.sampling import SamplingParams  # noqa: PLC0415
+    import generation_models as gm  # noqa: PLC0415
+
+    form = kv_cache.of(load_lm(load_config(pair.quantized_yaml), pair.quantized_yaml.parent))
+    reference = pm.dequantized_copy(llm.eager, "int8")
+    ids = completion_ids(llm, PROMPTS[1])
+    want = pm.rounded_greedy(reference, ids, 12, form.k_scales, form.v_scales)
+    if llm.tokenizer.eos_token_id in want:
+        want = want[:want.index(llm.tokenizer.eos_token_id)]
+    with openai.OpenAI(base_url=f"{pair.url}/v1", api_key="x", max_retries=0) as api:
+        card = api.models.retrieve("quantized").model_extra
+        assert (card["dtype"], card["quantization"], card["kv_cache_dtype"]) == ("float32", "int8", "fp8_e4m3")
+        whole = api.completions.create(model="quantized", prompt=PROMPTS[1], max_tokens=12, temperature=0)
+        streamed = "".join(c.choices[0].text for c in api.completions.create(
+            model="quantized", prompt=PROMPTS[1], max_tokens=12, temperature=0, stream=True))
+        assert whole.choices[0].text == streamed == llm.tokenizer.decode(want, skip_special_tokens=True)
+        sampled = dict(model="quantized", prompt=PROMPTS[1], max_tokens=10, temperature=0.8, top_p=0.9, seed=5,
+                       logprobs=0)
+        alone = api.completions.create(**sampled)
+        chunks = list(api.completions.create(**sampled, stream=True))
+    params = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=5)
+    drawn = gm.eager_sampled(pm.RoundedModel(reference, form.k_scales, form.v_scales), ids, 10, params)
+    if llm.tokenizer.eos_token_id in drawn:
+        drawn = drawn[:drawn.index(llm.tokenizer.eos_token_id)]
+    tokens = [llm.tokenizer.decode([t], skip_special_tokens=True) for t in drawn]
+    assert alone.choices[0].logprobs.tokens == tokens
+    assert "".join(c.choices[0].text for c in chunks) == alone.choices[0].text
+    meta = json.loads(urllib.request.urlopen(f"{pair.url}/v2/models/quantized", timeout=30).read())["parameters"]
+    assert (meta["quantization"], meta["quantization_type"], meta["kv_cache_dtype"], meta["kv_cache_scales"]) == \
+        ("int8", "per_channel_symmetric", "fp8_e4m3", "calibrated")
 
 
 @pytest.mark.parametrize("stream", [True, False])

@@ -145,7 +145,9 @@ def test_a_generate_model_yaml_parses_with_defaults():
         "decode_context_buckets": None, "decode_steps": 1, "on_device_sampling": True, "tensor_parallel_size": 1,
         "max_num_batched_tokens": None,
         "max_waiting": 256, "enable_prefix_caching": False, "speculative_config": None, "lora": None,
-        "tool_call_parser": None, "request_timeout_s": None}
+        "tool_call_parser": None, "quantization": None, "quantization_type": "per_channel_symmetric",
+        "modules_to_not_convert": None, "kv_cache_dtype": "auto", "calculate_kv_scales": None,
+        "request_timeout_s": None}
     assert parse_config(with_(GENERATE, model={"factory": "pkg.lm:build", "kwargs": {"size": 2}})).model.kwargs
     assert parse_config(INFER).task == "infer"
 

@@ -60,6 +60,23 @@ def test_lora_adapters_at_tp2_answer_as_peft_with_their_buffers_whole_on_each_co
     assert lora["bytes_per_core"] == 2 * 1024 * 16 * 3 * 4
 
 
+def test_int8_weights_and_an_fp8_cache_at_tp2_answer_as_eager_with_the_scales_split_with_their_weights(at_tp2):
+    """Llama's int8 weights per channel and fp8 cache split over two cores: greedy output of the eager model with
+    the same rounded weights and keys and values (tests/precision_models.py). A column-split layer's scales (one an
+    output channel) are split with it; a row-split layer's stay whole, as its output channels are."""
+    quantized = at_tp2["quantized"]
+    assert quantized["equal"] == [True] * 5
+    layer = "lm.model.layers.0."
+    assert quantized["split"][layer + "self_attn.q_proj.weight"] == "(tp, -)"
+    assert quantized["split"][layer + "self_attn.q_proj.weight_scale"] == "(tp, -)"
+    assert quantized["split"][layer + "self_attn.o_proj.weight"] == "(-, tp)"
+    assert layer + "self_attn.o_proj.weight_scale" not in quantized["split"]
+    per_head = 2 * 2 * 4 * 48 * 16  # keys and values x layers x slots x positions x head_dim, one byte each
+    assert quantized["memory"]["kv_cache"] == per_head  # two heads, one on each core
+    # The float32 embeddings and LM head are most of this tiny model; the layers' weights are a quarter.
+    assert quantized["memory"]["weights"] < at_tp2["memory"]["llama"]["weights"] - 3 * 20_000
+
+
 def test_a_tensor_parallel_artifact_loads_over_its_group_and_answers_the_same(at_tp2):
     assert at_tp2["artifact_equal"] == [True] * 5
 

@@ -60,6 +60,22 @@ def test_mean_pooled_normalised_embeddings_equal_encode(pooled, pooling_dirs):
     torch.testing.assert_close(served.norm(dim=-1), torch.ones(len(TEXTS)))
 
 
+def test_a_bfloat16_embedder_equals_encode_in_bfloat16_and_answers_float32(pooled, pooling_dirs):
+    """dtype: bfloat16 computes the encoder and its pooling in bfloat16 (the spec says so); the embeddings leave in
+    float32, within 0.01 of sentence-transformers' bfloat16 encode (XLA:CPU keeps the steps between products in
+    float32 where eager PyTorch rounds each: its unit vectors differ in the third decimal)."""
+    config, _, spec, _ = pooled("embedder-one", "embedder", dtype="bfloat16")
+    assert spec.dtype == "bfloat16" and spec.describe()["dtype"] == "bfloat16"
+    async def calls(plane):
+        return (await pool(plane, PoolingRequest("embed", texts=list(TEXTS)))).values
+
+    served = run(pooled, "embedder-one", calls, "embedder", dtype="bfloat16")
+    reference = SentenceTransformer(str(pooling_dirs["embedder"]), device="cpu").to(torch.bfloat16)
+    expected = reference.encode(TEXTS, convert_to_tensor=True).float()
+    assert served.dtype == torch.float32
+    torch.testing.assert_close(served, expected, atol=0.01, rtol=0)
+
+
 def test_pooling_type_and_normalize_of_model_yaml_override_the_directory(pooled, pooling_dirs):
     """The mean-pooled, normalised embedder served with pooling_type CLS and normalize false equals the same
     weights saved that way: CLS pooling, not normalised."""
