@@ -24,7 +24,9 @@ prefix_caching.json; sampling on the core (bench/sampling.py: greedy against tem
 top-p 0.9, a 32k vocabulary) adds sampling.md and sampling.json; speculative decoding (bench/speculative.py: n-gram proposals on a
 repetitive workload, served with and without) adds speculative.md and speculative.json; LoRA
 adapters (bench/lora.py: 8 streams over 4 adapters against 8 on the base, one server, and an
-adapter's load time) adds lora.md and lora.json; long
+adapter's load time) adds lora.md and lora.json; quantization (bench/quantization.py: what each dtype,
+weight quantization and KV cache dtype costs in accuracy on SmolLM2, teacher-forced, and saves per core) adds
+quantization.md and quantization.json; long
 prompts (bench/prefill.py: a prefill against eager transformers' forward in process, and time
 to first token at one stream served beside transformers serve) adds prefill.md and prefill.json;
 embeddings (bench/embeddings.py: neuron-serve's /v1/embeddings against infinity-emb and
@@ -273,6 +275,12 @@ def run_lora(quick: bool, out: Path, log) -> str | None:
     return _run_module("lora", quick, out, log, "LoRA adapters (one server)", 2400)
 
 
+def run_quantization(quick: bool, out: Path, log) -> str | None:
+    """bench/quantization.py (SmolLM2 compiled in each precision setting, in process)."""
+    return _run_module("quantization", quick, out, log, "quantization's accuracy and memory (SmolLM2, in process)",
+                       5400, {"PJRT_DEVICE": "CPU"})
+
+
 def run_prefill(quick: bool, out: Path, log) -> str | None:
     """bench/prefill.py (in process, then neuron-serve and transformers serve in turn)."""
     return _run_module("prefill", quick, out, log, "long prompts' time to first token (two servers in turn)", 2400)
@@ -334,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     prefix_caching = None if args.no_generate else run_prefix_caching(args.quick, out, log)
     speculation = None if args.no_generate else run_speculative(args.quick, out, log)
     lora = None if args.no_generate else run_lora(args.quick, out, log)
+    quantization = None if args.no_generate else run_quantization(args.quick, out, log)
     prefill = None if args.no_generate else run_prefill(args.quick, out, log)
     guidellm = None if args.no_guidellm else run_guidellm(args.quick, out, log)
     embedding = None if args.no_embeddings else run_embeddings(args.quick, out, log)
@@ -374,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         sections += ["", speculation.strip()]
     if lora:
         sections += ["", lora.strip()]
+    if quantization:
+        sections += ["", "## Quantization (bench/quantization.py)", "", quantization.strip()]
     if prefill:
         sections += ["", prefill.strip()]
     if guidellm:
