@@ -24,6 +24,11 @@ contexts from the decode context buckets, each suffix no longer than its context
 
 With ``speculative_tokens`` k, every decode bucket is also compiled as a verify model:
 k + 1 tokens a row (the last token and k proposals), the logits of every one returned.
+
+With chunked prefill (``chunks``: chunk-length buckets), every decode-rows bucket is also compiled as a
+mixed model per chunk length: one call that decodes those rows and writes a chunk of one prompt into its
+slot, both attending over ``max_model_len`` positions (one context: the grid stays rows x chunks). Its
+default chunk length is a quarter of ``max_model_len`` (at least 32), the prefill budget's default.
 """
 
 from __future__ import annotations
@@ -62,6 +67,11 @@ def prefill_sizes(last: int) -> list[int]:
     return sizes
 
 
+def default_chunk(max_model_len: int) -> int:
+    """A mixed model's chunk length when none is given: a quarter of ``max_model_len``, at least 32 (below it)."""
+    return min(max(FIRST_PREFILL_BUCKET, max_model_len // 4), max_model_len - 1)
+
+
 def powers_of_four(last: int) -> list[int]:
     sizes, size = [], 1
     while size < last:
@@ -83,12 +93,14 @@ class GenerationBuckets:
     prefix_caching: bool = False
     speculative_tokens: int = 0  # k: verify models take k + 1 tokens a row (0: none compiled)
     sampled: bool = True  # decode and verify also compiled with the sampler (a draft's are not)
+    chunks: list[int] = field(default_factory=list)  # chunk lengths of the mixed models (none: no chunked prefill)
 
     @classmethod
     def build(cls, max_num_seqs: int, max_model_len: int, *, prefill: Sequence[int] | None = None,
               decode_rows: Sequence[int] | None = None, decode_context: Sequence[int] | None = None,
               decode_steps: int = 1, prefix_caching: bool = False, speculative_tokens: int = 0,
-              sampled: bool = True, field_prefix: str = "generation.") -> "GenerationBuckets":
+              sampled: bool = True, chunks: Sequence[int] | None = None, chunked: bool = False,
+              field_prefix: str = "generation.") -> "GenerationBuckets":
         """Defaults for what is not given; each list checked and sorted. Errors name the model.yaml field."""
         if max_num_seqs < 1:
             raise ConfigError(f"{field_prefix}max_num_seqs: must be at least 1, got {max_num_seqs}.")
@@ -114,15 +126,30 @@ class GenerationBuckets:
                                   f"{sizes[-1]}: a larger one could never be used, a smaller one leaves "
                                   f"{what} unreachable.")
             chosen[name] = sizes
+        chunk_sizes = []
+        if chunked:
+            chunk_sizes = sorted(set(chunks)) if chunks is not None else [default_chunk(max_model_len)]
+            if not chunk_sizes or chunk_sizes[0] < 1 or chunk_sizes[-1] >= max_model_len:
+                raise ConfigError(f"{field_prefix}prefill_chunk_buckets: give chunk lengths from 1 to below "
+                                  f"max_model_len ({max_model_len}), got {list(chunks or [])}.")
+        elif chunks is not None:
+            raise ConfigError(f"{field_prefix}prefill_chunk_buckets: applies with enable_chunked_prefill: true; "
+                              f"turn it on or remove prefill_chunk_buckets.")
         return cls(max_num_seqs, max_model_len, chosen["prefill_buckets"], chosen["decode_batch_buckets"],
-                   chosen["decode_context_buckets"], decode_steps, prefix_caching, speculative_tokens, sampled)
+                   chosen["decode_context_buckets"], decode_steps, prefix_caching, speculative_tokens, sampled,
+                   chunk_sizes)
 
     @property
     def count(self) -> int:
         """How many models are compiled."""
         decode = len(self.decode_rows) * len(self.decode_context) * (2 if self.sampled else 1)
         return (len(self.prefill) + decode * (2 if self.decode_steps > 1 else 1) + len(self.extend)
-                + (decode if self.speculative_tokens else 0))
+                + (decode if self.speculative_tokens else 0) + len(self.mixed) * (2 if self.sampled else 1))
+
+    @property
+    def mixed(self) -> list[tuple[int, int]]:
+        """(decode rows, chunk tokens) of each mixed model, over max_model_len positions (none without chunks)."""
+        return [(rows, tokens) for rows in self.decode_rows for tokens in self.chunks]
 
     @property
     def extend(self) -> list[tuple[int, int]]:
@@ -142,4 +169,5 @@ class GenerationBuckets:
                 "prefill_buckets": self.prefill, "decode_batch_buckets": self.decode_rows,
                 "decode_context_buckets": self.decode_context,
                 "decode_steps": self.decode_steps, "enable_prefix_caching": self.prefix_caching,
-                "speculative_tokens": self.speculative_tokens, "on_device_sampling": self.sampled}
+                "speculative_tokens": self.speculative_tokens, "on_device_sampling": self.sampled,
+                "enable_chunked_prefill": bool(self.chunks), "prefill_chunk_buckets": self.chunks}

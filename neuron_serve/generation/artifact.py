@@ -75,7 +75,8 @@ def load_generation(path: str | Path) -> tuple[GenerationModel, list[int], str |
     buckets = GenerationBuckets(described["max_num_seqs"], described["max_model_len"], described["prefill_buckets"],
                                 described["decode_batch_buckets"], described["decode_context_buckets"],
                                 described.get("decode_steps", 1), described.get("enable_prefix_caching", False),
-                                described.get("speculative_tokens", 0), described["on_device_sampling"])
+                                described.get("speculative_tokens", 0), described["on_device_sampling"],
+                                described.get("prefill_chunk_buckets", []))
     tokenizer = str(root / TOKENIZER_DIR) if described["tokenizer"] else None
     model = GenerationModel(compiled.buckets[0].state, buckets, described["vocab_size"], plan,
                             described.get("weight_bytes"), compiled=dict(zip(shapes_of(buckets), compiled.buckets)))

@@ -35,7 +35,8 @@ PREFILL_BLOCKS, BLOCKED_FROM = 4, 256  # a prefill of at least BLOCKED_FROM toke
 
 def grouped_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
-                      prefill_blocks: int = 0, **kwargs) -> tuple[torch.Tensor, None]:
+                      prefill_blocks: int = 0, mixed_rows: int = 0, mixed_masks: tuple | None = None,
+                      **kwargs) -> tuple[torch.Tensor, None]:
     """Llama's eager attention with the query heads of a key/value head folded into its rows.
 
     query (batch, heads, q, head_dim); key, value (batch, kv_heads, k, head_dim); mask
@@ -45,6 +46,8 @@ def grouped_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     """
     if dropout:  # generation compiles in eval mode, where transformers passes 0
         raise ValueError(f"grouped_attention runs in eval mode only; got dropout={dropout}")
+    if mixed_rows:
+        return _mixed(query, key, value, mixed_rows, mixed_masks, scaling), None
     q, k = query.shape[2], key.shape[2]
     if prefill_blocks > 1 and q == k and q >= BLOCKED_FROM:
         size, outs = q // prefill_blocks, []
@@ -54,6 +57,19 @@ def grouped_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             outs.append(_grouped(query[:, :, start:end], key[:, :, :end], value[:, :, :end], mask, scaling))
         return torch.cat(outs, dim=1), None
     return _grouped(query, key, value, attention_mask, scaling), None
+
+
+def _mixed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: int, masks: tuple,
+           scaling: float) -> torch.Tensor:
+    """A mixed call's attention (mixed.py): query (1, heads, rows + tokens, head_dim), its first ``rows`` tokens each
+    a decode row against its own context, the rest a chunk against the last one; key, value (rows + 1, kv_heads,
+    context, head_dim); masks (rows, 1, 1, context) and (1, 1, tokens, context). Returns (1, rows + tokens, heads,
+    head_dim)."""
+    decode_mask, chunk_mask = masks
+    heads, head_dim = query.shape[1], query.shape[3]
+    decoded = _grouped(query[0, :, :rows].transpose(0, 1)[:, :, None], key[:rows], value[:rows], decode_mask, scaling)
+    chunk = _grouped(query[:, :, rows:], key[rows:], value[rows:], chunk_mask, scaling)
+    return torch.cat([decoded.reshape(1, rows, heads, head_dim), chunk], dim=1)
 
 
 def _grouped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,

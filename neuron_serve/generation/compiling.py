@@ -59,16 +59,20 @@ def compile_order(buckets: GenerationBuckets) -> list[Shape]:
     - the greedy one-step decodes, fewest rows first, then shortest context (a lone stream run over
       every slot does ``max_num_seqs`` times its work);
     - the sampled one-step decodes in the same order (until then a sampled row takes its logits to the
-      host), then the multi-step decodes, greedy then sampled;
+      host);
+    - the mixed models of chunked prefill (until then a prompt is prefilled whole), most rows first, so the
+      first one compiled takes a chunk beside any number of rows, greedy then sampled;
+    - the multi-step decodes, greedy then sampled;
     - the extends (until then a cached prefix is prefilled again) and the verifies (until then a round
       decodes one token).
     """
     first = ready_shapes(buckets)
-    groups = {("prefill", False): 0, ("decode", False): 1, ("decode", True): 2, ("extend", False): 3,
-              ("verify", False): 4}
+    groups = {("prefill", False): 0, ("decode", False): 1, ("mixed", False): 2, ("decode", True): 3,
+              ("extend", False): 4, ("verify", False): 5}
 
     def rank(shape: Shape) -> tuple:
-        return groups[shape.kind, shape.steps > 1], shape.sampled, shape.rows, shape.context, shape.tokens
+        rows = -shape.rows if shape.kind == "mixed" else shape.rows
+        return groups[shape.kind, shape.steps > 1], shape.sampled, rows, shape.context, shape.tokens
 
     return first + sorted((s for s in shapes_of(buckets) if s not in first), key=rank)
 

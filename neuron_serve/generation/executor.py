@@ -36,6 +36,7 @@ class Executor(abc.ABC):
     prefix_caching: bool
     speculative_tokens: int
     has_draft: bool
+    chunks: list[int]  # chunk lengths of the mixed models (chunked prefill; empty: none)
 
     @abc.abstractmethod
     def start(self) -> None:
@@ -73,6 +74,17 @@ class Executor(abc.ABC):
                choices: Sequence[RowChoice] | None = None) -> tuple[StepOutput, Shape] | None:
         """Each running sequence's last token and its proposals in one call; every position's output (None
         while no verify model that holds them is compiled)."""
+
+    @abc.abstractmethod
+    def mixed(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int], chunk: Sequence[int],
+              start: int, slot: int, choices: Sequence[RowChoice] | None = None) -> tuple[StepOutput, Shape]:
+        """A decode of each running sequence (as :meth:`decode`, one step) and ``chunk``, prompt tokens from position
+        ``start`` of cache slot ``slot``, written in the same call (chunked prefill); outputs in the order given,
+        then the chunk's last token's (``choices``: one a row, the chunk's last)."""
+
+    @abc.abstractmethod
+    def chunk_capacity(self, rows: int) -> int:
+        """The longest chunk a compiled mixed model takes beside ``rows`` decode rows (slots 0..rows-1; 0: none)."""
 
     @abc.abstractmethod
     def draft(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
@@ -121,6 +133,7 @@ class CoreGroupExecutor(Executor):
         self.prefix_caching = model.buckets.prefix_caching
         self.speculative_tokens = model.buckets.speculative_tokens
         self.has_draft = model.draft is not None
+        self.chunks = list(model.buckets.chunks)
 
     def start(self) -> None:
         if self.device is not None:
@@ -155,6 +168,13 @@ class CoreGroupExecutor(Executor):
     def verify(self, rows: Sequence[Sequence[int]], positions: Sequence[int], slots: Sequence[int],
                choices: Sequence[RowChoice] | None = None) -> tuple[StepOutput, Shape] | None:
         return self.model.verify(rows, positions, slots, choices)
+
+    def mixed(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int], chunk: Sequence[int],
+              start: int, slot: int, choices: Sequence[RowChoice] | None = None) -> tuple[StepOutput, Shape]:
+        return self.model.mixed(tokens, positions, slots, chunk, start, slot, choices)
+
+    def chunk_capacity(self, rows: int) -> int:
+        return self.model.chunk_capacity(rows)
 
     def draft(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
               steps: int) -> list[list[int]]:

@@ -65,9 +65,11 @@ def buffers(layout: Layout, dtype: torch.dtype) -> list[torch.Tensor]:
 
 @contextlib.contextmanager
 def applied(lm: torch.nn.Module, layout: Layout, states: Sequence[torch.Tensor],
-            adapters: torch.Tensor) -> Iterator[None]:
+            adapters: torch.Tensor, mixed_rows: int = 0) -> Iterator[None]:
     """While tracing ``lm``: every target's output gets its rows' adapter delta, from ``states`` (the
-    buffers, A and B of each target in order) at each row's slot (``adapters``, (rows,))."""
+    buffers, A and B of each target in order) at each row's slot (``adapters``, (rows,)). A mixed call
+    (``mixed_rows`` R: one sequence of R decode rows' tokens, then a chunk's) has R + 1 adapters: each row's, then
+    the chunk's."""
     modules = dict(lm.named_modules())
     hooks = []
     for i, target in enumerate(layout.targets):
@@ -75,6 +77,8 @@ def applied(lm: torch.nn.Module, layout: Layout, states: Sequence[torch.Tensor],
 
         def hook(module, inputs, output, a=a, b=b):
             x = inputs[0]
+            if mixed_rows:  # the rows' tokens as rows of one token, the chunk as one row of its tokens
+                return output + _mixed_delta(x, a, b, adapters, mixed_rows).to(output.dtype)
             rows = x.shape[0]
             flat = x.reshape(rows, -1, x.shape[-1])  # (rows, tokens, in)
             low = torch.bmm(flat.to(a.dtype), a.index_select(0, adapters))  # (rows, tokens, rank)
@@ -87,6 +91,16 @@ def applied(lm: torch.nn.Module, layout: Layout, states: Sequence[torch.Tensor],
     finally:
         for handle in hooks:
             handle.remove()
+
+
+def _mixed_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, adapters: torch.Tensor, rows: int) -> torch.Tensor:
+    """The adapter delta of a mixed call's tokens x (1, rows + chunk, in): each decode row's under its adapter, the
+    chunk's under the last one; (1, rows + chunk, out)."""
+    x = x.to(a.dtype)
+    decoded = torch.bmm(torch.bmm(x[0, :rows, None], a.index_select(0, adapters[:rows])),
+                        b.index_select(0, adapters[:rows]))  # (rows, 1, out)
+    chunk = torch.bmm(torch.bmm(x[:, rows:], a.index_select(0, adapters[rows:])), b.index_select(0, adapters[rows:]))
+    return torch.cat([decoded.reshape(1, rows, -1), chunk], dim=1)
 
 
 def slot_values(layout: Layout, adapter: LoraAdapter | None) -> list[torch.Tensor]:

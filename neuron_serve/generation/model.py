@@ -426,6 +426,43 @@ class GenerationModel:
         return out.rows(index), shape
 
 
+    def chunk_capacity(self, rows: int) -> int:
+        """The longest chunk a compiled mixed model takes beside ``rows`` decode rows (0: none compiled yet)."""
+        return max((s.tokens for s in self._buckets if s.kind == "mixed" and s.rows >= rows), default=0)
+
+    def mixed(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int], chunk: Sequence[int],
+              start: int, slot: int, choices: Sequence[RowChoice] | None = None) -> tuple["StepOutput", Shape]:
+        """One decode step of each running sequence (its last token at its position, row r being slot r) and the
+        prompt tokens ``chunk`` written into ``slot`` from position ``start``, in one call (slots.py's mixed form);
+        each sequence's output in the order given, then the chunk's last token's. ``choices`` (one a row, the
+        chunk's last) sample on the core; without a sampled model compiled, as :meth:`decode` does, argmax and
+        the host chooses the sampled rows. A free row writes token 0 at its slot's last position; the chunk's
+        padding repeats its last token at its position."""
+        rows = max(slots, default=0) + 1
+        sampled = choices is not None
+        shape = self._smallest("mixed", rows, len(chunk), self.max_model_len, sampled=sampled) \
+            or self._smallest("mixed", rows, len(chunk), self.max_model_len, sampled=False)
+        rows, width, n = shape.rows, shape.tokens, len(chunk)
+        ids = torch.zeros(1, rows + width, dtype=torch.long)
+        where = torch.full((1, rows + width), self.max_model_len - 1, dtype=torch.long)
+        index = torch.as_tensor(slots, dtype=torch.long)
+        ids[0, index] = torch.as_tensor(tokens, dtype=torch.long)
+        where[0, index] = torch.as_tensor(positions, dtype=torch.long)
+        ids[0, rows:rows + n] = torch.as_tensor(chunk, dtype=torch.long)
+        ids[0, rows + n:] = int(chunk[-1])
+        where[0, rows:rows + n] = torch.arange(start, start + n)
+        where[0, rows + n:] = start + n - 1
+        inputs = [ids, where, torch.tensor([slot]), torch.tensor([[n - 1]])]
+        index = torch.cat([index, torch.tensor([rows])])  # the chunk's output row comes after the decode rows
+        if shape.sampled:
+            inputs += _parameters(choices, index, rows + 1)
+        inputs += self._adapters([*range(rows), slot])
+        out = self._run(shape, inputs)
+        if sampled and not shape.sampled:
+            out = out.with_done(torch.tensor([c.temperature <= 0 for c in _per_row(choices, index, rows + 1)]))
+        return out.rows(index), shape
+
+
 def _per_row(choices: Sequence[RowChoice], index: torch.Tensor, rows: int) -> list[RowChoice]:
     """``choices[i]`` at row ``index[i]``, greedy elsewhere."""
     every = [GREEDY] * rows

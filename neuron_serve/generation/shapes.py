@@ -23,8 +23,9 @@ from .slots import SlotLM
 class Shape:
     """One compiled generation model: ``rows`` sequences of ``tokens`` tokens, attending over ``context`` positions."""
 
-    # "prefill", "decode", "extend" (prefill after a cached prefix), "verify" (speculative proposals) or "scored"
-    # (a prefill that keeps every position's logits, for prompt logprobs)
+    # "prefill", "decode", "extend" (prefill after a cached prefix), "verify" (speculative proposals), "scored"
+    # (a prefill that keeps every position's logits, for prompt logprobs) or "mixed" (``rows`` decode rows and a
+    # chunk of ``tokens`` prompt tokens in one call: chunked prefill)
     kind: str
     rows: int
     tokens: int
@@ -44,6 +45,8 @@ class Shape:
         if self.kind == "extend":
             return f"extend_{self.tokens}x{self.context}"
         sampled = "_sampled" if self.sampled else ""
+        if self.kind == "mixed":
+            return f"mixed_{self.rows}x{self.tokens}{sampled}"
         if self.kind == "verify":
             return f"verify_{self.rows}x{self.context}_tokens{self.tokens}{sampled}"
         return f"decode_{self.rows}x{self.context}" + (f"_steps{self.steps}" if self.steps > 1 else "") + sampled
@@ -58,6 +61,8 @@ def shapes_of(buckets: GenerationBuckets) -> list[Shape]:
     for sampled in forms:
         shapes += [Shape("decode", rows, 1, context, k, sampled) for k in steps for rows, context in decode]
     shapes += [Shape("extend", 1, tokens, context, sampled=True) for tokens, context in buckets.extend]
+    shapes += [Shape("mixed", rows, tokens, buckets.max_model_len, sampled=sampled) for sampled in forms
+               for rows, tokens in buckets.mixed]
     if buckets.speculative_tokens:
         width = buckets.speculative_tokens + 1
         shapes += [Shape("verify", rows, width, context, sampled=sampled) for sampled in forms
@@ -72,15 +77,23 @@ def slot_module(lm: torch.nn.Module, buckets: GenerationBuckets, shape: Shape,
     return SlotLM(lm, buckets.max_num_seqs, buckets.max_model_len,
                   shape.context if shape.kind not in ("prefill", "scored") else None, shape.steps,
                   every_position=shape.kind in ("verify", "scored"), extend=shape.kind == "extend",
-                  sampled=shape.sampled, lora=lora).eval()
+                  sampled=shape.sampled, lora=lora, mixed_rows=shape.rows if shape.kind == "mixed" else 0).eval()
 
 
 def example_inputs(shape: Shape, lora: bool = False) -> tuple[torch.Tensor, ...]:
     """Inputs of ``shape``'s compiled model, as the engine passes them (sampled: with each row's parameters;
     ``lora``: then each row's adapter slot, 0 the base)."""
-    tokens = torch.zeros(shape.rows, shape.tokens, dtype=torch.long)
-    positions = torch.arange(shape.tokens).expand(shape.rows, shape.tokens).contiguous()
-    slots = torch.arange(shape.rows, dtype=torch.long)
-    last = torch.full((shape.rows, 1), shape.tokens - 1, dtype=torch.long)
-    inputs = (tokens, positions, slots, last, *(row_parameters([], shape.rows) if shape.sampled else ()))
-    return (*inputs, torch.zeros(shape.rows, dtype=torch.long)) if lora else inputs
+    if shape.kind == "mixed":  # one sequence: the rows' tokens, then the chunk's; the chunk's slot and last index
+        tokens = torch.zeros(1, shape.rows + shape.tokens, dtype=torch.long)
+        positions = torch.cat([torch.zeros(shape.rows, dtype=torch.long), torch.arange(shape.tokens)])[None]
+        slots = torch.zeros(1, dtype=torch.long)
+        last = torch.full((1, 1), shape.tokens - 1, dtype=torch.long)
+        rows = shape.rows + 1  # each decode row, and the chunk's
+    else:
+        tokens = torch.zeros(shape.rows, shape.tokens, dtype=torch.long)
+        positions = torch.arange(shape.tokens).expand(shape.rows, shape.tokens).contiguous()
+        slots = torch.arange(shape.rows, dtype=torch.long)
+        last = torch.full((shape.rows, 1), shape.tokens - 1, dtype=torch.long)
+        rows = shape.rows
+    inputs = (tokens, positions, slots, last, *(row_parameters([], rows) if shape.sampled else ()))
+    return (*inputs, torch.zeros(rows, dtype=torch.long)) if lora else inputs

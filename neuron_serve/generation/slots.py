@@ -25,6 +25,8 @@ batching needs each sequence at its own slot and position.
   their positions (after a prefix already in the slot, as prefix caching reuses one);
   attention reads the first C positions of that slot (a gather of one slot), so the
   suffix sees the cached prefix and itself.
+- mixed (``context=C, mixed_rows=R``): R decode rows and a chunk of a prompt in one call
+  (chunked prefill; ``mixed.py``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import contextlib
 
 import torch
 
-from . import attention, kv_cache, lora_layers
+from . import attention, kv_cache, lora_layers, mixed
 from .quantization import compute_dtype_of as compute_dtype
 from .sampler import sample
 
@@ -135,8 +137,11 @@ class SlotLM(torch.nn.Module):
 
     def __init__(self, lm: torch.nn.Module, slots: int, positions: int, context: int | None = None,
                  steps: int = 1, every_position: bool = False, extend: bool = False, sampled: bool = False,
-                 lora: lora_layers.Layout | None = None) -> None:
+                 lora: lora_layers.Layout | None = None, mixed_rows: int = 0) -> None:
         super().__init__()
+        # Mixed (chunked prefill): inputs are one sequence, ``mixed_rows`` decode rows' tokens then a chunk's; slots
+        # is the chunk's slot, last its last token's index in the chunk; outputs are mixed_rows + 1 rows.
+        self.mixed_rows = mixed_rows
         self.lm = lm
         self.context = context
         self.extend = extend  # with context: the rows' own slots, after what they hold (see the module docstring)
@@ -207,6 +212,9 @@ class SlotLM(torch.nn.Module):
                  floats: torch.Tensor | None, ints: torch.Tensor | None,
                  adapters: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         caches = self.caches()
+        if self.mixed_rows:
+            logits, caches = self._mixed(tokens, positions, slots, last, caches, adapters)
+            return (logits, *self._choose(logits, floats, ints), *caches)
         if self.every_position and self.context is not None:  # verify: every position's logits and choice
             logits, caches = self._step(tokens, positions, slots, None, caches, adapters)  # (rows, T, vocab)
             rows, width = tokens.shape
@@ -239,6 +247,21 @@ class SlotLM(torch.nn.Module):
         if not self.sampled:
             return (logits, torch.cat(chosen, dim=1), *caches)
         return (torch.stack(every, 1), torch.cat(chosen, dim=1), torch.stack(done, 1), *caches)
+
+    def _mixed(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, last: torch.Tensor,
+               caches: list[torch.Tensor], adapters: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One mixed call (mixed.py): the logits of each decode row and of the chunk's last token, (rows + 1, vocab),
+        and the new caches."""
+        rows = self.mixed_rows
+        cache = mixed.MixedCache(caches[0::2], caches[1::2], rows, slots, positions[0], self.context, self.kv)
+        decode_mask, chunk_mask = mixed.masks(positions[0], rows, self.context, self.compute_dtype)
+        kept = torch.cat([torch.arange(rows, device=tokens.device), rows + last[0]])
+        with lora_layers.applied(self.lm, self.lora, self.adapter_buffers(), adapters, mixed_rows=rows) \
+                if self.lora is not None else contextlib.nullcontext():
+            out = self.lm(input_ids=tokens, position_ids=positions, attention_mask=chunk_mask, use_cache=True,
+                          logits_to_keep=kept, mixed_rows=rows, mixed_masks=(decode_mask, chunk_mask),
+                          **{self.kwarg: cache})
+        return out.logits[0].float(), [t for pair in zip(cache.keys, cache.values) for t in pair]
 
     def _step(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, last: torch.Tensor,
               caches: list[torch.Tensor], adapters: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
