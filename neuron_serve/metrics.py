@@ -181,6 +181,19 @@ TIME_PER_OUTPUT_TOKEN = Histogram(
     "neuron_serve_time_per_output_token_seconds", "Time between two tokens of one sequence",
     GEN_LABELS, buckets=TOKEN_LATENCY_BUCKETS,
 )
+# vLLM v1's name for the time between two tokens of a stream (its time_per_output_token, renamed): what chunked
+# prefill is for, a stream's stall while a long prompt is prefilled shows in its tail.
+INTER_TOKEN_LATENCY = Histogram(
+    "neuron_serve_inter_token_latency_seconds", "Time between two tokens of one sequence (vLLM v1's name)",
+    GEN_LABELS, buckets=TOKEN_LATENCY_BUCKETS,
+)
+# vLLM's iteration_tokens_total, by kind: a step's prompt tokens (whole prefills and a chunk) and decode rows.
+ITERATION_TOKENS = Histogram(
+    "neuron_serve_iteration_tokens", "Tokens of one engine step, by kind (prompt: prefilled; decode: rows decoded)",
+    [*GEN_LABELS, "kind"], buckets=(0, 1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
+)
+CHUNKED_STEPS = Counter("neuron_serve_chunked_prefill_steps", "Engine steps whose call carried a prompt's chunk "
+                                                               "beside the decode rows (chunked prefill)", GEN_LABELS)
 E2E_REQUEST_LATENCY = Histogram(
     "neuron_serve_e2e_request_latency_seconds", "Time from a generate request's arrival to its last token",
     GEN_LABELS, buckets=LATENCY_BUCKETS,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from ..buckets.generation import GenerationBuckets
 from ..errors import ConfigError
@@ -176,9 +176,29 @@ class GenerationSettings(BaseModel):
                     "cores_per_replica / tensor_parallel_size engines. 1: a whole model on each core")
     max_num_batched_tokens: int | None = Field(
         default=None, ge=1,
-        description="prompt tokens prefilled per engine step (a longer prompt still runs, alone), which bounds "
-                    "how long running sequences wait for their next token; default: a quarter of max_model_len, at "
-                    "least 32")
+        description="the tokens of one engine step, which bounds how long running sequences wait for their next "
+                    "token: prompt tokens prefilled per step (a longer prompt still runs, alone); with "
+                    "enable_chunked_prefill, a token for each decode row then prompt chunks up to it. Default: a "
+                    "quarter of max_model_len, at least 32 (with chunked prefill, plus max_num_seqs)")
+    enable_chunked_prefill: bool = Field(
+        False,
+        description="vLLM's chunked prefill: a step decodes every running sequence and writes a chunk of a waiting "
+                    "prompt in the same compiled call (a mixed model per decode-rows bucket and chunk length), so a "
+                    "long prompt never holds the running streams for its whole prefill; decode rows first, then "
+                    "prompt tokens up to max_num_batched_tokens (scheduler.py). Llama-style attention only "
+                    "(Llama, Mistral, Qwen2, Qwen3)")
+    prefill_chunk_buckets: list[PositiveInt] | None = Field(
+        default=None, min_length=1,
+        description="with enable_chunked_prefill: chunk lengths to compile the mixed models at (each with every "
+                    "decode_batch_buckets size, over max_model_len positions); default: a quarter of max_model_len, "
+                    "at least 32")
+    long_prefill_token_threshold: int = Field(
+        0, ge=0, description="with enable_chunked_prefill: the most tokens of one prompt a step takes (vLLM's); 0: "
+                             "as many as the budget and the chunk buckets allow")
+    max_num_partial_prefills: int = Field(
+        1, ge=1, description="with enable_chunked_prefill: prompts part way through their prefill at once (vLLM's); "
+                             "each step's chunk goes to the one with the fewest tokens left, so a short prompt is "
+                             "not held behind a long one")
     max_waiting: int = Field(
         DEFAULT_MAX_WAITING, ge=1, description="requests waiting for a slot before more are refused (503)")
     enable_prefix_caching: bool = Field(
@@ -255,6 +275,19 @@ class GenerationSettings(BaseModel):
                 if name in self.model_fields_set:
                     raise FieldError(name, "applies with quantization (int8 or fp8); set quantization or remove "
                                            f"{name}")
+        if not self.enable_chunked_prefill:
+            for name in ("long_prefill_token_threshold", "max_num_partial_prefills"):
+                if name in self.model_fields_set:
+                    raise FieldError(name, f"applies with enable_chunked_prefill: true; turn it on or remove {name}")
+        else:
+            if self.speculative_config is not None:
+                raise FieldError("enable_chunked_prefill", "not with speculative_config (a step verifies proposals "
+                                                           "or carries a prompt's chunk, not both yet); turn one off")
+            if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= self.max_num_seqs:
+                raise FieldError("max_num_batched_tokens",
+                                 f"{self.max_num_batched_tokens} leaves no prompt token beside {self.max_num_seqs} "
+                                 f"decode rows (max_num_seqs) with enable_chunked_prefill; give at least "
+                                 f"{self.max_num_seqs + 1}")
         if self.kv_cache_dtype == "auto" and self.calculate_kv_scales is not None:
             raise FieldError("calculate_kv_scales", "applies with kv_cache_dtype fp8 (a cache in the model's own "
                                                     "dtype has no scales); set kv_cache_dtype: fp8 or remove it")
@@ -264,6 +297,19 @@ class GenerationSettings(BaseModel):
             field, _, message = str(exc).partition(": ")
             raise FieldError(field, message) from None
         return self
+
+    @classmethod
+    def checked(cls, fields: dict) -> "GenerationSettings":
+        """``fields`` validated, for callers that take them as arguments (``engine_for``): a ConfigError naming the
+        first field at fault, as a model.yaml's names it without its ``generation.``."""
+        try:
+            return cls.model_validate(fields)
+        except ValidationError as exc:
+            item = exc.errors()[0]
+            cause = item.get("ctx", {}).get("error")
+            if isinstance(cause, FieldError):
+                raise ConfigError(f"{cause.field}: {cause.message}") from None
+            raise ConfigError(f"{'.'.join(map(str, item['loc']))}: {item['msg']}") from None
 
     def model_len(self, model_config: Any) -> int:
         """max_model_len, or its default from a transformers config; never past the model's positions."""
@@ -278,11 +324,11 @@ class GenerationSettings(BaseModel):
                               f"max_position_embeddings ({positions}); lower max_model_len to at most {positions}.")
         return self.max_model_len
 
-    def to_buckets(self, model_config: Any = None) -> GenerationBuckets:
+    def to_buckets(self, model_config: Any = None, field_prefix: str = "generation.") -> GenerationBuckets:
         """The compiled shapes; max_model_len defaults from ``model_config`` (a transformers config).
 
-        Errors are ConfigErrors naming ``generation.<field>``."""
-        return self._build(self.model_len(model_config))
+        Errors are ConfigErrors naming ``<field_prefix><field>``."""
+        return self._build(self.model_len(model_config), field_prefix=field_prefix)
 
     def _build(self, max_model_len: int, field_prefix: str = "generation.", lengths: bool = True) -> GenerationBuckets:
         return GenerationBuckets.build(self.max_num_seqs, max_model_len,
@@ -292,7 +338,8 @@ class GenerationSettings(BaseModel):
                                        decode_steps=self.decode_steps, prefix_caching=self.enable_prefix_caching,
                                        speculative_tokens=self.speculative_config.num_speculative_tokens
                                        if self.speculative_config is not None else 0,
-                                       sampled=self.on_device_sampling, field_prefix=field_prefix)
+                                       sampled=self.on_device_sampling, chunks=self.prefill_chunk_buckets,
+                                       chunked=self.enable_chunked_prefill, field_prefix=field_prefix)
 
 
 def check_task(config: Any) -> None:

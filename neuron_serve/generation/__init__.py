@@ -44,46 +44,48 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
                max_waiting: int = 256, request_timeout_s: float | None = None, tokenizer: Any = None,
                target: str = "neuron", name: str = "model", tensor_parallel_size: int = 1,
                enable_prefix_caching: bool = False, speculative_config: Any = None,
-               draft: torch.nn.Module | None = None, on_device_sampling: bool = True) -> Frontend:
+               draft: torch.nn.Module | None = None, on_device_sampling: bool = True,
+               enable_chunked_prefill: bool = False, prefill_chunk_buckets: Sequence[int] | None = None,
+               long_prefill_token_threshold: int = 0, max_num_partial_prefills: int = 1) -> Frontend:
     """Compile ``lm`` for generation and start an engine over it, behind its front end (which checks and
     admits requests, and with a ``tokenizer`` detokenizes and applies stop strings; its ``engines`` is the
     :class:`~.engine.Engine`).
 
-    The arguments are model.yaml's ``generation`` fields; a KV cache that does not fit
-    next to the weights on one core is refused with the bytes, as there.
+    The arguments are model.yaml's ``generation`` fields, checked as a model.yaml's are (``build.checked_buckets``);
+    a KV cache that does not fit next to the weights on one core is refused with the bytes, as there.
     ``tensor_parallel_size`` N above 1 splits the model over N cores, which must be all
     the cores of this process: call it before any other XLA work here (emulated, the
     process then gets N XLA:CPU devices), or serve the model, where each group of cores
-    runs in a process of its own. LoRA adapters: ``build.build_engine`` of a model.yaml with generation.lora."""
-    from . import tensor_parallel  # noqa: PLC0415
-    from .build import check_cache_fits  # noqa: PLC0415
+    runs in a process of its own. LoRA adapters, quantization: ``build.build_engine`` of a model.yaml (or
+    ``precision.prepare`` of ``lm`` first)."""
+    from ..config.generation import GenerationSettings  # noqa: PLC0415
+    from .build import check_draft, checked_buckets, engine_options  # noqa: PLC0415
+    from .compiling import compile_generation  # noqa: PLC0415
     from .engine import Engine  # noqa: PLC0415
     from .frontend import Frontend  # noqa: PLC0415
     from .group import describe  # noqa: PLC0415
-    from .compiling import compile_generation  # noqa: PLC0415
-    from ..config.generation import SpeculativeConfig  # noqa: PLC0415
 
-    if isinstance(speculative_config, dict):  # model.yaml's keys; ``draft``: the draft model, given as a module
-        speculative_config = SpeculativeConfig(**speculative_config)
-    buckets = GenerationBuckets.build(max_num_seqs, max_model_len, prefill=prefill_buckets,
-                                      decode_rows=decode_batch_buckets, decode_context=decode_context_buckets,
-                                      decode_steps=decode_steps, prefix_caching=enable_prefix_caching,
-                                      speculative_tokens=speculative_config.num_speculative_tokens
-                                      if speculative_config is not None else 0, sampled=on_device_sampling,
-                                      field_prefix="")
-    tensor_parallel.check(lm.config, tensor_parallel_size, field="tensor_parallel_size")
-    check_cache_fits(lm, buckets, field_prefix="", tensor_parallel_size=tensor_parallel_size)
+    given = {"max_num_seqs": max_num_seqs, "max_model_len": max_model_len, "prefill_buckets": prefill_buckets,
+             "decode_batch_buckets": decode_batch_buckets, "decode_context_buckets": decode_context_buckets,
+             "decode_steps": decode_steps, "max_num_batched_tokens": max_num_batched_tokens,
+             "max_waiting": max_waiting, "request_timeout_s": request_timeout_s,
+             "tensor_parallel_size": tensor_parallel_size, "enable_prefix_caching": enable_prefix_caching,
+             "speculative_config": speculative_config, "on_device_sampling": on_device_sampling,
+             "enable_chunked_prefill": enable_chunked_prefill, "prefill_chunk_buckets": prefill_chunk_buckets}
+    if enable_chunked_prefill:  # given only with it, as a model.yaml gives them
+        given.update(long_prefill_token_threshold=long_prefill_token_threshold,
+                     max_num_partial_prefills=max_num_partial_prefills)
+    settings = GenerationSettings.checked({k: v for k, v in given.items() if v is not None})
+    buckets = checked_buckets(lm, settings, field_prefix="")
     model = compile_generation(lm, buckets, target=target, tensor_parallel_size=tensor_parallel_size)
     if draft is not None:
         from ..errors import InvalidInput  # noqa: PLC0415
-        from .build import check_draft  # noqa: PLC0415
 
-        if speculative_config is None:
+        if settings.speculative_config is None:
             raise InvalidInput("draft needs speculative_config (its num_speculative_tokens, k)")
         check_draft(lm, draft, enable_prefix_caching, field="draft")
         model.draft = compile_generation(draft.eval(), buckets.for_draft(), target=target,
                                          tensor_parallel_size=tensor_parallel_size)
-    engine = Engine(model, eos_token_ids=eos_token_ids(lm), tokenizer=tokenizer,
-                    max_num_batched_tokens=max_num_batched_tokens, request_timeout_s=request_timeout_s, name=name,
-                    speculative_config=speculative_config)
+    engine = Engine(model, eos_token_ids=eos_token_ids(lm), tokenizer=tokenizer, name=name,
+                    **engine_options(settings))
     return Frontend(engine, describe([engine], max_waiting), tokenizer)

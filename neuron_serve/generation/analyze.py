@@ -21,6 +21,7 @@ from ..config.generation import GenerationSettings
 from ..targets import get_target
 from . import tensor_parallel
 from .loading import load_draft, load_lm
+from .attention import grouped_for_compile
 from .shapes import example_inputs, shapes_of, slot_module
 from . import precision
 from .slots import cache_element_bytes, compute_dtype, kv_cache_bytes
@@ -100,7 +101,8 @@ def forms(config: ModelConfig, base_dir: str | Path | None = None) -> Iterator[F
     target = get_target(config.target)
     for index, (causal_lm, buckets, label, shape, split, lora) in enumerate(every, 1):
         model = slot_module(causal_lm, buckets, shape, lora=lora[0] if lora else None)
-        captured = capture(model, example_inputs(shape, lora=lora is not None))
+        with grouped_for_compile(causal_lm):  # the attention each model is compiled with (a mixed call needs it)
+            captured = capture(model, example_inputs(shape, lora=lora is not None))
         analysis = analyze_graph(captured, target)
         print(f"analyzed {label} ({index}/{len(every)})", file=sys.stderr, flush=True)
         yield Form(label, model, captured, analysis, split, lora[1] if lora else None,

@@ -19,8 +19,7 @@ from ..config.schema import ModelConfig, _under
 from ..config.generation import GenerationSettings
 from ..errors import ArtifactError, ConfigError
 from ..partition.pipeline import core_memory_bytes
-from . import eos_token_ids
-from . import tensor_parallel
+from . import attention, eos_token_ids, tensor_parallel
 from .frontend import Frontend
 from .group import EngineGroup
 from ..assembly.queue import READY, compile_queue
@@ -100,6 +99,30 @@ def check_cache_fits(lm: torch.nn.Module, buckets: GenerationBuckets, field_pref
     return check_fits(lm.config, buckets, weights, dtype_bytes, core, field_prefix, cache_share, needs)
 
 
+def checked_buckets(lm: torch.nn.Module, settings: GenerationSettings,
+                    field_prefix: str = "generation.") -> GenerationBuckets:
+    """``settings``' compiled shapes for ``lm``, once every check that needs the model passed (the split over
+    tensor_parallel_size cores, chunked prefill's attention, the cache beside the weights on a core): before
+    anything compiles, each refusal naming its field."""
+    buckets = settings.to_buckets(lm.config, field_prefix)
+    tp = settings.tensor_parallel_size
+    tensor_parallel.check(lm.config, tp, field=f"{field_prefix}tensor_parallel_size")
+    if settings.enable_chunked_prefill and not attention.applies(lm):
+        raise ConfigError(f"{field_prefix}enable_chunked_prefill: a mixed call splits attention between decode rows "
+                          f"and a prompt's chunk, which needs Llama-style attention (Llama, Mistral, Qwen2, Qwen3); "
+                          f"{getattr(lm.config, 'model_type', type(lm).__name__)}'s is not; turn it off.")
+    check_cache_fits(lm, buckets, field_prefix=field_prefix, tensor_parallel_size=tp)
+    return buckets
+
+
+def engine_options(settings: GenerationSettings) -> dict[str, Any]:
+    """What each engine takes of ``settings`` (Engine's keyword arguments)."""
+    return {"max_num_batched_tokens": settings.max_num_batched_tokens, "request_timeout_s": settings.request_timeout_s,
+            "speculative_config": settings.speculative_config,
+            "long_prefill_token_threshold": settings.long_prefill_token_threshold,
+            "max_num_partial_prefills": settings.max_num_partial_prefills}
+
+
 def compile_from_config(config: ModelConfig, base_dir: str | Path | None = None, *,
                         background: bool = False) -> tuple[GenerationModel, list[int], Any]:
     """Load, check and compile a factory or pretrained ``task: generate`` model: (model, EOS ids, tokenizer).
@@ -109,10 +132,8 @@ def compile_from_config(config: ModelConfig, base_dir: str | Path | None = None,
     settings = config.generation or GenerationSettings()
     tokenizer = load_tokenizer(config, base_dir)
     lm = load_lm(config, base_dir, tokenizer)
-    buckets = settings.to_buckets(lm.config)
+    buckets = checked_buckets(lm, settings)
     tp = settings.tensor_parallel_size
-    tensor_parallel.check(lm.config, tp)  # before anything compiles
-    check_cache_fits(lm, buckets, tensor_parallel_size=tp)
     policy = None
     if settings.lora is not None:
         from .adapters import AdapterPolicy  # noqa: PLC0415
@@ -215,10 +236,8 @@ def build_engines(config: ModelConfig, base_dir: str | Path | None = None, *, re
     else:
         model, eos, tokenizer = compile_from_config(config, base_dir, background=background)
     group = EngineGroup.on_cores(model, cores or config.cores_per_replica, eos_token_ids=eos,
-                                 tokenizer=tokenizer, max_num_batched_tokens=settings.max_num_batched_tokens,
-                                 max_waiting=settings.max_waiting, request_timeout_s=settings.request_timeout_s,
-                                 name=config.name, replica=replica, speculative_config=settings.speculative_config,
-                                 adapters=model.adapter_policy)
+                                 tokenizer=tokenizer, max_waiting=settings.max_waiting, name=config.name,
+                                 replica=replica, adapters=model.adapter_policy, **engine_options(settings))
     for name, path in (settings.lora.lora_modules if settings.lora is not None else {}).items():
         try:
             group.load_adapter(name, _under(base_dir, path))

@@ -34,7 +34,7 @@ from .prefix_cache import PrefixCache
 from .protocol import EngineRequest, Engines, TokenEvent
 from .sampler import GREEDY
 from .sampling import Sampled, prompt_logprobs
-from .scheduler import Scheduler, Sequence, default_budget
+from .scheduler import Chunk, Scheduler, Sequence, default_budget
 from .speculation import Speculation
 from .stopping import stop_reason
 
@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("neuron_serve")
 
 WAITING_POLL_S = 0.05  # how often requests that wait for a model still compiling look again
+STEP_LOG = 4096  # steps whose tokens Engine.step_log keeps
 
 
 class Engine(Engines):
@@ -51,7 +52,9 @@ class Engine(Engines):
 
     ``eos_token_ids`` end a sequence (unless its ``ignore_eos``); ``tokenizer`` (a
     transformers tokenizer) is needed only for structured outputs' matchers.
-    ``max_num_batched_tokens`` bounds the prompt tokens prefilled per step. A request
+    ``max_num_batched_tokens`` bounds the tokens of a step (decode rows, then prompt tokens); with a model compiled
+    for chunked prefill (mixed models), ``long_prefill_token_threshold`` and ``max_num_partial_prefills`` shape
+    its chunks (scheduler.py). ``step_log`` keeps the last steps' (prompt tokens, decode rows, chunk tokens). A request
     still waiting or running ``request_timeout_s`` after it was submitted is aborted (its
     last event says ``timed_out``) and its slot is free at the next step.
     """
@@ -59,7 +62,8 @@ class Engine(Engines):
     def __init__(self, model: GenerationModel | Executor, *, eos_token_ids: Any = (), tokenizer: Any = None,
                  max_num_batched_tokens: int | None = None, request_timeout_s: float | None = None,
                  name: str = "model", replica: str = "0", device: Any = None,
-                 speculative_config: Any = None, adapters: AdapterPolicy | None = None) -> None:
+                 speculative_config: Any = None, adapters: AdapterPolicy | None = None,
+                 long_prefill_token_threshold: int = 0, max_num_partial_prefills: int = 1) -> None:
         if request_timeout_s is not None and not request_timeout_s > 0:
             raise InvalidInput(f"request_timeout_s must be a number of seconds > 0 (or None: no limit); got "
                                f"{request_timeout_s!r}.")
@@ -69,23 +73,28 @@ class Engine(Engines):
         self.eos_token_ids = frozenset(eos_token_ids)
         self.tokenizer = tokenizer
         self.name = name
-        budget = max_num_batched_tokens or default_budget(executor.max_model_len)
+        chunked = bool(executor.chunks)
+        # With chunked prefill the default budget holds a whole chunk and a decode row for every slot.
+        budget = max_num_batched_tokens or default_budget(executor.max_model_len) + (executor.slots if chunked else 0)
         # Decode calls park their free rows in a slot's last decode_steps positions: no cached block reaches them.
         self.prefix = PrefixCache(executor.max_model_len - executor.decode_steps) \
             if executor.prefix_caching else None
-        self.scheduler = Scheduler(executor.slots, budget, self.prefix)
-        self.request_timeout_s = request_timeout_s
-        # Sequences in submission order: with one timeout for all, the first is the first to expire.
-        self._deadlines: deque[Sequence] = deque()
-        self.metrics = EngineMetrics(name, replica)
-        self.speculation = Speculation(speculative_config, executor, self.metrics, self.eos_token_ids) \
-            if speculative_config is not None else None
         # LoRA: the adapters this engine's buffers hold (adapters.py); None serves the base model only.
         self.adapters = None
         if adapters is not None:
             from .adapters import Adapters  # noqa: PLC0415 - safetensors and the adapter reader, with LoRA only
 
             self.adapters = Adapters(executor, adapters)
+        self.scheduler = Scheduler(executor.slots, budget, self.prefix, models=executor, adapters=self.adapters,
+                                   chunked=chunked, long_prefill_token_threshold=long_prefill_token_threshold,
+                                   max_num_partial_prefills=max_num_partial_prefills)
+        self.step_log: deque[tuple[int, int, int]] = deque(maxlen=STEP_LOG)
+        self.request_timeout_s = request_timeout_s
+        # Sequences in submission order: with one timeout for all, the first is the first to expire.
+        self._deadlines: deque[Sequence] = deque()
+        self.metrics = EngineMetrics(name, replica)
+        self.speculation = Speculation(speculative_config, executor, self.metrics, self.eos_token_ids) \
+            if speculative_config is not None else None
         for kind, value in executor.memory().items():
             self.metrics.held(kind, value)
         self._lock = threading.Lock()
@@ -221,7 +230,8 @@ class Engine(Engines):
                         self._wake.wait(WAITING_POLL_S)
 
     def step(self, aborted: dict[str, str] | None = None) -> None:
-        """One iteration: aborts, prefills under the token budget, one call for every running sequence.
+        """One iteration, vLLM v1's ``EngineCore.step``: the scheduler's plan (scheduler.py), then its calls, then
+        the sequences updated from their tokens.
 
         The events of the step before are delivered while this step's first model call
         computes, or at its end if it makes none; a prefill's first token right after it."""
@@ -238,17 +248,34 @@ class Engine(Engines):
                 self._finish(seq, reason)
         if self._deadlines:
             self._expire()
-        self._prefill(meanwhile)
-        for seq, slot in self.scheduler.compaction(self.executor.rows_bucket):
+        plan = self.scheduler.schedule()
+        for seq, error in plan.failed:
+            self._finish(seq, "error", error=error)
+        for seq in plan.admitted:
+            self._place(seq)
+        for seq in plan.prefills:
+            self._prefill(seq, meanwhile)
+        for seq, slot in plan.moves:
             self.executor.move(seq.slot, slot)
             if self.prefix is not None:
                 self.prefix.copy(seq.slot, slot)
             self.scheduler.move(seq, slot)
-        running = self.scheduler.decoding()
-        if running:
-            self._decode(running, meanwhile)
+        rows = [seq for seq in plan.decode if seq.finish_reason is None]
+        if plan.chunk is not None:
+            self._mixed(rows, plan.chunk, meanwhile)
+        elif rows:
+            self._decode(rows, meanwhile)
+        self.metrics.step_tokens(plan.prompt_tokens, len(rows), plan.chunk is not None)
+        self.step_log.append((plan.prompt_tokens, len(rows), plan.chunk.length if plan.chunk is not None else 0))
         self._gauges()
         meanwhile()  # no model call this step carried them
+
+    def _place(self, seq: Sequence) -> None:
+        """A sequence admitted this step: a running one's cached prefix copied into its slot, its adapter set."""
+        if seq.copy_from is not None:  # a running sequence's slot holds the prefix: copied, on the core
+            self.executor.move(seq.copy_from, seq.slot)
+        if self.adapters is not None:
+            self.executor.assign(seq.slot, seq.adapter_slot or 0)
 
     def _decode(self, running: list[Sequence], meanwhile: Callable[[], None]) -> None:
         """One call for every running sequence: a verify round, or a decode of one or ``decode_steps`` tokens."""
@@ -272,63 +299,60 @@ class Engine(Engines):
                 if seq.finish_reason is not None:
                     break
 
-    def _startable(self, seq: Sequence) -> bool:
-        """Whether ``seq`` can start now: a prompt asking for its logprobs waits for their model to compile (it
-        is queued the first time), and one with an adapter for a buffer slot to hold it (written there now, or
-        once a running sequence frees one); the others go ahead. One that can never start ends with the reason."""
-        if seq.adapter is not None and seq.adapter_slot is None:
-            try:
-                seq.adapter_slot = self.adapters.acquire(seq.adapter)
-            except KeyError:  # unloaded while it waited
-                self._finish(seq, "error", error=f"adapter {seq.adapter!r} was unloaded before the request started.")
-                return False
-            except Exception as exc:  # noqa: BLE001 - its files changed since it was loaded: this request fails
-                self._finish(seq, "error", error=str(exc))
-                return False
-            if seq.adapter_slot is None:
-                return False  # every buffer slot holds an adapter that running sequences use
-        if seq.params.prompt_logprobs is None:
-            return True
-        try:
-            return self.executor.can_score(len(seq.prompt))
-        except InvalidInput as exc:
-            self._finish(seq, "error", error=str(exc))
-            return False
+    def _mixed(self, running: list[Sequence], chunk: Chunk, meanwhile: Callable[[], None]) -> None:
+        """One mixed call: every running sequence's next token and ``chunk`` written into its slot; a chunk that
+        ends its prompt gives the prompt's first token."""
+        started = time.perf_counter()
+        seq = chunk.seq
+        rows = [*running, seq]
+        out, shape = self.executor.mixed([s.output[-1] for s in running], [s.position for s in running],
+                                         [s.slot for s in running], chunk.tokens, chunk.start, seq.slot,
+                                         choice.for_call(rows))
+        meanwhile()
+        self.scheduler.wrote(seq, chunk.start + chunk.length)
+        tokens = choice.Taken(rows, out, self.eos_token_ids)
+        self.metrics.observe(self.metrics.step(shape), time.perf_counter() - started)
+        for i, row in enumerate(running):
+            self._append(row, tokens.at(i))
+        if chunk.last:
+            self._append(seq, tokens.at(len(running)))
+            self._prefilled(seq)
 
-    def _prefill(self, meanwhile: Callable[[], None]) -> None:
-        """Prefill the prompts the scheduler admits, each into its slot; each first token goes out at once."""
-        for seq in self.scheduler.admit(self._startable):
-            started = time.perf_counter()
-            scored = seq.params.prompt_logprobs is not None
-            if seq.copy_from is not None:  # a running sequence's slot holds the prefix: copied, on the core
-                self.executor.move(seq.copy_from, seq.slot)
-            if self.adapters is not None:
-                self.executor.assign(seq.slot, seq.adapter_slot or 0)
-            core_choice = choice.for_call([seq])
-            row = core_choice[0] if core_choice is not None else GREEDY
-            if scored:  # a prefill that also brings home every prompt position's logits
-                out, shape, logits = self.executor.prefill_scored(seq.prompt, seq.slot, row)
-                seq.prompt_logprobs = [None if s is None else (s.logprob, s.top) for s in
-                                       prompt_logprobs(seq.prompt, logits, seq.params.prompt_logprobs)]
-            else:
-                # A prompt whose prefix the slot holds computes only the rest, once its extend model is compiled.
-                extended = self.executor.extend(seq.prompt, seq.slot, seq.cached, row) if seq.cached else None
-                out, shape = extended or self.executor.prefill(seq.prompt, seq.slot, row)
-            meanwhile()
-            if scored and seq.params.max_tokens == 0:  # the prompt's logprobs were all it asked for
-                self._finish(seq, "length")
-            else:
-                self._append(seq, choice.Taken([seq], out, self.eos_token_ids).at(0))
-            self.metrics.observe(self.metrics.step(shape), time.perf_counter() - started)
-            self.metrics.count(self.metrics.prompt_tokens, len(seq.prompt))
-            if self.prefix is not None:
-                self.metrics.count(self.metrics.prefix_queries, len(seq.prompt))
-                self.metrics.count(self.metrics.prefix_hits, seq.cached)
-            # The first token goes out now. Left for the next call to carry, it would wait
-            # for the decode step to be prepared and launched, or for the whole decode step
-            # when the prefill's own step runs one (the LLM example's first token: 8.8 against
-            # 5.2 ms in process, 18.4 against 12.3 ms served).
-            self._deliver()
+    def _prefill(self, seq: Sequence, meanwhile: Callable[[], None]) -> None:
+        """Prefill ``seq``'s prompt whole into its slot (after what its slot holds); its first token goes out at
+        once."""
+        started = time.perf_counter()
+        scored = seq.params.prompt_logprobs is not None
+        core_choice = choice.for_call([seq])
+        row = core_choice[0] if core_choice is not None else GREEDY
+        if scored:  # a prefill that also brings home every prompt position's logits
+            out, shape, logits = self.executor.prefill_scored(seq.prompt, seq.slot, row)
+            seq.prompt_logprobs = [None if s is None else (s.logprob, s.top) for s in
+                                   prompt_logprobs(seq.prompt, logits, seq.params.prompt_logprobs)]
+        else:
+            # A prompt whose prefix the slot holds computes only the rest, once its extend model is compiled.
+            extended = self.executor.extend(seq.prompt, seq.slot, seq.cached, row) if seq.cached else None
+            out, shape = extended or self.executor.prefill(seq.prompt, seq.slot, row)
+        meanwhile()
+        self.scheduler.wrote(seq, len(seq.prompt))
+        if scored and seq.params.max_tokens == 0:  # the prompt's logprobs were all it asked for
+            self._finish(seq, "length")
+        else:
+            self._append(seq, choice.Taken([seq], out, self.eos_token_ids).at(0))
+        self.metrics.observe(self.metrics.step(shape), time.perf_counter() - started)
+        self._prefilled(seq)
+
+    def _prefilled(self, seq: Sequence) -> None:
+        """``seq``'s whole prompt is in its slot and its first token out."""
+        self.metrics.count(self.metrics.prompt_tokens, len(seq.prompt))
+        if self.prefix is not None:
+            self.metrics.count(self.metrics.prefix_queries, len(seq.prompt))
+            self.metrics.count(self.metrics.prefix_hits, seq.cached)
+        # The first token goes out now. Left for the next call to carry, it would wait
+        # for the decode step to be prepared and launched, or for the whole decode step
+        # when the prefill's own step runs one (the LLM example's first token: 8.8 against
+        # 5.2 ms in process, 18.4 against 12.3 ms served).
+        self._deliver()
 
     def _expire(self) -> None:
         """Abort the sequences past ``request_timeout_s`` (waiting or running): their slots go back now."""
@@ -347,6 +371,8 @@ class Engine(Engines):
         steps = self.executor.decode_steps
         if steps == 1 or (self.scheduler.free and (self.scheduler.waiting or self._inbox)):
             return 1  # a prompt that could start now would wait for the whole call
+        if any(s.prefilling for s in self.scheduler.running.values()):
+            return 1  # a prompt part way through its chunks goes on next step
         if max(s.position for s in running) + steps > self.executor.max_model_len:
             return 1
         if any(choice.on_host(s) for s in running):
@@ -365,7 +391,7 @@ class Engine(Engines):
             seq.first_token_at = now
             self.metrics.observe(self.metrics.ttft, now - seq.arrival)
         else:
-            self.metrics.observe(self.metrics.tpot, now - seq.last_token_at)
+            self.metrics.token_gap(now - seq.last_token_at)
         seq.last_token_at = now
         self.metrics.count(self.metrics.generation_tokens)
         reason, stop = stop_reason(seq, sampled.token, self.eos_token_ids, self.executor.max_model_len)
@@ -382,13 +408,11 @@ class Engine(Engines):
                 error: str | None = None, timed_out: bool = False) -> None:
         if self.prefix is not None and seq.slot is not None and self.scheduler.running.get(seq.slot) is seq:
             if error is None or timed_out:  # its slot keeps what was written: every token but the last
-                self.prefix.hold(seq.slot, seq.prompt + seq.output[:-1], seq.adapter_key)
+                written = seq.prompt + seq.output[:-1] if seq.output else seq.prompt[:seq.computed]
+                self.prefix.hold(seq.slot, written, seq.adapter_key)
             else:  # a failed call may have left the slot half written
                 self.prefix.forget(seq.slot)
-        self.scheduler.release(seq)
-        if seq.adapter_slot is not None:
-            self.adapters.release(seq.adapter_slot)
-            seq.adapter_slot = None
+        self.scheduler.release(seq)  # its slot, and its adapter's buffer slot
         with self._lock:
             self._open.pop(seq.request_id, None)
             if seq.adapter in (self.adapters.retiring if self.adapters is not None else ()) and \

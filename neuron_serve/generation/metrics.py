@@ -23,6 +23,10 @@ class EngineMetrics:
         labels = {"model_name": model, "replica": replica}
         self.ttft = metrics.TIME_TO_FIRST_TOKEN.labels(**labels)
         self.tpot = metrics.TIME_PER_OUTPUT_TOKEN.labels(**labels)
+        self.itl = metrics.INTER_TOKEN_LATENCY.labels(**labels)
+        self.step_prompt = metrics.ITERATION_TOKENS.labels(**labels, kind="prompt")
+        self.step_decode = metrics.ITERATION_TOKENS.labels(**labels, kind="decode")
+        self.chunked_steps = metrics.CHUNKED_STEPS.labels(**labels)
         self.e2e = metrics.E2E_REQUEST_LATENCY.labels(**labels)
         self.prompt_tokens = metrics.PROMPT_TOKENS.labels(**labels)
         self.generation_tokens = metrics.GENERATION_TOKENS.labels(**labels)
@@ -78,6 +82,19 @@ class EngineMetrics:
             counter.inc(amount)
         for gauge, value in gauges.items():
             gauge.set(value)
+
+    def step_tokens(self, prompt: int, decode: int, chunked: bool) -> None:
+        """One step's tokens by kind, and whether its call carried a prompt's chunk (a step of no call: nothing)."""
+        if prompt or decode:
+            self.observe(self.step_prompt, prompt)
+            self.observe(self.step_decode, decode)
+        if chunked:
+            self.count(self.chunked_steps)
+
+    def token_gap(self, seconds: float) -> None:
+        """The time between two tokens of a sequence: vLLM's time_per_output_token and inter_token_latency."""
+        self.observe(self.tpot, seconds)
+        self.observe(self.itl, seconds)
 
     def speculated(self, proposed: list[int], taken: list[int]) -> None:
         """One sequence's round: its proposals, and the tokens it took (the accepted ones, then one of the model's)."""
