@@ -33,14 +33,14 @@ def main() -> None:
     served = [0, 0]
     lock = threading.Lock()
     for index, engine in enumerate(group.engines):  # count what each engine admits
-        admit = engine.scheduler.admit
+        schedule = engine.scheduler.schedule
 
-        def counted(*startable, admit=admit, index=index):
-            admitted = admit(*startable)
+        def counted(schedule=schedule, index=index):
+            plan = schedule()
             with lock:
-                served[index] += len(admitted)
-            return admitted
-        engine.scheduler.admit = counted
+                served[index] += len(plan.admitted)
+            return plan
+        engine.scheduler.schedule = counted
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, gm.VOCAB, (n,), generator=generator).tolist() for n in (3, 9, 14, 5, 20, 7, 11, 2)]
     done = frontend.generate_batch(prompts, SamplingParams(max_tokens=10, temperature=0), timeout=300)

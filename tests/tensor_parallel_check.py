@@ -8,7 +8,7 @@ prints whether greedy generation equals transformers' with sequences joining and
 sampled request's tokens, the split of the weights and each core's bytes, and whether
 Llama saved as an artifact and loaded again answers the same; with two LoRA adapters, whether each row
 of a mixed batch answers as PEFT's model; with int8 weights and an fp8 cache, whether it answers as its eager
-reference; as one JSON object.
+reference; with chunked prefill, whether it answers as transformers; as one JSON object.
 """
 
 import json
@@ -87,6 +87,7 @@ def main(sampled_params: dict) -> None:
     result["cached_speculative_equal"] = _cached_and_speculative()
     result["lora"] = _lora()
     result["quantized"] = _quantized()
+    result["chunked"] = _chunked()
     print(json.dumps(result))
 
 
@@ -156,6 +157,22 @@ def _quantized() -> dict:
     want = [pm.rounded_greedy(reference, p, n, form.k_scales, form.v_scales) for p, n in zip(prompts(), NEW_TOKENS)]
     return {"equal": [d.tokens == w for d, w in zip(done, want)], "memory": memory,
             "split": {k: v for k, v in split.items() if "layers.0." in k}}
+
+
+def _chunked() -> dict:
+    """Llama at TP 2 with chunked prefill: the five prompts (3 to 30 tokens) in chunks of up to 8 beside the rows
+    decoding, greedy output against transformers'; the steps that carried a chunk."""
+    lm = gm.build("llama")
+    engine = engine_for(lm, **ONE_BUCKET, tensor_parallel_size=2, on_device_sampling=False,
+                        enable_chunked_prefill=True, prefill_chunk_buckets=[8], max_num_batched_tokens=12)
+    try:
+        done = engine.generate_batch(prompts(), [SamplingParams(max_tokens=n, temperature=0) for n in NEW_TOKENS],
+                                     timeout=300)
+        chunks = sum(1 for _, _, chunk in engine.engines.step_log if chunk)
+    finally:
+        engine.close()
+    want = [gm.eager_greedy(lm, p, n) for p, n in zip(prompts(), NEW_TOKENS)]
+    return {"equal": [d.tokens == w for d, w in zip(done, want)], "chunked_steps": chunks}
 
 
 def _cached_and_speculative() -> list[bool]:

@@ -143,7 +143,8 @@ def test_a_generate_model_yaml_parses_with_defaults():
     assert given.generation.model_dump() == {
         "max_num_seqs": 8, "max_model_len": None, "prefill_buckets": None, "decode_batch_buckets": None,
         "decode_context_buckets": None, "decode_steps": 1, "on_device_sampling": True, "tensor_parallel_size": 1,
-        "max_num_batched_tokens": None,
+        "max_num_batched_tokens": None, "enable_chunked_prefill": False, "prefill_chunk_buckets": None,
+        "long_prefill_token_threshold": 0, "max_num_partial_prefills": 1,
         "max_waiting": 256, "enable_prefix_caching": False, "speculative_config": None, "lora": None,
         "tool_call_parser": None, "quantization": None, "quantization_type": "per_channel_symmetric",
         "modules_to_not_convert": None, "kv_cache_dtype": "auto", "calculate_kv_scales": None,
@@ -190,7 +191,12 @@ def test_settings_to_buckets_defaults():
     assert buckets.describe() == {
         "max_num_seqs": 8, "max_model_len": 2048, "prefill_buckets": [32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048],
         "decode_batch_buckets": [1, 4, 8], "decode_context_buckets": [128, 256, 512, 1024, 2048], "decode_steps": 1,
-        "enable_prefix_caching": False, "speculative_tokens": 0, "on_device_sampling": True}
+        "enable_prefix_caching": False, "speculative_tokens": 0, "on_device_sampling": True,
+        "enable_chunked_prefill": False, "prefill_chunk_buckets": []}
+    chunked = GenerationSettings(enable_chunked_prefill=True).to_buckets(Positions(4096))
+    # A chunk of a quarter of max_model_len beside each decode-rows bucket, greedy and sampled.
+    assert chunked.chunks == [512] and chunked.mixed == [(1, 512), (4, 512), (8, 512)]
+    assert chunked.count == buckets.count + 3 * 2
     short = GenerationSettings(max_num_seqs=2).to_buckets(Positions(64))
     assert (short.max_model_len, short.prefill, short.decode_rows, short.decode_context) == (64, [32, 64], [1, 2], [64])
     given = GenerationSettings(**SMALL).to_buckets(Positions(64))

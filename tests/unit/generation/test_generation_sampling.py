@@ -9,7 +9,6 @@ from neuron_serve.errors import InvalidInput
 from dataclasses import replace
 
 from neuron_serve.generation.sampling import SamplingParams, sample_row
-from neuron_serve.generation.scheduler import Scheduler, Sequence
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, -1.0, 3.0, 0.0])
 
@@ -70,23 +69,6 @@ def test_bad_parameters_are_refused_by_name(field, value, message):
     with pytest.raises(InvalidInput) as refused:
         SamplingParams(**{field: value})
     assert str(refused.value) == message
-
-
-def _seq(name: str, prompt_len: int) -> Sequence:
-    return Sequence(name, [1] * prompt_len, SamplingParams(), lambda event: None)
-
-
-def test_the_scheduler_prefills_under_the_token_budget_and_fills_the_lowest_slots():
-    scheduler = Scheduler(slots=4, max_num_batched_tokens=100)
-    for name, length in [("a", 150), ("b", 40), ("c", 30), ("d", 50)]:
-        scheduler.add(_seq(name, length))
-    # The first waiting prompt always goes, even past the budget; then nothing more this step.
-    assert [(s.request_id, s.slot) for s in scheduler.admit()] == [("a", 0)]
-    assert [(s.request_id, s.slot) for s in scheduler.admit()] == [("b", 1), ("c", 2)]  # 70 of 100 tokens
-    first = scheduler.running[0]
-    scheduler.release(first)
-    assert [(s.request_id, s.slot) for s in scheduler.admit()] == [("d", 0)]  # the freed low slot
-    assert [s.request_id for s in scheduler.decoding()] == ["d", "b", "c"]
 
 
 def test_the_chosen_token_is_always_among_the_top_logprobs():

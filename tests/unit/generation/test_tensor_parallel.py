@@ -77,6 +77,12 @@ def test_int8_weights_and_an_fp8_cache_at_tp2_answer_as_eager_with_the_scales_sp
     assert quantized["memory"]["weights"] < at_tp2["memory"]["llama"]["weights"] - 3 * 20_000
 
 
+def test_chunked_prefill_at_tp2_answers_as_transformers(at_tp2):
+    """The mixed calls (decode rows and a prompt's chunk) compiled once for the group: every prompt, chunked beside
+    the others' decodes, gets transformers' greedy tokens."""
+    assert at_tp2["chunked"]["equal"] == [True] * 5 and at_tp2["chunked"]["chunked_steps"] > 0
+
+
 def test_a_tensor_parallel_artifact_loads_over_its_group_and_answers_the_same(at_tp2):
     assert at_tp2["artifact_equal"] == [True] * 5
 
