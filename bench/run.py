@@ -26,7 +26,9 @@ repetitive workload, served with and without) adds speculative.md and speculativ
 adapters (bench/lora.py: 8 streams over 4 adapters against 8 on the base, one server, and an
 adapter's load time) adds lora.md and lora.json; quantization (bench/quantization.py: what each dtype,
 weight quantization and KV cache dtype costs in accuracy on SmolLM2, teacher-forced, and saves per core) adds
-quantization.md and quantization.json; long
+quantization.md and quantization.json; chunked prefill (bench/chunked_prefill.py: 16 streams decoding while long
+prompts arrive, neuron-serve with and without chunked prefill and transformers serve, one at a time) adds
+chunked_prefill.md and chunked_prefill.json; long
 prompts (bench/prefill.py: a prefill against eager transformers' forward in process, and time
 to first token at one stream served beside transformers serve) adds prefill.md and prefill.json;
 embeddings (bench/embeddings.py: neuron-serve's /v1/embeddings against infinity-emb and
@@ -275,6 +277,12 @@ def run_lora(quick: bool, out: Path, log) -> str | None:
     return _run_module("lora", quick, out, log, "LoRA adapters (one server)", 2400)
 
 
+def run_chunked_prefill(quick: bool, out: Path, log) -> str | None:
+    """bench/chunked_prefill.py (neuron-serve with and without chunked prefill, then transformers serve)."""
+    return _run_module("chunked_prefill", quick, out, log, "chunked prefill: long prompts beside decoding streams "
+                       "(three servers in turn)", 5400)
+
+
 def run_quantization(quick: bool, out: Path, log) -> str | None:
     """bench/quantization.py (SmolLM2 compiled in each precision setting, in process)."""
     return _run_module("quantization", quick, out, log, "quantization's accuracy and memory (SmolLM2, in process)",
@@ -343,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     speculation = None if args.no_generate else run_speculative(args.quick, out, log)
     lora = None if args.no_generate else run_lora(args.quick, out, log)
     quantization = None if args.no_generate else run_quantization(args.quick, out, log)
+    chunked = None if args.no_generate else run_chunked_prefill(args.quick, out, log)
     prefill = None if args.no_generate else run_prefill(args.quick, out, log)
     guidellm = None if args.no_guidellm else run_guidellm(args.quick, out, log)
     embedding = None if args.no_embeddings else run_embeddings(args.quick, out, log)
@@ -385,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         sections += ["", lora.strip()]
     if quantization:
         sections += ["", "## Quantization (bench/quantization.py)", "", quantization.strip()]
+    if chunked:
+        sections += ["", "## Chunked prefill (bench/chunked_prefill.py)", "", chunked.strip()]
     if prefill:
         sections += ["", prefill.strip()]
     if guidellm:
