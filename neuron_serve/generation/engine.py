@@ -6,10 +6,12 @@ them: :meth:`Engine.submit` queues an :class:`~.protocol.EngineRequest` with a s
 :meth:`Engine.abort` ends one by id (its slot is free at the next step).
 
 One thread drives the core (torch-xla replays an executable on the calling thread's
-device). Each step (:meth:`Engine.step`) applies aborts and timeouts, prefills the prompts
-the scheduler admits one by one, then makes one call for every running sequence: a
-decode (``decode_steps`` tokens a row when every row can take them), or a verify of
-speculative proposals (``speculation.py``). The core chooses each token (``choice.py``);
+device). Each step (:meth:`Engine.step`, vLLM v1's ``EngineCore.step``) applies aborts and
+timeouts, takes the scheduler's plan (``scheduler.py``: everything the step holds) and
+executes it: the prompts it prefills whole, one call each, then one call for every running
+sequence: a decode (``decode_steps`` tokens a row when every row can take them), a verify of
+speculative proposals (``speculation.py``), or, with chunked prefill, a mixed call that also
+writes a prompt's chunk (``mixed.py``). The core chooses each token (``choice.py``);
 the stop rules (``stopping.py``) end sequences as their tokens arrive. A step's events
 reach their requests while the next step's model call computes (a call returns once the
 core has it; reading its tokens waits): the event loop that streams them then holds the
