@@ -92,7 +92,9 @@ class EngineGroup(Dispatcher):
         for engine in self.engines:
             engine.unload_adapter(name)
 
-    def close(self) -> None:
+    def close(self, compile_wait: float | None = None) -> None:
+        """Stop the engines; the compiles not begun are dropped and the one under way ends before this returns
+        (at most ``compile_wait`` seconds: an engine process, which a replica waits for, passes COMPILE_WAIT_S)."""
         if self.build is not None:  # what no engine will run is not compiled
             self.build.compiles.cancel()
         for engine in self.engines:
@@ -102,4 +104,4 @@ class EngineGroup(Dispatcher):
             # run beside it, and torch.export is not thread-safe ("Trying to pop empty mode stack").
             compiles = self.build.compiles
             if not compiles.queue.on_worker():
-                compiles.wait(compiles.jobs(), timeout=COMPILE_WAIT_S)
+                compiles.wait(compiles.jobs(), timeout=compile_wait)

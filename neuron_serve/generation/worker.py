@@ -154,11 +154,12 @@ def serve(conn: Connection) -> int:
                              name="adapter-load", daemon=True).start()
         elif message[0] == "close":
             break
-    engines.close()
+    from .group import COMPILE_WAIT_S  # noqa: PLC0415
+
+    engines.close(compile_wait=COMPILE_WAIT_S)  # the replica waits 60 s for this process to end
     outbox.close()
     # A compile still running ends before the process does: torch-xla aborts an exit under a compiling thread.
     from ..assembly.queue import compile_queue  # noqa: PLC0415
-    from .group import COMPILE_WAIT_S  # noqa: PLC0415
 
     compile_queue().close(timeout=COMPILE_WAIT_S)
     return 0
