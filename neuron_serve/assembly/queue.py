@@ -111,6 +111,9 @@ class CompileQueue:
             job = CompileJob(label, group, priority, kind, Future(), _fn=fn)
             job._sequence = next(self._sequence)
             self._jobs.append(job)
+        # Told before the worker can see it: a replica's pending count says so at once, and in order.
+        self._tell(job)
+        with self._cond:
             heapq.heappush(self._heap, (priority, job._sequence, job))
             self._start()
             self._cond.notify_all()
@@ -176,9 +179,9 @@ class CompileQueue:
         return Counts(compiled=tally[COMPILED], pending=tally[PENDING], running=tally[RUNNING], failed=tally[FAILED])
 
     def subscribe(self, listener: Listener) -> Callable[[], None]:
-        """Call ``listener(job)`` when a job starts and when it ends (on the worker thread; a
-        cancelled one on the thread that cancels it); what it raises is logged. Returns the
-        function that unsubscribes it."""
+        """Call ``listener(job)`` when a job is queued (on the submitting thread), starts and ends (on the worker
+        thread; a cancelled one on the thread that cancels it); what it raises is logged. Returns the function that
+        unsubscribes it."""
         with self._cond:
             self._listeners.append(listener)
 

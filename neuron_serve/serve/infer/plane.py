@@ -133,7 +133,8 @@ class ModelDataPlane:
         self.observer.compile_counts(self.compile_state())
 
     def _compile_event(self, job: CompileJob) -> None:
-        """A job of the model's compile started or ended (on the compile queue's thread)."""
+        """A job of the model's compile was queued (on the submitting thread), started or ended (on the compile
+        queue's thread)."""
         self.observer.compile_job(job)
         self.observer.compile_counts(self.compile_state())
 
