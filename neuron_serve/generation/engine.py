@@ -253,10 +253,16 @@ class Engine(Engines):
         plan = self.scheduler.schedule()
         for seq, error in plan.failed:
             self._finish(seq, "error", error=error)
+        # Each admitted prompt is placed after the prompts admitted before it are prefilled: its cached prefix may
+        # be one of theirs, copied from their slot once written.
+        whole, admitted = {id(seq) for seq in plan.prefills}, {id(seq) for seq in plan.admitted}
+        for seq in plan.prefills:
+            if id(seq) not in admitted:  # admitted in an earlier step, placed then
+                self._prefill(seq, meanwhile)
         for seq in plan.admitted:
             self._place(seq)
-        for seq in plan.prefills:
-            self._prefill(seq, meanwhile)
+            if id(seq) in whole:
+                self._prefill(seq, meanwhile)
         for seq, slot in plan.moves:
             self.executor.move(seq.slot, slot)
             if self.prefix is not None:

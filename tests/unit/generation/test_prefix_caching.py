@@ -81,6 +81,17 @@ def test_sequences_in_one_batch_reuse_a_running_sequences_prefix(cached):
     assert hit == 2 * 2 * BLOCK
 
 
+def test_prompts_admitted_in_one_step_copy_a_prefix_only_once_it_is_written(cached):
+    """Short prompts sharing a block fit one step's budget (32 tokens) together: the second and third are admitted
+    beside the first, which computes the block; each copies it from the first's slot after that prefill."""
+    lm, engine = cached
+    shared = tokens(BLOCK, 20)
+    prompts = [shared + tokens(4, 21 + i) for i in range(3)]
+    answers, _, hit = run(engine, prompts, 10)
+    assert answers == [gm.eager_greedy(lm, p, 10) for p in prompts]
+    assert hit == 2 * BLOCK
+
+
 def test_eviction_under_pressure_keeps_every_answer_exact(cached):
     lm, engine = cached
     # Twice as many distinct prompts as slots, in three rounds: cached slots are taken back, least recent first.
