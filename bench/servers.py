@@ -115,7 +115,8 @@ class Server:
                 text = ""
             pending = [line for line in text.splitlines()
                        if line.startswith("neuron_serve_compiled_models{") and 'state="pending"' in line]
-            if text and not any(float(line.rsplit(" ", 1)[1]) > 0 for line in pending):
+            # No series yet is not "none pending": a replica counts its models from the start.
+            if pending and not any(float(line.rsplit(" ", 1)[1]) > 0 for line in pending):
                 return
             time.sleep(2)
         raise RuntimeError(f"{self.spec.key} still compiling after {self.spec.startup_s}s; see {self.log_path}")

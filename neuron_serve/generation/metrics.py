@@ -147,11 +147,18 @@ def compile_listener(model: str, replica: str, build: Any, background: bool,
     metrics, and the state to ``tell`` (the replica)."""
     labels = {"model": model, "replica": replica}
 
-    def heard(job: Any) -> None:
-        if job.kind == "compile" and job.state == "compiled" and job.seconds is not None:
-            metrics.COMPILE_SECONDS.labels(**labels, bucket=job.label.removeprefix(f"{build.name} ")).set(job.seconds)
+    def counted() -> dict:
         state = compile_state(build, background)
         for name in ("compiled", "pending", "failed"):
             metrics.COMPILED_MODELS.labels(**labels, state=name).set(state.get(name, 0))
-        tell(state)
+        return state
+
+    def heard(job: Any) -> None:
+        if job.kind == "compile" and job.state == "compiled" and job.seconds is not None:
+            metrics.COMPILE_SECONDS.labels(**labels, bucket=job.label.removeprefix(f"{build.name} ")).set(job.seconds)
+        tell(counted())
+
+    # The counts from now, not from the first background compile's end: until then a scrape would find no
+    # pending models and take the replica for fully compiled (bench/servers.py waits on it).
+    counted()
     return heard

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 import transformers
+from prometheus_client import REGISTRY
 
 import generation_models as gm
 from neuron_serve.buckets.generation import GenerationBuckets
@@ -19,6 +20,7 @@ from neuron_serve.generation.compiling import GenerationBuild, ready_shapes
 from neuron_serve.generation.engine import Engine
 from neuron_serve.generation.frontend import Frontend
 from neuron_serve.generation.group import describe
+from neuron_serve.generation.metrics import compile_listener
 
 BUCKETS = GenerationBuckets.build(4, 48, prefill=[16, 48], decode_rows=[1, 4], decode_context=[48], field_prefix="")
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11], list(range(30, 50))]
@@ -65,6 +67,17 @@ def test_the_engine_starts_on_the_longest_prefill_and_the_largest_greedy_decode(
     _, build, _, ready = started
     assert ready == [s.label for s in ready_shapes(BUCKETS)] == ["prefill_48", "decode_4x48"]
     assert build.order[:2] == ready_shapes(BUCKETS)
+
+
+def test_the_metrics_count_the_models_still_to_compile_from_the_start(started):
+    """A replica's gauge is set when its listener is made, not at the first background compile's end: a scrape
+    meanwhile sees the pending models (bench/servers.py waits on them)."""
+    _, build, _, _ = started
+    labels = {"model": "gauged", "replica": "0"}
+    compile_listener("gauged", "0", build, True, lambda state: None)
+    counts = {state: REGISTRY.get_sample_value("neuron_serve_compiled_models", {**labels, "state": state})
+              for state in ("compiled", "pending", "failed")}
+    assert None not in counts.values() and sum(counts.values()) == 6
 
 
 def test_answers_equal_eager_whichever_models_exist_and_after_the_rest_compiled(started):
