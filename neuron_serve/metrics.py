@@ -110,6 +110,13 @@ COMPILED_MODELS = Gauge(
     "A replica's compiled models by state: compiled, pending (queued or compiling) or failed",
     ["model", "replica", "state"], multiprocess_mode="livemax",
 )
+# Padding (generation/bucket_usage.py): the real units a bucket's calls computed and the units they padded (a generate
+# model's prompt tokens, decode rows, chunk tokens), so padded / (real + padded) is the work done for nothing.
+BUCKET_WORK = Counter(
+    "neuron_serve_bucket_work",
+    "Units (tokens or rows) a compiled bucket's calls ran, by kind: real (the requests') or padded (up to the bucket)",
+    ["model", "replica", "family", "bucket", "kind"],
+)
 CACHE_HITS = Counter(
     "neuron_serve_compile_cache_hits_total", "Operator-support and compile cache hits",
     ["model", "replica", "cache"],

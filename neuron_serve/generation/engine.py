@@ -27,6 +27,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
+from . import bucket_usage
 from ..errors import AdapterNotLoaded, InvalidInput
 from . import choice
 from .executor import CoreGroupExecutor, Executor
@@ -95,6 +96,8 @@ class Engine(Engines):
         # Sequences in submission order: with one timeout for all, the first is the first to expire.
         self._deadlines: deque[Sequence] = deque()
         self.metrics = EngineMetrics(name, replica)
+        # The sizes asked for and the padding their buckets cost (bucket_usage.py), shared by the replica's engines.
+        self.usage = bucket_usage.for_model(name, replica)
         self.speculation = Speculation(speculative_config, executor, self.metrics, self.eos_token_ids) \
             if speculative_config is not None else None
         for kind, value in executor.memory().items():
@@ -186,6 +189,7 @@ class Engine(Engines):
             self._aborts.update({rid: "abort" for rid in self._open})
             self._wake.notify()
         self._thread.join(timeout=30)
+        self.usage.save()
 
     def _matcher(self, grammar: str) -> Any:
         """A matcher over a grammar the front end compiled."""
@@ -301,6 +305,7 @@ class Engine(Engines):
             tokens = choice.Taken(running, out, self.eos_token_ids)
             taken = [tokens.steps(i) if shape.steps > 1 else [tokens.at(i)] for i in range(len(running))]
         self.metrics.observe(self.metrics.step(shape), time.perf_counter() - started)
+        self._used("decode_rows", len(running), shape.rows)
         for seq, row in zip(running, taken):
             for sampled in row:  # the tokens after its end were computed for nothing
                 self._append(seq, sampled)
@@ -317,6 +322,8 @@ class Engine(Engines):
                                          [s.slot for s in running], chunk.tokens, chunk.start, seq.slot,
                                          choice.for_call(rows))
         meanwhile()
+        self._used("decode_rows", len(running), shape.rows)
+        self._used("chunk", chunk.length, shape.tokens)
         self.scheduler.wrote(seq, chunk.start + chunk.length)
         tokens = choice.Taken(rows, out, self.eos_token_ids)
         self.metrics.observe(self.metrics.step(shape), time.perf_counter() - started)
@@ -342,6 +349,7 @@ class Engine(Engines):
             extended = self.executor.extend(seq.prompt, seq.slot, seq.cached, row) if seq.cached else None
             out, shape = extended or self.executor.prefill(seq.prompt, seq.slot, row)
         meanwhile()
+        self._used("prefill", len(seq.prompt) - (seq.cached if shape.kind == "extend" else 0), shape.tokens)
         self.scheduler.wrote(seq, len(seq.prompt))
         if scored and seq.params.max_tokens == 0:  # the prompt's logprobs were all it asked for
             self._finish(seq, "length")
@@ -349,6 +357,12 @@ class Engine(Engines):
             self._append(seq, choice.Taken([seq], out, self.eos_token_ids).at(0))
         self.metrics.observe(self.metrics.step(shape), time.perf_counter() - started)
         self._prefilled(seq)
+
+    def _used(self, family: str, size: int, bucket: int) -> None:
+        """A call ran ``size`` real units of ``family`` on ``bucket``: recorded, and counted with the metrics."""
+        (real, padded), size, pad = self.usage.record(family, size, bucket)
+        self.metrics.count(real, size)
+        self.metrics.count(padded, pad)
 
     def _prefilled(self, seq: Sequence) -> None:
         """``seq``'s whole prompt is in its slot and its first token out."""

@@ -1,0 +1,116 @@
+"""What a replica's compiled calls cost in padding, per family of compiled shapes, and the sizes it was asked for.
+
+A call runs a request's real size (a prompt's tokens, a decode step's rows) padded up to the bucket compiled for
+it; the difference is work the core does for nothing. A replica counts both per bucket, as
+``neuron_serve_bucket_work_total{family, bucket, kind="real"|"padded"}``, and keeps the sizes it saw
+(buckets/traffic.py's Sizes) in the compile cache, under ``traffic/<model>/<replica>.json``: the cache outlives the
+replica and is shared by a deployment's replicas (the Helm chart's volume), so ``neuron-serve buckets`` reads
+every replica's sizes from there and proposes bucket lists for them (generation/bucket_proposal.py).
+
+The families of a generate model: ``prefill`` (a prompt's tokens computed, against the prefill bucket that ran
+them; after a cached prefix, the tokens after it), ``decode_rows`` (the sequences of a decode call, against its
+rows bucket) and ``chunk`` (a chunked prompt's tokens beside the decode rows, against the chunk bucket).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from .. import metrics
+from ..buckets.traffic import Sizes
+
+SAVE_EVERY_S = 30.0  # how often a replica writes its sizes out while it serves (and once more when it stops)
+TRAFFIC_DIR = "traffic"
+
+
+def traffic_dir(cache_root: str | Path, model: str) -> Path:
+    """Where the replicas of ``model`` keep their sizes, under a compile cache's root."""
+    return Path(cache_root) / TRAFFIC_DIR / _safe(model)
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name) or "_"
+
+
+class Usage:
+    """One model's recorded sizes on one replica and its padding counters (thread-safe: a replica's engines share
+    one, :func:`for_model`)."""
+
+    def __init__(self, model: str, replica: str, cache_root: str | Path | None) -> None:
+        self.model, self.replica = model, replica
+        self.sizes = Sizes()
+        self.path = traffic_dir(cache_root, model) / f"{_safe(replica)}.json" if cache_root is not None else None
+        self._counters: dict[tuple[str, int], tuple] = {}
+        self._lock = threading.Lock()
+        self._saved = time.monotonic()
+
+    def counters(self, family: str, bucket: int) -> tuple:
+        """The real and padded counters of ``bucket`` of ``family``."""
+        key = (family, bucket)
+        found = self._counters.get(key)
+        if found is None:
+            labels = {"model": self.model, "replica": self.replica, "family": family, "bucket": str(bucket)}
+            found = self._counters[key] = (metrics.BUCKET_WORK.labels(**labels, kind="real"),
+                                           metrics.BUCKET_WORK.labels(**labels, kind="padded"))
+        return found
+
+    def record(self, family: str, size: int, bucket: int) -> tuple[tuple, int, int]:
+        """A call of real ``size`` on ``bucket``: kept, and (the counters, real, padded) for the caller to count (an
+        engine counts on its own thread, with its other metrics)."""
+        self.sizes.record(family, size)
+        if self.path is not None and time.monotonic() - self._saved > SAVE_EVERY_S:
+            self.save()
+        return self.counters(family, bucket), size, max(bucket - size, 0)
+
+    def save(self) -> None:
+        """Write the sizes out (atomically: a reader never sees half a file); a cache that cannot be written is
+        not the replica's failure."""
+        if self.path is None:
+            return
+        with self._lock:
+            self._saved = time.monotonic()
+            body = {"model": self.model, "replica": self.replica, "sizes": self.sizes.as_dict()}
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".sizes-")
+                with os.fdopen(fd, "w") as out:
+                    json.dump(body, out)
+                os.replace(tmp, self.path)
+            except OSError:
+                pass
+
+
+_USAGE: dict[tuple[str, str, Path | None], Usage] = {}
+_USAGE_LOCK = threading.Lock()
+
+
+def for_model(model: str, replica: str) -> Usage:
+    """The process's :class:`Usage` of ``model`` on ``replica``, kept in the current compile cache (none: counted
+    only)."""
+    from ..compile import cache as compile_cache  # noqa: PLC0415 - the cache module imports torch-xla's pieces
+
+    store = compile_cache.current()
+    root = store.root if store is not None else None
+    with _USAGE_LOCK:
+        usage = _USAGE.get((model, replica, root))
+        if usage is None:
+            usage = _USAGE[(model, replica, root)] = Usage(model, replica, root)
+        return usage
+
+
+def recorded(cache_root: str | Path, model: str) -> Sizes:
+    """Every replica's sizes of ``model`` kept under ``cache_root``, merged (an unreadable file is skipped)."""
+    merged = Sizes()
+    folder = traffic_dir(cache_root, model)
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            merged = merged.merge([Sizes.from_dict(json.loads(path.read_text())["sizes"])])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return merged
