@@ -257,6 +257,32 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _buckets(args: argparse.Namespace) -> int:
+    from .generation import bucket_proposal as proposal, bucket_usage as usage  # noqa: PLC0415
+
+    config = load_config(args.config)
+    if args.sizes:
+        sizes, source = proposal.read_sizes(args.sizes), args.sizes
+    else:
+        store = compile_cache.current()
+        if store is None:
+            print("error: --sizes: the compile cache is off, so no replica kept its sizes; pass a file of sizes",
+                  file=sys.stderr)
+            return 2
+        where = usage.traffic_dir(store.root, config.name)
+        sizes, source = usage.recorded(store.root, config.name), str(where)
+    families = proposal.propose(config, Path(args.config).resolve().parent, sizes, args.max_models)
+    if not families:
+        print(f"error: no sizes recorded for {config.name} in {source}: serve it first (each replica writes its "
+              f"sizes every {usage.SAVE_EVERY_S:g} s and when it stops), or pass --sizes FILE", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(families, indent=2))
+    else:
+        print(proposal.report(config.name, families, source))
+    return 0
+
+
 def _shutdown(args: argparse.Namespace) -> int:
     from .serve.ray import cluster, deploy  # noqa: PLC0415
 
@@ -327,6 +353,17 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", parents=[common], help="show the deployed models and their state")
     status.add_argument("--address", help="Ray cluster (default: the local one)")
     status.set_defaults(func=_status)
+
+    buckets = sub.add_parser("buckets", parents=[common],
+                             help="the padding a model's buckets cost on the sizes its replicas recorded, and the "
+                                  "bucket lists that would cost least")
+    buckets.add_argument("config", help="path to a model.yaml (task: generate)")
+    buckets.add_argument("--sizes", metavar="FILE",
+                         help="sizes to read instead of the compile cache's: {family: {size: requests}}")
+    buckets.add_argument("--max-models", type=int, metavar="N",
+                         help="buckets a family may have (default: as many as today)")
+    buckets.add_argument("--json", action="store_true", help="print the proposal as JSON")
+    buckets.set_defaults(func=_buckets)
 
     shutdown = sub.add_parser("shutdown", parents=[common], help="stop some models, or everything")
     shutdown.add_argument("names", nargs="*", help="model names (default: all, and the server)")

@@ -1,0 +1,112 @@
+"""What a generate model's buckets cost on the traffic it gets: each call's real and padded units counted per
+bucket, the sizes kept in the compile cache, and `neuron-serve buckets` proposing the lists that cost least
+(the padding recomputed here by hand)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client import REGISTRY
+
+import generation_models as gm
+from neuron_serve import cli
+from neuron_serve.compile import cache as compile_cache
+from neuron_serve.generation import SamplingParams, engine_for
+
+ROOT = Path(__file__).resolve().parents[3]
+GENERATION = {"max_num_seqs": 1, "max_model_len": 48, "prefill_buckets": [16, 48], "decode_batch_buckets": [1],
+              "decode_context_buckets": [48], "on_device_sampling": False}  # three compiled models
+
+
+def work(model: str, family: str, bucket: int, kind: str) -> float:
+    return REGISTRY.get_sample_value("neuron_serve_bucket_work_total", {
+        "model": model, "replica": "0", "family": family, "bucket": str(bucket), "kind": kind}) or 0.0
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """Two prompts, of 5 and 20 tokens, one after the other, 3 tokens each (a prefill and two one-row decodes), on
+    an engine whose compile cache is new."""
+    name = "usage"
+    store = compile_cache.configure(tmp_path_factory.mktemp("usage") / "cache")
+    engine = engine_for(gm.build("llama"), name=name, **GENERATION)
+    try:
+        for length in (5, 20):
+            engine.generate_batch([list(range(1, length + 1))], SamplingParams(max_tokens=3, temperature=0))
+        deadline = time.monotonic() + 10  # an engine applies its metrics on its own thread, after the step
+        while work(name, "prefill", 48, "padded") < 28 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        engine.close()
+        compile_cache.configure()
+    return name, store.root
+
+
+def test_each_call_counts_its_real_and_padded_units_by_bucket(served):
+    name, _ = served
+    assert (work(name, "prefill", 16, "real"), work(name, "prefill", 16, "padded")) == (5, 11)
+    assert (work(name, "prefill", 48, "real"), work(name, "prefill", 48, "padded")) == (20, 28)
+    assert (work(name, "decode_rows", 1, "real"), work(name, "decode_rows", 1, "padded")) == (4, 0)
+
+
+def test_the_sizes_are_kept_in_the_compile_cache_and_the_cli_proposes_buckets_from_them(served, tmp_path):
+    name, cache = served
+    kept = json.loads((cache / "traffic" / name / "0.json").read_text())
+    assert kept == {"model": name, "replica": "0",
+                    "sizes": {"prefill": {"5": 1, "20": 1}, "decode_rows": {"1": 4}}}
+    config = tmp_path / "model.yaml"
+    config.write_text(yaml.safe_dump({"name": name, "task": "generate",
+                                      "model": {"factory": "generation_models:build"}, "generation": GENERATION}))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run([sys.executable, "-m", "neuron_serve.cli", "--cache-dir", str(cache), "buckets",
+                           str(config), "--json"], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    prefill = json.loads(done.stdout)["prefill"]
+    # Today 5 runs as 16 and 20 as 48: (16 + 48) / (5 + 20). Two buckets with 48 kept: [20, 48] runs both as 20,
+    # (20 + 20) / 25; [5, 48] would cost (5 + 48) / 25.
+    assert (prefill["today"], prefill["proposed"]) == ([16, 48], [20, 48])
+    assert prefill["padding_today"] == pytest.approx(64 / 25) and prefill["padding_proposed"] == pytest.approx(40 / 25)
+    text = subprocess.run([sys.executable, "-m", "neuron_serve.cli", "--cache-dir", str(cache), "buckets",
+                           str(config)], capture_output=True, text=True, env=env, timeout=120).stdout
+    assert "  today    [16, 48]: padded work 2.56x the real" in text
+    assert "  proposed [20, 48]: padded work 1.60x the real" in text
+    assert text.endswith("generation:\n  prefill_buckets: [20, 48]\n  decode_batch_buckets: [1]\n")
+
+
+def test_a_file_of_sizes_and_a_budget_of_buckets(tmp_path, capsys):
+    config = tmp_path / "model.yaml"
+    config.write_text(yaml.safe_dump({"name": "lm", "task": "generate", "model": {"factory": "x:y"},
+                                      "generation": GENERATION}))
+    sizes = tmp_path / "sizes.json"
+    sizes.write_text(json.dumps({"prefill": {"3": 10, "9": 5, "30": 1}}))
+    assert cli.main(["buckets", str(config), "--sizes", str(sizes), "--max-models", "3", "--json"]) == 0
+    prefill = json.loads(capsys.readouterr().out)["prefill"]
+    assert prefill["proposed"] == [3, 9, 48]  # 30 runs on 48, the largest, kept
+    assert prefill["padding_proposed"] == pytest.approx((10 * 3 + 5 * 9 + 48) / (10 * 3 + 5 * 9 + 30))
+
+
+def test_refusals_name_what_to_do(fresh_cache, tmp_path, capsys):
+    config = tmp_path / "model.yaml"
+    config.write_text(yaml.safe_dump({"name": "lm", "task": "generate", "model": {"factory": "x:y"},
+                                      "generation": GENERATION}))
+    assert cli.main(["buckets", str(config)]) == 1
+    where = fresh_cache.root / "traffic" / "lm"
+    assert capsys.readouterr().err == (f"error: no sizes recorded for lm in {where}: serve it first "
+                                       f"(each replica writes its sizes every 30 s and when it stops), or pass "
+                                       f"--sizes FILE\n")
+    sizes = tmp_path / "sizes.json"
+    sizes.write_text(json.dumps({"prefill": {"3": 10}}))
+    assert cli.main(["buckets", str(config), "--sizes", str(sizes), "--max-models", "0"]) == 2
+    assert capsys.readouterr().err == "error: --max-models: a family needs at least one bucket; got 0.\n"
+    infer = tmp_path / "infer.yaml"
+    infer.write_text(yaml.safe_dump({"name": "mlp", "model": {"factory": "x:y"},
+                                     "inputs": [{"name": "x", "shape": [1, 4]}]}))
+    assert cli.main(["buckets", str(infer), "--sizes", str(sizes)]) == 2
+    assert "task: neuron-serve buckets proposes a task: generate model's buckets" in capsys.readouterr().err
