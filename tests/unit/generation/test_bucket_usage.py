@@ -16,13 +16,23 @@ import yaml
 from prometheus_client import REGISTRY
 
 import generation_models as gm
-from neuron_serve import cli
+from neuron_serve import cli, logs
 from neuron_serve.compile import cache as compile_cache
 from neuron_serve.generation import SamplingParams, engine_for
 
 ROOT = Path(__file__).resolve().parents[3]
 GENERATION = {"max_num_seqs": 1, "max_model_len": 48, "prefill_buckets": [16, 48], "decode_batch_buckets": [1],
               "decode_context_buckets": [48], "on_device_sampling": False}  # three compiled models
+
+
+@pytest.fixture(autouse=True)
+def logging_as_it_was():
+    """cli.main in process sets neuron-serve's logging as a command prints it (the partitioner's lists at DEBUG):
+    put back for the tests that read the log after these in the same process."""
+    level, lists = logs._serve.level, logs._partitioner_level
+    yield
+    logs._serve.setLevel(level)
+    logs._partitioner_level = lists
 
 
 def work(model: str, family: str, bucket: int, kind: str) -> float:
