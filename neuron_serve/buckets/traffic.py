@@ -97,17 +97,20 @@ class Sizes:
 
     limit: int = 100_000
     counts: dict[str, Counter] = field(default_factory=dict)
+    _totals: Counter = field(default_factory=Counter, repr=False)  # each family's sum, kept: record runs per call
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record(self, family: str, size: int, times: int = 1) -> None:
         with self._lock:
             counter = self.counts.setdefault(family, Counter())
             counter[int(size)] += times
-            if sum(counter.values()) > self.limit:
+            self._totals[family] += times
+            if self._totals[family] > self.limit:
                 for key in list(counter):
                     counter[key] //= 2
                     if not counter[key]:
                         del counter[key]
+                self._totals[family] = sum(counter.values())
 
     def of(self, family: str) -> Counter:
         with self._lock:
@@ -115,7 +118,7 @@ class Sizes:
 
     def total(self, family: str) -> int:
         with self._lock:
-            return sum(self.counts.get(family, {}).values())
+            return self._totals[family]
 
     def as_dict(self) -> dict[str, dict[str, int]]:
         """JSON-ready: family -> {size: requests}."""

@@ -60,13 +60,13 @@ class Usage:
                                            metrics.BUCKET_WORK.labels(**labels, kind="padded"))
         return found
 
-    def record(self, family: str, size: int, bucket: int) -> tuple[tuple, int, int]:
-        """A call of real ``size`` on ``bucket``: kept, and (the counters, real, padded) for the caller to count (an
-        engine counts on its own thread, with its other metrics)."""
+    def record(self, family: str, size: int, bucket: int) -> tuple:
+        """A call of real ``size`` on ``bucket``: kept; returns its real and padded counters for the caller to count
+        (an engine counts on its own thread, with its other metrics)."""
         self.sizes.record(family, size)
         if self.path is not None and time.monotonic() - self._saved > SAVE_EVERY_S:
             self.save()
-        return self.counters(family, bucket), size, max(bucket - size, 0)
+        return self.counters(family, bucket)
 
     def save(self) -> None:
         """Write the sizes out (atomically: a reader never sees half a file); a cache that cannot be written is

@@ -27,9 +27,8 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
-from . import bucket_usage
 from ..errors import AdapterNotLoaded, InvalidInput
-from . import choice
+from . import bucket_usage, choice
 from .executor import CoreGroupExecutor, Executor
 from .metrics import EngineMetrics
 from .model import GenerationModel
@@ -360,9 +359,9 @@ class Engine(Engines):
 
     def _used(self, family: str, size: int, bucket: int) -> None:
         """A call ran ``size`` real units of ``family`` on ``bucket``: recorded, and counted with the metrics."""
-        (real, padded), size, pad = self.usage.record(family, size, bucket)
+        real, padded = self.usage.record(family, size, bucket)
         self.metrics.count(real, size)
-        self.metrics.count(padded, pad)
+        self.metrics.count(padded, max(bucket - size, 0))
 
     def _prefilled(self, seq: Sequence) -> None:
         """``seq``'s whole prompt is in its slot and its first token out."""
