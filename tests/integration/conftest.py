@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -132,10 +133,22 @@ class Server:
         assert match, self.tail()
         return match.group(1)
 
-    def _get(self, path: str, token: str | None) -> dict:
+    def _get(self, path: str, token: str | None, settle_s: float = 30.0) -> dict:
+        """GET ``path`` as JSON. A 404 or 503 is asked again for ``settle_s``: Serve's ingress takes up a new
+        application's route a moment after deploy saw it answer once (a CI run had a model's metadata 404 right
+        after its readiness said 200); what it answered meanwhile is printed, and raised with the body if it lasts."""
         request = urllib.request.Request(self.url + path, headers={"Authorization": f"Bearer {token}"} if token else {})
-        with urllib.request.urlopen(request, timeout=10) as answer:
-            return json.load(answer)
+        deadline = time.monotonic() + settle_s
+        while True:
+            try:
+                with urllib.request.urlopen(request, timeout=10) as answer:
+                    return json.load(answer)
+            except urllib.error.HTTPError as exc:
+                body = exc.read().decode(errors="replace")
+                if exc.code not in (404, 503) or time.monotonic() > deadline:
+                    raise AssertionError(f"GET {path}: {exc.code} {body}\n{self.tail()}") from exc
+                print(f"GET {path} answered {exc.code} {body!r}; asking again", file=sys.stderr)
+                time.sleep(0.5)
 
     def wait_compiled(self, timeout_s: float = READY_TIMEOUT_S, token: str | None = None) -> None:
         """Wait until no replica of any infer model has a compile pending (a replica is ready on its
