@@ -1,7 +1,8 @@
 """``neuron-serve buckets MODEL.yaml``: the padding a model's buckets cost on the sizes its replicas recorded, and
-the bucket lists that would cost least, as a model.yaml fragment to paste.
+the bucket lists that would cost least, as a model.yaml fragment to paste. A generate model's prefill lengths,
+decode rows and prompt chunks; a pooling model's (task: embed, score, classify) input lengths.
 
-The sizes come from the compile cache (generation/bucket_usage.py: every replica of the model writes its own) or from a
+The sizes come from the compile cache (bucket_usage.py: every replica of the model writes its own) or from a
 file (``--sizes``: ``{family: {size: requests}}``, or a replica's file). Each family keeps its largest bucket (every
 request must still fit) and, unless ``--max-models`` says otherwise, as many buckets as today: the same number of
 compiled models, spent where the traffic is (buckets/traffic.py's propose). Work is counted in the family's units
@@ -14,9 +15,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
-from ..buckets import traffic
-from ..buckets.traffic import Sizes
+from .errors import ConfigError
+from .buckets import traffic
+from .buckets.traffic import Sizes
 
 # family -> (model.yaml field under generation, unit, GenerationBuckets attribute)
 GENERATE_FAMILIES = {
@@ -24,6 +25,8 @@ GENERATE_FAMILIES = {
     "decode_rows": ("decode_batch_buckets", "rows", "decode_rows"),
     "chunk": ("prefill_chunk_buckets", "tokens", "chunks"),
 }
+POOLING_FAMILIES = {"length": ("length_buckets", "tokens")}  # family -> (field under pooling, unit)
+POOLING_TASKS = ("embed", "score", "classify")
 
 
 def read_sizes(path: str | Path) -> Sizes:
@@ -37,41 +40,59 @@ def read_sizes(path: str | Path) -> Sizes:
         return Sizes.from_dict(data)
     except (AttributeError, TypeError, ValueError) as exc:
         raise ConfigError(f"--sizes: {path} is not {{family: {{size: requests}}}} ({exc}); families: "
-                          f"{', '.join(GENERATE_FAMILIES)}.") from exc
+                          f"{', '.join([*GENERATE_FAMILIES, *POOLING_FAMILIES])}.") from exc
 
 
 def generation_buckets(config: Any, base_dir: str | Path | None) -> Any:
     """The model's compiled generation buckets (the model's own config read only when max_model_len is not set)."""
-    from ..config.generation import GenerationSettings  # noqa: PLC0415
+    from .config.generation import GenerationSettings  # noqa: PLC0415
 
     settings = config.generation or GenerationSettings()
     if settings.max_model_len is not None:
         return settings.to_buckets(None)
-    from .loading import load_lm  # noqa: PLC0415 - max_model_len defaults from the model's config
+    from .generation.loading import load_lm  # noqa: PLC0415 - max_model_len defaults from the model's config
 
     return settings.to_buckets(load_lm(config, base_dir).config)
 
 
+def pooling_buckets(config: Any, base_dir: str | Path | None) -> list[int]:
+    """A pooling model's compiled length buckets: model.yaml's, else the defaults from its directory."""
+    if config.pooling is not None and config.pooling.length_buckets is not None:
+        return list(config.pooling.length_buckets)
+    from .pooling import source  # noqa: PLC0415 - max_model_len defaults from the model's directory
+
+    return list(source.load(config, base_dir)[1].length_buckets)
+
+
+def today(config: Any, base_dir: str | Path | None) -> dict[str, tuple[str, str, list[int]]]:
+    """Each family of the model's compiled shapes: (its model.yaml field, its unit, its buckets today)."""
+    if config.task == "generate":
+        buckets = generation_buckets(config, base_dir)
+        return {family: (f"generation.{field}", unit, sorted(getattr(buckets, attribute)))
+                for family, (field, unit, attribute) in GENERATE_FAMILIES.items()}
+    if config.task in POOLING_TASKS:
+        (family, (field, unit)), = POOLING_FAMILIES.items()
+        return {family: (f"pooling.{field}", unit, pooling_buckets(config, base_dir))}
+    raise ConfigError(f"task: neuron-serve buckets proposes the buckets of a task: generate model (its replicas "
+                      f"record their prompt lengths and decode rows) or of a pooling model (embed, score, classify: "
+                      f"their input lengths); {config.name} is task: {config.task}.")
+
+
 def propose(config: Any, base_dir: str | Path | None, sizes: Sizes, max_models: int | None = None) -> dict:
     """Per family with buckets and recorded sizes: today's buckets and padding, the proposed ones and theirs."""
-    if config.task != "generate":
-        raise ConfigError(f"task: neuron-serve buckets proposes a task: generate model's buckets (its replicas record "
-                          f"their prompt lengths and decode rows); {config.name} is task: {config.task}.")
     if max_models is not None and max_models < 1:
         raise ConfigError(f"--max-models: a family needs at least one bucket; got {max_models}.")
-    buckets = generation_buckets(config, base_dir)
     families = {}
-    for family, (field, unit, attribute) in GENERATE_FAMILIES.items():
-        today = sorted(getattr(buckets, attribute))
+    for family, (field, unit, buckets) in today(config, base_dir).items():
         counts = sizes.of(family)
-        if not today or not counts:
+        if not buckets or not counts:
             continue
-        proposed = traffic.propose(counts, max_models or len(today), today[-1])
+        proposed = traffic.propose(counts, max_models or len(buckets), buckets[-1])
         families[family] = {
-            "field": f"generation.{field}", "unit": unit, "calls": sum(counts.values()),
-            "today": today, "padding_today": traffic.padding(counts, today),
+            "field": field, "unit": unit, "calls": sum(counts.values()),
+            "today": buckets, "padding_today": traffic.padding(counts, buckets),
             "proposed": proposed, "padding_proposed": traffic.padding(counts, proposed),
-            "per_bucket_today": traffic.per_bucket(counts, today),
+            "per_bucket_today": traffic.per_bucket(counts, buckets),
         }
     return families
 
@@ -86,6 +107,11 @@ def report(name: str, families: dict, source: str) -> str:
             if use["requests"]:
                 lines.append(f"    {bucket:>6}: {use['requests']} calls, {use['real']} real, {use['padded']} padded")
         lines.append(f"  proposed {entry['proposed']}: padded work {entry['padding_proposed']:.2f}x the real")
-    lines += ["", "model.yaml:", "generation:"]
-    lines += [f"  {entry['field'].split('.', 1)[1]}: {entry['proposed']}" for entry in families.values()]
+    lines += ["", "model.yaml:"]
+    sections: dict[str, list[str]] = {}
+    for entry in families.values():
+        section, field = entry["field"].split(".", 1)
+        sections.setdefault(section, []).append(f"  {field}: {entry['proposed']}")
+    for section, fields in sections.items():
+        lines += [f"{section}:", *fields]
     return "\n".join(lines)

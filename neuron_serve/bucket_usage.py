@@ -5,11 +5,13 @@ it; the difference is work the core does for nothing. A replica counts both per 
 ``neuron_serve_bucket_work_total{family, bucket, kind="real"|"padded"}``, and keeps the sizes it saw
 (buckets/traffic.py's Sizes) in the compile cache, under ``traffic/<model>/<replica>.json``: the cache outlives the
 replica and is shared by a deployment's replicas (the Helm chart's volume), so ``neuron-serve buckets`` reads
-every replica's sizes from there and proposes bucket lists for them (generation/bucket_proposal.py).
+every replica's sizes from there and proposes bucket lists for them (bucket_proposal.py).
 
 The families of a generate model: ``prefill`` (a prompt's tokens computed, against the prefill bucket that ran
 them; after a cached prefix, the tokens after it), ``decode_rows`` (the sequences of a decode call, against its
-rows bucket) and ``chunk`` (a chunked prompt's tokens beside the decode rows, against the chunk bucket).
+rows bucket) and ``chunk`` (a chunked prompt's tokens beside the decode rows, against the chunk bucket). Of a
+pooling model: ``length`` (an input's tokens, against the length bucket that ran it). :meth:`Usage.summary` is what
+the model's metadata says of it (``parameters.padding``), read from what the replica counted since it started.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import threading
 import time
 from pathlib import Path
 
-from .. import metrics
-from ..buckets.traffic import Sizes
+from . import metrics
+from .buckets.traffic import Sizes
 
 SAVE_EVERY_S = 30.0  # how often a replica writes its sizes out while it serves (and once more when it stops)
 TRAFFIC_DIR = "traffic"
@@ -47,6 +49,7 @@ class Usage:
         self.sizes = Sizes()
         self.path = traffic_dir(cache_root, model) / f"{_safe(replica)}.json" if cache_root is not None else None
         self._counters: dict[tuple[str, int], tuple] = {}
+        self._work: dict[tuple[str, int], list[int]] = {}  # (family, bucket) -> [calls, real, padded]
         self._lock = threading.Lock()
         self._saved = time.monotonic()
 
@@ -64,9 +67,29 @@ class Usage:
         """A call of real ``size`` on ``bucket``: kept; returns its real and padded counters for the caller to count
         (an engine counts on its own thread, with its other metrics)."""
         self.sizes.record(family, size)
+        with self._lock:
+            work = self._work.setdefault((family, bucket), [0, 0, 0])
+            work[0] += 1
+            work[1] += size
+            work[2] += max(bucket - size, 0)
         if self.path is not None and time.monotonic() - self._saved > SAVE_EVERY_S:
             self.save()
         return self.counters(family, bucket)
+
+    def summary(self) -> dict[str, dict]:
+        """Per family: padded work as a fraction of all the work its calls did, and each bucket's calls, real and
+        padded units (what ``parameters.padding`` of the model's metadata says)."""
+        with self._lock:
+            work = {key: list(value) for key, value in self._work.items()}
+        found: dict[str, dict] = {}
+        for (family, bucket), (calls, real, padded) in sorted(work.items()):
+            entry = found.setdefault(family, {"padded_fraction": 0.0, "buckets": {}})
+            entry["buckets"][str(bucket)] = {"calls": calls, "real": real, "padded": padded}
+        for entry in found.values():
+            real = sum(b["real"] for b in entry["buckets"].values())
+            padded = sum(b["padded"] for b in entry["buckets"].values())
+            entry["padded_fraction"] = round(padded / (real + padded), 4) if real + padded else 0.0
+        return found
 
     def save(self) -> None:
         """Write the sizes out (atomically: a reader never sees half a file); a cache that cannot be written is
@@ -93,7 +116,7 @@ _USAGE_LOCK = threading.Lock()
 def for_model(model: str, replica: str) -> Usage:
     """The process's :class:`Usage` of ``model`` on ``replica``, kept in the current compile cache (none: counted
     only)."""
-    from ..compile import cache as compile_cache  # noqa: PLC0415 - the cache module imports torch-xla's pieces
+    from .compile import cache as compile_cache  # noqa: PLC0415 - the cache module imports torch-xla's pieces
 
     store = compile_cache.current()
     root = store.root if store is not None else None

@@ -258,7 +258,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _buckets(args: argparse.Namespace) -> int:
-    from .generation import bucket_proposal as proposal, bucket_usage as usage  # noqa: PLC0415
+    from . import bucket_proposal as proposal, bucket_usage as usage  # noqa: PLC0415
 
     config = load_config(args.config)
     if args.sizes:
@@ -357,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     buckets = sub.add_parser("buckets", parents=[common],
                              help="the padding a model's buckets cost on the sizes its replicas recorded, and the "
                                   "bucket lists that would cost least")
-    buckets.add_argument("config", help="path to a model.yaml (task: generate)")
+    buckets.add_argument("config", help="path to a model.yaml (task: generate, embed, score or classify)")
     buckets.add_argument("--sizes", metavar="FILE",
                          help="sizes to read instead of the compile cache's: {family: {size: requests}}")
     buckets.add_argument("--max-models", type=int, metavar="N",

@@ -28,7 +28,8 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import AdapterNotLoaded, InvalidInput
-from . import bucket_usage, choice
+from . import choice
+from .. import bucket_usage
 from .executor import CoreGroupExecutor, Executor
 from .metrics import EngineMetrics
 from .model import GenerationModel

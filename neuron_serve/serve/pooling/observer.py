@@ -34,6 +34,17 @@ class PoolingMetrics:
         self.deferred.add(self._record, api, str(code), inputs, tokens, padded)
         self.deferred.flush_soon()
 
+    def bucket_work(self, counters: tuple, real: int, padded: int) -> None:
+        """An input of ``real`` tokens ran padded by ``padded`` on a length bucket whose (real, padded) counters
+        are ``counters`` (bucket_usage.Usage.record); applied with the answer's other metrics."""
+        self.deferred.add(self._work, counters, real, padded)
+
+    @staticmethod
+    def _work(counters: tuple, real: int, padded: int) -> None:
+        counters[0].inc(real)
+        if padded:
+            counters[1].inc(padded)
+
     def _record(self, api: str, code: str, inputs: int, tokens: int, padded: int) -> None:
         self._child(metrics.POOLING_REQUESTS, api=api, code=code).inc()
         if inputs:

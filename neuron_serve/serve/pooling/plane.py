@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from ... import bucket_usage
 from ...config.schema import ModelConfig
 from ...errors import InvalidInput
 from ...pooling.spec import PoolingSpec
@@ -37,6 +38,9 @@ class PoolingPlane:
         self.tokens = tokens
         self.spec = spec
         self.metrics = PoolingMetrics(self.name, data.replica, data.observer.deferred)
+        # The lengths asked for and what the length buckets pad of them (bucket_usage.py): counted, kept in the
+        # compile cache for `neuron-serve buckets`, and summed up in the metadata.
+        self.usage = bucket_usage.for_model(self.name, data.replica)
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")  # requests of much text
 
     # -- lifecycle ------------------------------------------------------------------
@@ -46,6 +50,7 @@ class PoolingPlane:
 
     async def stop(self) -> None:
         await self.data.stop()
+        self.usage.save()
         self._tokenizing.shutdown(wait=False)
 
     def ready(self) -> bool:
@@ -54,7 +59,9 @@ class PoolingPlane:
     def metadata(self) -> dict:
         """OIP v2 model metadata: the compiled model's tensors, and the pooling settings in ``parameters``
         (the data plane's, given them when the replica built it, so gRPC's metadata holds them too)."""
-        return self.data.metadata()
+        found = self.data.metadata()
+        found["parameters"]["padding"] = self.usage.summary()
+        return found
 
     def model_card(self) -> dict:
         """What ``GET /v1/models`` says of this model beyond its id."""
@@ -174,6 +181,7 @@ class PoolingPlane:
         # One group (the usual case) is awaited directly: gather would wrap it in a task.
         outputs = [await runs[0]] if len(runs) == 1 else await asyncio.gather(*runs)
         padded = sum(buckets[b] * len(m) for b, m in groups.items()) - sum(len(r.ids) for r in rows)
+        self._used(rows, groups)
         if len(groups) == 1:
             return outputs[0][0], padded
         first = outputs[0][0]
@@ -181,6 +189,15 @@ class PoolingPlane:
         for members, output in zip(groups.values(), outputs):
             joined[members] = output[0]
         return joined, padded
+
+    def _used(self, rows: list[Row], groups: dict[int, list[int]]) -> None:
+        """Each input's length recorded against the bucket that ran it, and counted (with the answer's metrics)."""
+        buckets = self.spec.length_buckets
+        for b, members in groups.items():
+            bucket = buckets[b]
+            for i in members:
+                size = len(rows[i].ids)
+                self.metrics.bucket_work(self.usage.record("length", size, bucket), size, bucket - size)
 
 
 _current: PoolingPlane | None = None

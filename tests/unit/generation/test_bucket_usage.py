@@ -119,4 +119,4 @@ def test_refusals_name_what_to_do(fresh_cache, tmp_path, capsys):
     infer.write_text(yaml.safe_dump({"name": "mlp", "model": {"factory": "x:y"},
                                      "inputs": [{"name": "x", "shape": [1, 4]}]}))
     assert cli.main(["buckets", str(infer), "--sizes", str(sizes)]) == 2
-    assert "task: neuron-serve buckets proposes a task: generate model's buckets" in capsys.readouterr().err
+    assert "task: neuron-serve buckets proposes the buckets of a task: generate model" in capsys.readouterr().err
