@@ -18,6 +18,11 @@ sentence-transformers' own benchmarks use; 6 layers, hidden 384, mean pooling, n
 3. ``ray``: sentence-transformers' ``encode`` behind Ray Serve with ``@serve.batch`` (16 texts,
    2 ms; bench/peers/ray_embed_app.py), Serve's default HTTP proxy.
 
+Then, as ``neuron-serve-proposed``, neuron-serve again with the length buckets ``neuron-serve buckets`` proposes
+from the lengths the first one's replica recorded in the compile cache (the same number of buckets, the largest
+kept): buckets chosen from the traffic the model got. Each neuron-serve run's padded work over its real work is read
+from its model's metadata (``parameters.padding``) after the load.
+
 Workload: one text a request, ``{"model": "embedder", "input": text}`` on ``/v1/embeddings``,
 from a seeded list of lines of this repository's docs of 8 to 64 tokens (all-MiniLM-L6-v2's tokenizer), the same
 files for
@@ -164,11 +169,62 @@ def specs(model_dir: Path, yaml_path: Path, python: str = sys.executable) -> dic
             "ray": (ray, [("ray", ray.label, "/v1/embeddings")])}
 
 
-def write_neuron_serve_yaml(model_dir: Path, path: Path) -> None:
+def write_neuron_serve_yaml(model_dir: Path, path: Path, length_buckets: list[int] | None = None) -> None:
     import yaml  # noqa: PLC0415
 
-    path.write_text(yaml.safe_dump({"name": MODEL, "task": "embed", "model": {"pretrained": str(model_dir.resolve())},
-                                    "cores_per_replica": 2, "batching": {"max_batch_size": BATCH}}, sort_keys=False))
+    config = {"name": MODEL, "task": "embed", "model": {"pretrained": str(model_dir.resolve())}, "cores_per_replica": 2,
+              "batching": {"max_batch_size": BATCH}}
+    if length_buckets is not None:
+        config["pooling"] = {"length_buckets": length_buckets}
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def proposed_spec(found: dict, yaml_path: Path, buckets: list[int]) -> tuple:
+    """neuron-serve on ``yaml_path`` (the proposed buckets), measured on the model's URL only."""
+    spec, routes = found["neuron-serve"]
+    command = [str(yaml_path) if part.endswith("embedder.yaml") else part for part in spec.command]
+    proposed = servers.ServerSpec("neuron-serve-proposed", f"neuron-serve, length buckets {buckets}", command,
+                                  spec.port, startup_s=spec.startup_s, replica_marker=spec.replica_marker,
+                                  ready_line=spec.ready_line)
+    key, _, path = routes[0]
+    return proposed, [("neuron-serve-proposed", proposed.label, path)]
+
+
+def recorded_sizes(since: float) -> dict:
+    """The lengths the embedder's replicas kept in the compile cache during this run (files written since
+    ``since``), merged: {family: {size: requests}}."""
+    from neuron_serve import bucket_usage  # noqa: PLC0415
+    from neuron_serve.buckets.traffic import Sizes  # noqa: PLC0415
+    from neuron_serve.compile import cache as compile_cache  # noqa: PLC0415
+
+    root = compile_cache.default_dir()
+    folder = bucket_usage.traffic_dir(root, MODEL) if root is not None else None
+    merged = Sizes()
+    for path in sorted(folder.glob("*.json")) if folder is not None and folder.is_dir() else []:
+        if path.stat().st_mtime >= since:
+            merged = merged.merge([Sizes.from_dict(json.loads(path.read_text())["sizes"])])
+    return merged.as_dict()
+
+
+def proposed_buckets(yaml_path: Path, sizes_path: Path) -> list[int]:
+    """`neuron-serve buckets` on the recorded lengths: the length buckets it proposes."""
+    import subprocess  # noqa: PLC0415
+
+    cli = str(Path(sys.executable).with_name("neuron-serve"))
+    done = subprocess.run([cli, "buckets", str(yaml_path), "--sizes", str(sizes_path), "--json"], capture_output=True,
+                          text=True, check=True)
+    return json.loads(done.stdout)["length"]["proposed"]
+
+
+def padding(server: EmbeddingServer) -> float | None:
+    """The replica's padded work over its real work since it started (its metadata's ``parameters.padding``)."""
+    url = f"http://127.0.0.1:{server.spec.port}/v2/models/{MODEL}"
+    try:
+        with urllib.request.urlopen(url, timeout=30) as answer:
+            fraction = json.load(answer)["parameters"]["padding"]["length"]["padded_fraction"]
+    except (OSError, KeyError, ValueError):
+        return None
+    return 1 / (1 - fraction)
 
 
 def check(server: EmbeddingServer, texts: list[str], expected: np.ndarray) -> float:
@@ -206,9 +262,11 @@ def measure(spec, routes: list[tuple[str, str, str]], manifest: Path, texts: lis
                 entry["points"][conc] = point
                 log(f"  {key:15s} c{conc:<3d} {point['rps']:8.1f} req/s  p50 {point['p50_ms']:7.1f} ms  "
                     f"p99 {point['p99_ms']:7.1f} ms  errors {point['errors']}")
-        memory = server.memory_mb()
+        memory, padded = server.memory_mb(), padding(server) if spec.key.startswith("neuron-serve") else None
         for entry in entries.values():
             entry["memory_mb"] = memory
+            if padded is not None:
+                entry["padding"] = padded
     finally:
         server.stop()
     return entries
@@ -221,11 +279,13 @@ def ratios(systems: dict) -> dict:
         return found if found and found["errors"] < found["requests"] else None
 
     result = {}
-    ours, top, one = point("neuron-serve", max(CONCURRENCY)), max(CONCURRENCY), min(CONCURRENCY)
+    top, one = max(CONCURRENCY), min(CONCURRENCY)
     theirs = [(k, p) for k in PEERS if (p := point(k, top))]
-    if ours and theirs:
-        best, p = max(theirs, key=lambda kp: kp[1]["rps"])
-        result[f"rps_c{top}"] = {"peer": best, "ratio": ours["rps"] / p["rps"]}
+    for ours_key, name in (("neuron-serve", f"rps_c{top}"), ("neuron-serve-proposed", f"rps_c{top}_proposed")):
+        ours = point(ours_key, top)
+        if ours and theirs:
+            best, p = max(theirs, key=lambda kp: kp[1]["rps"])
+            result[name] = {"peer": best, "ratio": ours["rps"] / p["rps"]}
     ours = point("neuron-serve", one)
     for figure in ("p50_ms", "p99_ms"):
         theirs = [(k, p) for k in PEERS if (p := point(k, one))]
@@ -247,16 +307,22 @@ def report(figures: dict) -> str:
             lines.append(f"| {entry['label']} | {conc} | {p['rps']:.1f} | {p['p50_ms']:.1f} | {p['p99_ms']:.1f} | "
                          f"{p['errors']} | {entry.get('max_diff', float('nan')):.1e} |")
     labels = {k: e["label"] for k, e in systems.items()}
+    padded = [(e["label"], e["padding"]) for k, e in systems.items() if "padding" in e and k != "neuron-serve-v1"]
+    if padded:
+        lines += ["", "Padded work over real work (tokens computed over the texts' own, the replica's "
+                      "`parameters.padding` after the load): " + "; ".join(f"{label}: {x:.2f}x" for label, x in padded)]
     found = figures["ratios"]
     lines += ["", "neuron-serve (the model's URL) against the better peer of the same run (n/a: a figure is missing; "
               "above 1 is better for neuron-serve):", ""]
     for name, text in [(f"rps_c{max(CONCURRENCY)}", f"requests/s at concurrency {max(CONCURRENCY)}"),
+                       (f"rps_c{max(CONCURRENCY)}_proposed", f"requests/s at concurrency {max(CONCURRENCY)}, with the "
+                                                             f"proposed length buckets"),
                        (f"p50_c{min(CONCURRENCY)}", "p50 latency at concurrency 1 (the peer's over ours)"),
                        (f"p99_c{min(CONCURRENCY)}", "p99 latency at concurrency 1 (the peer's over ours)")]:
         r = found.get(name)
         lines.append(f"- {text}: " + (f"{r['ratio']:.2f}x against {labels[r['peer']]}" if r else "n/a"))
     lines += ["", f"Workload: one text a request ({TOKENS[0]} to {TOKENS[1]} tokens, {TEXTS} texts), {figures['seconds']:g}"
-              f" s per point after a 1 s warm-up; model: a BERT of all-MiniLM-L6-v2's shape with random weights; load "
+              f" s per point after a 1 s warm-up; model: all-MiniLM-L6-v2 (deployments/embedder/); load "
               f"average {figures['load_average'][0]:.1f} at the start, {figures['load_average'][-1]:.1f} at the end on "
               f"{os.cpu_count()} cores."]
     return "\n".join(lines)
@@ -298,7 +364,20 @@ def main(argv: list[str] | None = None) -> int:
     log(f"{len(chosen)} servers x concurrency {', '.join(map(str, CONCURRENCY))}, {seconds:g}s each; results in {out}")
     for key in chosen:
         spec, routes = found[key]
+        started = time.time()
         systems.update(measure(spec, routes, manifest, texts, expected, seconds, out, log))
+        if key == "neuron-serve" and not systems["neuron-serve"].get("failed"):
+            # The buckets the recorded lengths call for, served and measured the same way.
+            sizes = recorded_sizes(started)
+            if not sizes.get("length"):
+                log("  no lengths recorded in the compile cache (NEURON_SERVE_CACHE_DIR=off?): no proposed buckets")
+                continue
+            (sizes_path := out / "embedder-sizes.json").write_text(json.dumps(sizes))
+            buckets = proposed_buckets(out / "embedder.yaml", sizes_path)
+            log(f"  neuron-serve buckets proposes length buckets {buckets}")
+            write_neuron_serve_yaml(model_dir, out / "embedder-proposed.yaml", buckets)
+            spec, routes = proposed_spec(found, out / "embedder-proposed.yaml", buckets)
+            systems.update(measure(spec, routes, manifest, texts, expected, seconds, out, log))
     load.append(os.getloadavg()[0])
     figures = {"seconds": seconds, "load_average": load, "systems": systems}
     figures["ratios"] = ratios(systems)

@@ -37,3 +37,16 @@ def test_a_peer_that_failed_is_left_out_and_the_report_says_so():
                               "ratios": embeddings.ratios(systems)})
     assert "| ray | | failed: ray exited with 1 |" in text
     assert "- requests/s at concurrency 16: 2.28x against infinity" in text
+
+
+def test_the_proposed_buckets_run_is_a_ratio_of_its_own_and_the_report_gives_each_runs_padding():
+    systems = {"neuron-serve": {**SYSTEMS["neuron-serve"], "padding": 1.45},
+               "neuron-serve-proposed": {"label": "neuron-serve, length buckets [16, 24, 40, 256]", "padding": 1.08,
+                                         "points": {1: point(40, 24, 48), 16: point(87, 180, 300)}},
+               "infinity": SYSTEMS["infinity"]}
+    found = embeddings.ratios(systems)
+    assert found["rps_c16_proposed"] == {"peer": "infinity", "ratio": pytest.approx(87 / 29)}
+    text = embeddings.report({"seconds": 4, "load_average": [1.0, 2.0], "systems": systems, "ratios": found})
+    assert "- requests/s at concurrency 16, with the proposed length buckets: 3.00x against infinity" in text
+    assert ("(tokens computed over the texts' own, the replica's `parameters.padding` after the load): "
+            "neuron-serve: 1.45x; neuron-serve, length buckets [16, 24, 40, 256]: 1.08x") in text
