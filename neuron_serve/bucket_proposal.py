@@ -57,7 +57,7 @@ def generation_buckets(config: Any, base_dir: str | Path | None) -> Any:
 
 def pooling_buckets(config: Any, base_dir: str | Path | None) -> list[int]:
     """A pooling model's compiled length buckets: model.yaml's, else the defaults from its directory."""
-    if config.pooling is not None and config.pooling.length_buckets is not None:
+    if config.pooling is not None and config.pooling.length_buckets not in (None, "auto"):
         return list(config.pooling.length_buckets)
     from .pooling import source  # noqa: PLC0415 - max_model_len defaults from the model's directory
 

@@ -19,6 +19,7 @@ from .generation import FieldError
 POOLING_TASKS = ("embed", "score", "classify")
 MAX_DEFAULT_MODEL_LEN = 512
 SMALLEST_DEFAULT_BUCKET = 32
+AUTO_LEARN_AFTER = 1000  # recorded inputs before length_buckets: auto starts on the buckets they call for
 
 # Top-level fields of an inference model that a pooling model cannot honour (when given), and why.
 _TOKENS = "a pooling model takes text (or token ids) and derives its inputs and outputs from the model"
@@ -73,16 +74,24 @@ class PoolingSettings(BaseModel):
         description=f"the most tokens of one input (a text, or a query and document together); longer inputs are "
                     f"refused unless a request sets truncate_prompt_tokens; default: the sentence-transformers "
                     f"max_seq_length, else the model's positions, at most {MAX_DEFAULT_MODEL_LEN}")
-    length_buckets: list[PositiveInt] | None = Field(
-        default=None, min_length=1,
+    length_buckets: list[PositiveInt] | Literal["auto"] | None = Field(
+        default=None,
         description=f"the sequence lengths compiled (each at every batch size); an input runs in the smallest that "
                     f"holds it; the largest is max_model_len; default: {SMALLEST_DEFAULT_BUCKET}, doubling up to "
-                    f"max_model_len")
+                    f"max_model_len. auto: as many lengths as the default, chosen from the input lengths the "
+                    f"model's replicas recorded in the compile cache (the ones that pad least, max_model_len kept) "
+                    f"once learn_buckets_after inputs are recorded; the defaults until then")
+    learn_buckets_after: PositiveInt = Field(
+        default=AUTO_LEARN_AFTER,
+        description="length_buckets: auto: the recorded inputs a replica needs before it starts on the buckets "
+                    "chosen from them")
 
     @model_validator(mode="after")
     def _check(self) -> "PoolingSettings":
         buckets = self.length_buckets
-        if buckets is not None:
+        if buckets is not None and buckets != "auto":
+            if not buckets:
+                raise FieldError("length_buckets", "give at least one length, or auto")
             if buckets != sorted(set(buckets)):
                 raise FieldError("length_buckets", f"{buckets} must be increasing, each length once; give them "
                                                    f"smallest first")
@@ -90,6 +99,9 @@ class PoolingSettings(BaseModel):
                 raise FieldError("length_buckets", f"the largest bucket, {buckets[-1]}, must equal max_model_len "
                                                    f"({self.max_model_len}); end the list with it or remove "
                                                    f"max_model_len")
+        if "learn_buckets_after" in self.model_fields_set and buckets != "auto":
+            raise FieldError("learn_buckets_after", "applies to length_buckets: auto only; set length_buckets: auto "
+                                                    "or remove learn_buckets_after")
         given = self.matryoshka_dimensions
         if given is not None:
             if self.is_matryoshka is False:
@@ -103,8 +115,8 @@ class PoolingSettings(BaseModel):
         return self
 
     def default_buckets(self, max_model_len: int) -> list[int]:
-        """The length buckets: as given, else powers of two from 32 below ``max_model_len``, then it."""
-        if self.length_buckets is not None:
+        """The length buckets: as given, else (``auto`` too) powers of two from 32 below ``max_model_len``, then it."""
+        if self.length_buckets not in (None, "auto"):
             return list(self.length_buckets)
         buckets, length = [], SMALLEST_DEFAULT_BUCKET
         while length < max_model_len:

@@ -63,8 +63,9 @@ def load(config: ModelConfig, base_dir: str | Path | None = None) -> tuple[Pooli
     graph = PoolingGraph(model, names, _output_key(transformer), transformer.module_output_name, heads, result,
                          activation).eval()
     output = OUTPUTS[config.task] if config.task == "embed" or activation is not None else "logits"
+    buckets, learned = length_buckets(config, settings, max_len)
     spec = PoolingSpec(task=config.task, input_names=names, output_name=output, max_model_len=max_len,
-                       length_buckets=tuple(settings.default_buckets(max_len)),
+                       length_buckets=tuple(buckets), buckets_from=learned,
                        pad_token_id=int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0),
                        vocab_size=int(model.get_input_embeddings().num_embeddings), prompt=prompt,
                        dtype=str(dtype).removeprefix("torch."), **fields)
@@ -237,7 +238,8 @@ def _max_model_len(settings: PoolingSettings, loaded: Any, model: torch.nn.Modul
     """pooling.max_model_len (or its buckets' largest), else sentence-transformers' max_seq_length, else the
     model's positions and the tokenizer's limit, at most MAX_DEFAULT_MODEL_LEN; never past the positions."""
     positions = _positions(model)
-    given = settings.max_model_len or (settings.length_buckets[-1] if settings.length_buckets else None)
+    listed = settings.length_buckets if settings.length_buckets != "auto" else None
+    given = settings.max_model_len or (listed[-1] if listed else None)
     if given is not None:
         if positions is not None and given > positions:
             field = "max_model_len" if settings.max_model_len else "length_buckets"
@@ -249,6 +251,32 @@ def _max_model_len(settings: PoolingSettings, loaded: Any, model: torch.nn.Modul
     if isinstance(model_max, int) and model_max < 1_000_000:
         limits.append(model_max)
     return int(min(v for v in limits if v))
+
+
+def length_buckets(config: ModelConfig, settings: PoolingSettings, max_len: int) -> tuple[list[int], str]:
+    """The length buckets to compile and where they come from: model.yaml's list, the defaults, or (``auto``) the
+    lengths the model's replicas recorded in the compile cache, once ``learn_buckets_after`` of them are: as many
+    buckets as the defaults, those that pad the recorded inputs least, ``max_len`` kept."""
+    defaults = settings.default_buckets(max_len)
+    if settings.length_buckets != "auto":
+        return defaults, "model.yaml" if settings.length_buckets is not None else "defaults"
+    from .. import bucket_usage  # noqa: PLC0415 - only auto reads the recorded lengths
+    from ..buckets import traffic  # noqa: PLC0415
+    from ..compile import cache as compile_cache  # noqa: PLC0415
+
+    store = compile_cache.current()
+    counts = bucket_usage.recorded(store.root, config.name).of("length") if store is not None else {}
+    recorded, wanted = sum(counts.values()), settings.learn_buckets_after
+    if recorded < wanted:
+        where = "the compile cache is off" if store is None else f"{recorded} recorded of the {wanted} it waits for"
+        logger.info("model %s: length buckets %s, the defaults (length_buckets: auto: %s)", config.name, defaults,
+                    where)
+        return defaults, "defaults"
+    learned = traffic.propose(counts, len(defaults), max_len)
+    logger.info("model %s: length buckets %s, learned from %d recorded inputs: padded work %.2fx the real, "
+                "against %.2fx with the defaults %s", config.name, learned, recorded, traffic.padding(counts, learned),
+                traffic.padding(counts, defaults), defaults)
+    return learned, f"traffic ({recorded} inputs)"
 
 
 def _first_line(exc: Exception) -> str:

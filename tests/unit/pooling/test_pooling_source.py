@@ -57,3 +57,40 @@ def test_a_directory_that_is_no_model_is_refused(tmp_path):
     missing = parse_config({"name": "m", "task": "embed", "model": {"pretrained": str(tmp_path / "nope")}})
     with pytest.raises(ConfigError, match="is not a directory; give a directory written by SentenceTransformer.save"):
         source.load(missing)
+
+
+def recorded(cache, name, lengths: dict[int, int], replica="r0"):
+    """Lengths as a replica of ``name`` keeps them in the compile cache (bucket_usage.Usage.save)."""
+    import json  # noqa: PLC0415
+
+    folder = cache.root / "traffic" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{replica}.json").write_text(json.dumps({"model": name, "replica": replica, "sizes": {
+        "length": {str(n): times for n, times in lengths.items()}}}))
+
+
+def test_auto_length_buckets_are_learned_from_the_lengths_recorded_once_there_are_enough(pooling_dirs, fresh_cache,
+                                                                                         caplog):
+    """The embedder's defaults are [32, 64]: 1100 recorded inputs of 10 and 20 tokens pad least on [20, 64]
+    (22000 tokens computed for 16000, where the defaults compute 35200)."""
+    recorded(fresh_cache, "embedder", {10: 300, 20: 250})
+    recorded(fresh_cache, "embedder", {10: 300, 20: 250}, replica="r1")  # every replica's count
+    with caplog.at_level("INFO", logger="neuron_serve"):
+        _, spec, _ = load(pooling_dirs, "embedder", length_buckets="auto")
+    assert (spec.length_buckets, spec.buckets_from) == ((20, 64), "traffic (1100 inputs)")
+    assert spec.describe()["length_buckets_from"] == "traffic (1100 inputs)"
+    assert ("model embedder: length buckets [20, 64], learned from 1100 recorded inputs: padded work 1.38x the "
+            "real, against 2.20x with the defaults [32, 64]") in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="neuron_serve"):
+        _, spec, _ = load(pooling_dirs, "embedder", length_buckets="auto", learn_buckets_after=2000)
+    assert (spec.length_buckets, spec.buckets_from) == ((32, 64), "defaults")
+    assert ("model embedder: length buckets [32, 64], the defaults (length_buckets: auto: 1100 recorded of the 2000 "
+            "it waits for)") in caplog.text
+
+
+def test_learn_buckets_after_without_auto_is_refused_naming_both_fields():
+    with pytest.raises(ValueError, match="pooling.learn_buckets_after: applies to length_buckets: auto only; set "
+                                         "length_buckets: auto or remove learn_buckets_after"):
+        parse_config({"name": "m", "task": "embed", "model": {"pretrained": "x"},
+                      "pooling": {"length_buckets": [32], "learn_buckets_after": 10}})
