@@ -48,6 +48,7 @@ class Source:
     output_names: list[str]
     labels: list[str]  # a name per shape bucket, as its progress lines say it ("len 64")
     partitioner: PartitionerConfig
+    weights: tuple[float, ...] | None = None  # each shape bucket's share of the traffic recorded (None: alike)
 
 
 class GridBuild:
@@ -72,7 +73,8 @@ class GridBuild:
         batches = self.sizes or [(config.inputs[0].shape or [1])[0]]
         ready = [(len(shapes) - 1, max(batches))]  # any request fits it: see buckets/order.py
         if staged:  # what a replica needs to be ready first, then the most padding saved first
-            self.order = [Entry(b, n) for b, n in compile_order(shapes, batches, max(batches), ready)]
+            self.order = [Entry(b, n) for b, n in compile_order(shapes, batches, max(batches), ready,
+                                                                    source.weights if source is not None else None)]
         else:  # everything before ready: bucket by bucket, smallest batch first, as trace_buckets
             self.order = [Entry(b, n) for b in range(len(shapes)) for n in sorted(batches)]
         self.ready = [Entry(b, n) for b, n in ready]

@@ -12,16 +12,19 @@ queue, cores round-robin).
 
 from __future__ import annotations
 
+import bisect
 import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .. import bucket_usage
 from ..assembly.from_config import StagedBuild
 from ..assembly.grid import Source
 from ..assembly.queue import READY, compile_queue
 from ..buckets.shape import BucketSpec
+from ..compile import cache as compile_cache
 from ..config.schema import ModelConfig
 from ..errors import ConfigError
 from ..model import CompiledModel
@@ -55,7 +58,24 @@ def grid_source(graph: torch.nn.Module, spec: PoolingSpec, config: ModelConfig,
     return Source(module=graph, example=example_inputs(spec, max(sizes)), spec=buckets,
                   input_names=list(spec.input_names), output_names=[spec.output_name],
                   labels=[f"len {n}" for n in spec.length_buckets],
-                  partitioner=config.partitioner_config(base_dir) or PartitionerConfig())
+                  partitioner=config.partitioner_config(base_dir) or PartitionerConfig(),
+                  weights=traffic_weights(config.name, spec.length_buckets))
+
+
+def traffic_weights(name: str, buckets: tuple[int, ...]) -> tuple[float, ...] | None:
+    """Each length bucket's share of the input lengths the model's replicas recorded in the compile cache (the
+    background compile saves the most padding first for that traffic); None when none are recorded."""
+    store = compile_cache.current()
+    counts = bucket_usage.recorded(store.root, name).of("length") if store is not None else {}
+    if not counts:
+        return None
+    shares = [0] * len(buckets)
+    for length, times in counts.items():
+        shares[min(bisect.bisect_left(buckets, length), len(buckets) - 1)] += times
+    total = sum(shares)
+    logger.info("model %s: compile order for the %d input lengths recorded (%s of them by length bucket)", name,
+                total, ", ".join(f"{n}: {share / total:.0%}" for n, share in zip(buckets, shares)))
+    return tuple(share / total for share in shares)
 
 
 def staged(config: ModelConfig, base_dir: str | Path | None = None, *,

@@ -40,3 +40,18 @@ def test_padding_falls_from_the_first_model_to_the_whole_grid():
     every = expected_padding({(b, s) for b in range(3) for s in sizes}, shapes, rows)
     assert 0 < every < first < 1
     assert expected_padding({(0, 16)}, shapes, rows) == 1.0  # a shape no compiled bucket holds
+
+
+def test_recorded_traffic_puts_the_buckets_it_uses_first():
+    """Inputs recorded all at the shortest length: its bucket compiles right after the ready one, at each batch size,
+    and a bucket no input needs comes last; each step still the most saved for that traffic."""
+    shapes, sizes, rows = ENCODER
+    weights = (1.0, 0.0, 0.0)
+    order = compile_order(shapes, sizes, rows, [(2, 16)], weights)
+    assert order[1:4] == [(0, 4), (0, 16), (0, 1)]
+    assert {e[0] for e in order[4:]} == {1, 2}
+    for k in range(1, len(order)):
+        done = set(order[:k])
+        chosen = expected_padding(done | {order[k]}, shapes, rows, weights)
+        assert all(chosen <= expected_padding(done | {e}, shapes, rows, weights) for e in order[k:])
+    assert compile_order(shapes, sizes, rows, [(2, 16)], (1 / 3,) * 3) == compile_order(shapes, sizes, rows, [(2, 16)])
