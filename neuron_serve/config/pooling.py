@@ -81,10 +81,10 @@ class PoolingSettings(BaseModel):
                     f"max_model_len. auto: as many lengths as the default, chosen from the input lengths the "
                     f"model's replicas recorded in the compile cache (the ones that pad least, max_model_len kept) "
                     f"once learn_buckets_after inputs are recorded; the defaults until then")
-    learn_buckets_after: PositiveInt = Field(
-        default=AUTO_LEARN_AFTER,
-        description="length_buckets: auto: the recorded inputs a replica needs before it starts on the buckets "
-                    "chosen from them")
+    learn_buckets_after: PositiveInt | None = Field(
+        default=None,
+        description=f"length_buckets: auto: the recorded inputs a replica needs before it starts on the buckets "
+                    f"chosen from them; default: {AUTO_LEARN_AFTER}")
 
     @model_validator(mode="after")
     def _check(self) -> "PoolingSettings":
@@ -99,7 +99,7 @@ class PoolingSettings(BaseModel):
                 raise FieldError("length_buckets", f"the largest bucket, {buckets[-1]}, must equal max_model_len "
                                                    f"({self.max_model_len}); end the list with it or remove "
                                                    f"max_model_len")
-        if "learn_buckets_after" in self.model_fields_set and buckets != "auto":
+        if self.learn_buckets_after is not None and buckets != "auto":
             raise FieldError("learn_buckets_after", "applies to length_buckets: auto only; set length_buckets: auto "
                                                     "or remove learn_buckets_after")
         given = self.matryoshka_dimensions

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..config.pooling import MAX_DEFAULT_MODEL_LEN, PoolingSettings
+from ..config.pooling import AUTO_LEARN_AFTER, MAX_DEFAULT_MODEL_LEN, PoolingSettings
 from ..config.schema import ModelConfig
 from ..errors import ConfigError
 from .graph import PoolingGraph
@@ -266,7 +266,7 @@ def length_buckets(config: ModelConfig, settings: PoolingSettings, max_len: int)
 
     store = compile_cache.current()
     counts = bucket_usage.recorded(store.root, config.name).of("length") if store is not None else {}
-    recorded, wanted = sum(counts.values()), settings.learn_buckets_after
+    recorded, wanted = sum(counts.values()), settings.learn_buckets_after or AUTO_LEARN_AFTER
     if recorded < wanted:
         where = "the compile cache is off" if store is None else f"{recorded} recorded of the {wanted} it waits for"
         logger.info("model %s: length buckets %s, the defaults (length_buckets: auto: %s)", config.name, defaults,

@@ -90,6 +90,10 @@ def test_auto_length_buckets_are_learned_from_the_lengths_recorded_once_there_ar
 
 
 def test_learn_buckets_after_without_auto_is_refused_naming_both_fields():
+    # A replica reads model.yaml as the deployment dumps it, every field given: a list of buckets stays valid.
+    for pooling in ({"length_buckets": [32]}, {"length_buckets": "auto", "learn_buckets_after": 10}):
+        config = parse_config({"name": "m", "task": "embed", "model": {"pretrained": "x"}, "pooling": pooling})
+        assert parse_config(config.model_dump()).pooling == config.pooling
     with pytest.raises(ValueError, match="pooling.learn_buckets_after: applies to length_buckets: auto only; set "
                                          "length_buckets: auto or remove learn_buckets_after"):
         parse_config({"name": "m", "task": "embed", "model": {"pretrained": "x"},
