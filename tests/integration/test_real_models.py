@@ -4,7 +4,9 @@ and sentence-transformers' own eager answers."""
 
 from __future__ import annotations
 
+import json
 import re
+import urllib.request
 
 import numpy as np
 import openai
@@ -100,17 +102,32 @@ def test_tools_are_refused_for_a_model_whose_chat_template_has_none(client):
     assert answer.choices[0].message.content.startswith("The capital of France")
 
 
-def test_embeddings_equal_sentence_transformers_and_rank_a_paraphrase_first(client):
+def metadata(server, name: str = "embedder") -> dict:
+    with urllib.request.urlopen(f"{server.url}/v2/models/{name}", timeout=30) as answer:
+        return json.load(answer)
+
+
+def test_embeddings_equal_sentence_transformers_and_rank_a_paraphrase_first(client, examples_llm_server):
     from sentence_transformers import SentenceTransformer  # noqa: PLC0415
 
+    padding = lambda: metadata(examples_llm_server)["parameters"]["padding"].get("length", {}).get("buckets", {})  # noqa: E731
+    before = padding()
     answer = client.embeddings.create(model="embedder", input=SENTENCES)
     served = np.array([item.embedding for item in answer.data])
-    reference = SentenceTransformer(str(real_models.all_minilm_l6_v2()), device="cpu").encode(SENTENCES)
+    model = SentenceTransformer(str(real_models.all_minilm_l6_v2()), device="cpu")
+    reference = model.encode(SENTENCES)
     assert served.shape == (4, 384)
     assert np.abs(served - reference).max() < 1e-5
     similarity = served @ served.T
     # "eating food" is nearest "eating a piece of bread", far from the baby and the cheetah.
     assert similarity[0, 1] > 0.7 and similarity[0, 1] > 3 * max(similarity[0, 2], similarity[0, 3])
+    # The model's metadata counts what the length buckets (64, 256) padded: these four ran on 64, their own tokens
+    # (the tokenizer's, special tokens included) and the rest of 64 each.
+    tokens = sum(len(ids) for ids in model.tokenizer(SENTENCES)["input_ids"])
+    after = padding()
+    grown = {b: {k: after[b][k] - before.get(b, {}).get(k, 0) for k in after[b]} for b in after}
+    assert {b: g for b, g in grown.items() if g["calls"]} == {"64": {"calls": 4, "real": tokens,
+                                                                      "padded": 4 * 64 - tokens}}
 
 
 def test_the_embedder_is_ready_on_its_first_compiled_model(examples_llm_server):
