@@ -18,6 +18,7 @@ from ..errors import ConfigError
 from .names import NAME_PATTERN, NAME_RULE
 
 DEFAULT_MAX_NUM_SEQS = 8
+AUTO_LEARN_AFTER = 1000  # recorded calls before a family's buckets: auto start on the buckets they call for
 DEFAULT_MAX_WAITING = 256
 MAX_DEFAULT_MODEL_LEN = 2048
 
@@ -145,11 +146,19 @@ class GenerationSettings(BaseModel):
         default=None, ge=2,
         description=f"most tokens of a sequence, prompt and output (positions of a cache slot); default: the "
                     f"model's max_position_embeddings, at most {MAX_DEFAULT_MODEL_LEN}")
-    prefill_buckets: list[PositiveInt] | None = Field(
-        default=None, min_length=1, description="prompt lengths to compile prefill at; the largest is max_model_len")
-    decode_batch_buckets: list[PositiveInt] | None = Field(
-        default=None, min_length=1,
-        description="running-sequence counts to compile decode at; the largest is max_num_seqs")
+    prefill_buckets: list[PositiveInt] | Literal["auto"] | None = Field(
+        default=None,
+        description="prompt lengths to compile prefill at; the largest is max_model_len. auto: as many as the "
+                    "defaults, chosen from the prompt lengths the model's replicas recorded in the compile cache "
+                    "once learn_buckets_after are (the defaults until then)")
+    decode_batch_buckets: list[PositiveInt] | Literal["auto"] | None = Field(
+        default=None,
+        description="running-sequence counts to compile decode at; the largest is max_num_seqs. auto: as many as "
+                    "the defaults, chosen from the decode calls' rows the replicas recorded, as prefill_buckets")
+    learn_buckets_after: PositiveInt | None = Field(
+        default=None,
+        description=f"with prefill_buckets or decode_batch_buckets auto: the calls of a family recorded before a "
+                    f"replica starts on the buckets chosen from them; default: {AUTO_LEARN_AFTER}")
     decode_context_buckets: list[PositiveInt] | None = Field(
         default=None, min_length=1,
         description="context lengths to compile decode at (each compiled for every decode batch bucket); the "
@@ -288,6 +297,12 @@ class GenerationSettings(BaseModel):
                                  f"{self.max_num_batched_tokens} leaves no prompt token beside {self.max_num_seqs} "
                                  f"decode rows (max_num_seqs) with enable_chunked_prefill; give at least "
                                  f"{self.max_num_seqs + 1}")
+        for name in ("prefill_buckets", "decode_batch_buckets"):
+            if getattr(self, name) == []:
+                raise FieldError(name, "give at least one size, or auto")
+        if self.learn_buckets_after is not None and "auto" not in (self.prefill_buckets, self.decode_batch_buckets):
+            raise FieldError("learn_buckets_after", "applies with prefill_buckets or decode_batch_buckets auto; set "
+                                                    "one to auto or remove learn_buckets_after")
         if self.kv_cache_dtype == "auto" and self.calculate_kv_scales is not None:
             raise FieldError("calculate_kv_scales", "applies with kv_cache_dtype fp8 (a cache in the model's own "
                                                     "dtype has no scales); set kv_cache_dtype: fp8 or remove it")
@@ -332,14 +347,19 @@ class GenerationSettings(BaseModel):
 
     def _build(self, max_model_len: int, field_prefix: str = "generation.", lengths: bool = True) -> GenerationBuckets:
         return GenerationBuckets.build(self.max_num_seqs, max_model_len,
-                                       prefill=self.prefill_buckets if lengths else None,
-                                       decode_rows=self.decode_batch_buckets,
+                                       prefill=_listed(self.prefill_buckets) if lengths else None,
+                                       decode_rows=_listed(self.decode_batch_buckets),
                                        decode_context=self.decode_context_buckets if lengths else None,
                                        decode_steps=self.decode_steps, prefix_caching=self.enable_prefix_caching,
                                        speculative_tokens=self.speculative_config.num_speculative_tokens
                                        if self.speculative_config is not None else 0,
                                        sampled=self.on_device_sampling, chunks=self.prefill_chunk_buckets,
                                        chunked=self.enable_chunked_prefill, field_prefix=field_prefix)
+
+
+def _listed(buckets: list[int] | str | None) -> list[int] | None:
+    """A bucket list as given, None for the defaults (auto starts from them: generation/build.learned)."""
+    return None if buckets == "auto" else buckets
 
 
 def check_task(config: Any) -> None:

@@ -14,12 +14,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
-from .generation import FieldError
+from .generation import AUTO_LEARN_AFTER, FieldError
 
 POOLING_TASKS = ("embed", "score", "classify")
 MAX_DEFAULT_MODEL_LEN = 512
 SMALLEST_DEFAULT_BUCKET = 32
-AUTO_LEARN_AFTER = 1000  # recorded inputs before length_buckets: auto starts on the buckets they call for
 
 # Top-level fields of an inference model that a pooling model cannot honour (when given), and why.
 _TOKENS = "a pooling model takes text (or token ids) and derives its inputs and outputs from the model"

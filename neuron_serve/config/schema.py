@@ -7,6 +7,7 @@ dotted path, e.g. ``inputs.0.dtype``) and says how to fix it.
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -417,9 +418,31 @@ _HINTS = {
 }
 
 
+_BRANCH = re.compile(r"^(list|literal)\[.*\]$")  # pydantic's tag of a union's member in an error's location
+
+
+def _one_branch(items: list[dict]) -> list[dict]:
+    """A list-or-``auto`` field's errors of the branch its value took: the list's when a list was given, the
+    literal's when a string was (not both, which pydantic reports), without the branch's tag in the location."""
+    def tags_of(item: dict) -> list[str]:
+        return [p for p in item["loc"] if isinstance(p, str) and _BRANCH.match(p)]
+
+    auto = {item["loc"][:item["loc"].index(t)] for item in items for t in tags_of(item) if t.startswith("literal")}
+    kept = []
+    for item in items:
+        tags = tags_of(item)
+        if tags and item["loc"][:item["loc"].index(tags[0])] in auto:
+            gave_text = isinstance(item.get("input"), str) and item["loc"].index(tags[0]) == len(item["loc"]) - 1
+            if tags[0].startswith("literal") != gave_text:
+                continue
+            item = {**item, "loc": tuple(p for p in item["loc"] if p not in tags)}
+        kept.append(item)
+    return kept
+
+
 def _format(error: ValidationError, source: str) -> str:
     lines = [f"{source}: invalid model.yaml"]
-    for item in error.errors():
+    for item in _one_branch(error.errors()):
         field = ".".join(str(p) for p in item["loc"]) or "(top level)"
         hint = _HINTS.get(item["type"])
         message, cause = item["msg"], item.get("ctx", {}).get("error")

@@ -38,7 +38,8 @@ def eos_token_ids(lm: torch.nn.Module) -> list[int]:
 
 
 def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int = 512,
-               prefill_buckets: Sequence[int] | None = None, decode_batch_buckets: Sequence[int] | None = None,
+               prefill_buckets: Sequence[int] | str | None = None,
+               decode_batch_buckets: Sequence[int] | str | None = None, learn_buckets_after: int | None = None,
                decode_context_buckets: Sequence[int] | None = None, decode_steps: int = 1,
                max_num_batched_tokens: int | None = None,
                max_waiting: int = 256, request_timeout_s: float | None = None, tokenizer: Any = None,
@@ -71,12 +72,13 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
              "max_waiting": max_waiting, "request_timeout_s": request_timeout_s,
              "tensor_parallel_size": tensor_parallel_size, "enable_prefix_caching": enable_prefix_caching,
              "speculative_config": speculative_config, "on_device_sampling": on_device_sampling,
-             "enable_chunked_prefill": enable_chunked_prefill, "prefill_chunk_buckets": prefill_chunk_buckets}
+             "enable_chunked_prefill": enable_chunked_prefill, "prefill_chunk_buckets": prefill_chunk_buckets,
+             "learn_buckets_after": learn_buckets_after}
     if enable_chunked_prefill:  # given only with it, as a model.yaml gives them
         given.update(long_prefill_token_threshold=long_prefill_token_threshold,
                      max_num_partial_prefills=max_num_partial_prefills)
     settings = GenerationSettings.checked({k: v for k, v in given.items() if v is not None})
-    buckets = checked_buckets(lm, settings, field_prefix="")
+    buckets = checked_buckets(lm, settings, field_prefix="", name=name)
     model = compile_generation(lm, buckets, target=target, tensor_parallel_size=tensor_parallel_size)
     if draft is not None:
         from ..errors import InvalidInput  # noqa: PLC0415

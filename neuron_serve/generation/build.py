@@ -99,11 +99,51 @@ def check_cache_fits(lm: torch.nn.Module, buckets: GenerationBuckets, field_pref
     return check_fits(lm.config, buckets, weights, dtype_bytes, core, field_prefix, cache_share, needs)
 
 
+# A family whose buckets may be learned (model.yaml's auto): (recorded family, field, GenerationBuckets attribute)
+LEARNED = (("prefill", "prefill_buckets", "prefill"), ("decode_rows", "decode_batch_buckets", "decode_rows"))
+
+
+def learned(settings: GenerationSettings, name: str | None, buckets: GenerationBuckets,
+            field_prefix: str = "generation.") -> GenerationSettings:
+    """``settings`` with each ``auto`` bucket list chosen from the calls the model's replicas recorded in the compile
+    cache (bucket_usage.py), once ``learn_buckets_after`` of a family are: as many buckets as its defaults
+    (``buckets``), the largest kept, those that pad the recorded calls least; the defaults until then."""
+    auto = [entry for entry in LEARNED if getattr(settings, entry[1]) == "auto"]
+    if not auto:
+        return settings
+    from .. import bucket_usage  # noqa: PLC0415
+    from ..buckets import traffic  # noqa: PLC0415
+    from ..compile import cache as compile_cache  # noqa: PLC0415
+    from ..config.generation import AUTO_LEARN_AFTER  # noqa: PLC0415
+
+    store = compile_cache.current()
+    sizes = bucket_usage.recorded(store.root, name) if store is not None and name else None
+    wanted = settings.learn_buckets_after or AUTO_LEARN_AFTER
+    update = {}
+    for family, field, attribute in auto:
+        defaults = sorted(getattr(buckets, attribute))
+        counts = sizes.of(family) if sizes is not None else {}
+        recorded = sum(counts.values())
+        if recorded < wanted:
+            where = "the compile cache is off" if store is None else f"{recorded} recorded of the {wanted} it waits for"
+            logger.info("model %s: %s%s %s, the defaults (auto: %s)", name, field_prefix, field, defaults, where)
+            update[field] = defaults
+            continue
+        chosen = traffic.propose(counts, len(defaults), defaults[-1])
+        logger.info("model %s: %s%s %s, learned from %d recorded calls: padded work %.2fx the real, against %.2fx "
+                    "with the defaults %s", name, field_prefix, field, chosen, recorded,
+                    traffic.padding(counts, chosen), traffic.padding(counts, defaults), defaults)
+        update[field] = chosen
+    return settings.model_copy(update=update)
+
+
 def checked_buckets(lm: torch.nn.Module, settings: GenerationSettings,
-                    field_prefix: str = "generation.") -> GenerationBuckets:
+                    field_prefix: str = "generation.", name: str | None = None) -> GenerationBuckets:
     """``settings``' compiled shapes for ``lm``, once every check that needs the model passed (the split over
     tensor_parallel_size cores, chunked prefill's attention, the cache beside the weights on a core): before
-    anything compiles, each refusal naming its field."""
+    anything compiles, each refusal naming its field. ``auto`` bucket lists are learned for model ``name``."""
+    buckets = settings.to_buckets(lm.config, field_prefix)
+    settings = learned(settings, name, buckets, field_prefix)
     buckets = settings.to_buckets(lm.config, field_prefix)
     tp = settings.tensor_parallel_size
     tensor_parallel.check(lm.config, tp, field=f"{field_prefix}tensor_parallel_size")
@@ -132,7 +172,7 @@ def compile_from_config(config: ModelConfig, base_dir: str | Path | None = None,
     settings = config.generation or GenerationSettings()
     tokenizer = load_tokenizer(config, base_dir)
     lm = load_lm(config, base_dir, tokenizer)
-    buckets = checked_buckets(lm, settings)
+    buckets = checked_buckets(lm, settings, name=config.name)
     tp = settings.tensor_parallel_size
     policy = None
     if settings.lora is not None:

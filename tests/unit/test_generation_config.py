@@ -144,7 +144,7 @@ def test_a_generate_model_yaml_parses_with_defaults():
         "max_num_seqs": 8, "max_model_len": None, "prefill_buckets": None, "decode_batch_buckets": None,
         "decode_context_buckets": None, "decode_steps": 1, "on_device_sampling": True, "tensor_parallel_size": 1,
         "max_num_batched_tokens": None, "enable_chunked_prefill": False, "prefill_chunk_buckets": None,
-        "long_prefill_token_threshold": 0, "max_num_partial_prefills": 1,
+        "long_prefill_token_threshold": 0, "max_num_partial_prefills": 1, "learn_buckets_after": None,
         "max_waiting": 256, "enable_prefix_caching": False, "speculative_config": None, "lora": None,
         "tool_call_parser": None, "quantization": None, "quantization_type": "per_channel_symmetric",
         "modules_to_not_convert": None, "kv_cache_dtype": "auto", "calculate_kv_scales": None,
@@ -346,3 +346,15 @@ def test_lora_is_refused_by_build_not_ignored():
 def test_build_engine_refuses_an_infer_model():
     with pytest.raises(ConfigError, match="^task: mlp is a task: infer model; build_engine serves task: generate.$"):
         build_engine(parse_config(INFER))
+
+
+@pytest.mark.parametrize("given, line", [
+    ([0, 32], "generation.prefill_buckets.0: Input should be greater than 0"),
+    ("atuo", "generation.prefill_buckets: Input should be 'auto' (use one of the values listed)"),
+])
+def test_a_bucket_list_or_auto_is_refused_for_what_was_given_only(given, line):
+    """A list-or-auto field says what is wrong with the list given, or with the word: not both of pydantic's
+    branches."""
+    with pytest.raises(ConfigError) as err:
+        parse_config(with_(GENERATE, generation={"prefill_buckets": given}), "model.yaml")
+    assert str(err.value).splitlines()[1:] == [f"  {line}"]

@@ -120,3 +120,46 @@ def test_refusals_name_what_to_do(fresh_cache, tmp_path, capsys):
                                      "inputs": [{"name": "x", "shape": [1, 4]}]}))
     assert cli.main(["buckets", str(infer), "--sizes", str(sizes)]) == 2
     assert "task: neuron-serve buckets proposes the buckets of a task: generate model" in capsys.readouterr().err
+
+
+def test_auto_buckets_are_learned_from_the_recorded_calls_once_there_are_enough(served, caplog):
+    """prefill_buckets and decode_batch_buckets auto, on the sizes the served engine recorded (prompts of 5 and 20
+    tokens, four one-row decodes): as many buckets as the defaults, 48 and 1 kept, the ones that pad those calls
+    least; with more calls asked for than were recorded, the defaults."""
+    from neuron_serve.buckets import traffic  # noqa: PLC0415
+    from neuron_serve.config.generation import GenerationSettings  # noqa: PLC0415
+    from neuron_serve.generation.build import checked_buckets  # noqa: PLC0415
+
+    name, cache = served
+    lm = gm.build("llama")
+    base = {"max_num_seqs": 1, "max_model_len": 48, "on_device_sampling": False}
+    defaults = checked_buckets(lm, GenerationSettings(**base), name=name)
+    wanted = traffic.propose({5: 1, 20: 1}, len(defaults.prefill), 48)
+    assert wanted[-1] == 48 and 20 in wanted and len(wanted) == len(defaults.prefill)
+    compile_cache.configure(cache)
+    try:
+        auto = GenerationSettings(**base, prefill_buckets="auto", decode_batch_buckets="auto", learn_buckets_after=2)
+        with caplog.at_level("INFO", logger="neuron_serve"):
+            buckets = checked_buckets(lm, auto, name=name)
+        assert (buckets.prefill, buckets.decode_rows) == (wanted, [1])
+        assert (f"model usage: generation.prefill_buckets {wanted}, learned from 2 recorded calls: padded work "
+                f"{traffic.padding({5: 1, 20: 1}, wanted):.2f}x the real, against "
+                f"{traffic.padding({5: 1, 20: 1}, defaults.prefill):.2f}x with the defaults {defaults.prefill}") \
+            in caplog.text
+        caplog.clear()
+        with caplog.at_level("INFO", logger="neuron_serve"):
+            buckets = checked_buckets(lm, auto.model_copy(update={"learn_buckets_after": 5}), name=name)
+        assert buckets.prefill == defaults.prefill
+        assert (f"model usage: generation.prefill_buckets {defaults.prefill}, the defaults (auto: 2 recorded of the 5 "
+                f"it waits for)") in caplog.text
+    finally:
+        compile_cache.configure()
+
+
+def test_learn_buckets_after_needs_an_auto_family():
+    from neuron_serve.config.generation import GenerationSettings  # noqa: PLC0415
+    from neuron_serve.errors import ConfigError  # noqa: PLC0415
+
+    with pytest.raises(ConfigError, match="learn_buckets_after: applies with prefill_buckets or decode_batch_buckets "
+                                          "auto; set one to auto or remove learn_buckets_after"):
+        GenerationSettings.checked({"prefill_buckets": [16], "learn_buckets_after": 3})
