@@ -216,15 +216,16 @@ def proposed_buckets(yaml_path: Path, sizes_path: Path) -> list[int]:
     return json.loads(done.stdout)["length"]["proposed"]
 
 
-def padding(server: EmbeddingServer) -> float | None:
-    """The replica's padded work over its real work since it started (its metadata's ``parameters.padding``)."""
+def padding(server: EmbeddingServer) -> tuple[float, dict] | None:
+    """The replica's padded work over its real work since it started, and its metadata's ``parameters.padding``
+    whole (each bucket's calls, real and padded tokens)."""
     url = f"http://127.0.0.1:{server.spec.port}/v2/models/{MODEL}"
     try:
         with urllib.request.urlopen(url, timeout=30) as answer:
-            fraction = json.load(answer)["parameters"]["padding"]["length"]["padded_fraction"]
+            found = json.load(answer)["parameters"]["padding"]
+        return 1 / (1 - found["length"]["padded_fraction"]), found
     except (OSError, KeyError, ValueError):
         return None
-    return 1 / (1 - fraction)
 
 
 def check(server: EmbeddingServer, texts: list[str], expected: np.ndarray) -> float:
@@ -266,7 +267,7 @@ def measure(spec, routes: list[tuple[str, str, str]], manifest: Path, texts: lis
         for entry in entries.values():
             entry["memory_mb"] = memory
             if padded is not None:
-                entry["padding"] = padded
+                entry["padding"], entry["padding_by_bucket"] = padded
     finally:
         server.stop()
     return entries
