@@ -17,6 +17,7 @@ the model's metadata says of it (``parameters.padding``), read from what the rep
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import tempfile
@@ -25,7 +26,10 @@ import time
 from pathlib import Path
 
 from . import metrics
+from .buckets import traffic
 from .buckets.traffic import Sizes
+
+logger = logging.getLogger("neuron_serve")
 
 SAVE_EVERY_S = 30.0  # how often a replica writes its sizes out while it serves (and once more when it stops)
 TRAFFIC_DIR = "traffic"
@@ -137,3 +141,30 @@ def recorded(cache_root: str | Path, model: str) -> Sizes:
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return merged
+
+
+def recorded_counts(model: str, family: str) -> tuple[dict[int, int], bool]:
+    """Every replica's recorded sizes of ``family`` of ``model`` in the current compile cache (size -> calls), and
+    whether there is a cache to read."""
+    from .compile import cache as compile_cache  # noqa: PLC0415 - the cache module imports torch-xla's pieces
+
+    store = compile_cache.current()
+    return (recorded(store.root, model).of(family) if store is not None else {}), store is not None
+
+
+def learn(model: str, family: str, what: str, defaults: list[int], wanted: int, unit: str) -> tuple[list[int], int]:
+    """A family's ``auto`` buckets as a starting replica picks them: once ``wanted`` calls of it are recorded, as
+    many buckets as ``defaults`` (the largest kept) that pad them least, else ``defaults``; logged either way, as
+    ``what`` (its model.yaml field) in ``unit``. Returns the buckets and the calls they were learned from (0:
+    the defaults)."""
+    counts, cached = recorded_counts(model, family)
+    calls = sum(counts.values())
+    if calls < wanted:
+        where = f"{calls} recorded of the {wanted} it waits for" if cached else "the compile cache is off"
+        logger.info("model %s: %s %s, the defaults (auto: %s)", model, what, defaults, where)
+        return defaults, 0
+    chosen = traffic.propose(counts, len(defaults), defaults[-1])
+    logger.info("model %s: %s %s, learned from %d recorded %s: padded work %.2fx the real, against %.2fx with the "
+                "defaults %s", model, what, chosen, calls, unit, traffic.padding(counts, chosen),
+                traffic.padding(counts, defaults), defaults)
+    return chosen, calls

@@ -7,7 +7,6 @@ dotted path, e.g. ``inputs.0.dtype``) and says how to fix it.
 from __future__ import annotations
 
 import importlib
-import re
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -19,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .compiler_args import parse_compiler_args
 from ..errors import ConfigError
 from .generation import FieldError, GenerationSettings, check_task
+from .messages import format_errors
 from .names import NAME_PATTERN
 from .pooling import POOLING_TASKS, PoolingSettings, check_pooling_task
 from ..buckets.batch_sizes import check_batch_sizes, default_batch_sizes
@@ -410,55 +410,13 @@ class ModelConfig(_Strict):
         return _under(base_dir, self.weights)
 
 
-_HINTS = {
-    "extra_forbidden": "remove it or check its spelling",
-    "missing": "add it",
-    "string_pattern_mismatch": "see the pattern above",
-    "literal_error": "use one of the values listed",
-}
-
-
-_BRANCH = re.compile(r"^(list|literal)\[.*\]$")  # pydantic's tag of a union's member in an error's location
-
-
-def _one_branch(items: list[dict]) -> list[dict]:
-    """A list-or-``auto`` field's errors of the branch its value took: the list's when a list was given, the
-    literal's when a string was (not both, which pydantic reports), without the branch's tag in the location."""
-    def tags_of(item: dict) -> list[str]:
-        return [p for p in item["loc"] if isinstance(p, str) and _BRANCH.match(p)]
-
-    auto = {item["loc"][:item["loc"].index(t)] for item in items for t in tags_of(item) if t.startswith("literal")}
-    kept = []
-    for item in items:
-        tags = tags_of(item)
-        if tags and item["loc"][:item["loc"].index(tags[0])] in auto:
-            gave_text = isinstance(item.get("input"), str) and item["loc"].index(tags[0]) == len(item["loc"]) - 1
-            if tags[0].startswith("literal") != gave_text:
-                continue
-            item = {**item, "loc": tuple(p for p in item["loc"] if p not in tags)}
-        kept.append(item)
-    return kept
-
-
-def _format(error: ValidationError, source: str) -> str:
-    lines = [f"{source}: invalid model.yaml"]
-    for item in _one_branch(error.errors()):
-        field = ".".join(str(p) for p in item["loc"]) or "(top level)"
-        hint = _HINTS.get(item["type"])
-        message, cause = item["msg"], item.get("ctx", {}).get("error")
-        if isinstance(cause, FieldError):  # a model-level check naming its field
-            field, message, hint = ".".join([*map(str, item["loc"]), cause.field]), cause.message, None
-        lines.append(f"  {field}: {message}" + (f" ({hint})" if hint else ""))
-    return "\n".join(lines)
-
-
 def parse_config(data: Any, source: str = "model.yaml") -> ModelConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping with 'name', 'model' and 'inputs'.")
     try:
         return ModelConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format(exc, source)) from None
+        raise ConfigError(format_errors(exc, source)) from None
 
 
 def load_config(path: str | Path) -> ModelConfig:

@@ -112,27 +112,14 @@ def learned(settings: GenerationSettings, name: str | None, buckets: GenerationB
     if not auto:
         return settings
     from .. import bucket_usage  # noqa: PLC0415
-    from ..buckets import traffic  # noqa: PLC0415
-    from ..compile import cache as compile_cache  # noqa: PLC0415
     from ..config.generation import AUTO_LEARN_AFTER  # noqa: PLC0415
 
-    store = compile_cache.current()
-    sizes = bucket_usage.recorded(store.root, name) if store is not None and name else None
     wanted = settings.learn_buckets_after or AUTO_LEARN_AFTER
     update = {}
     for family, field, attribute in auto:
         defaults = sorted(getattr(buckets, attribute))
-        counts = sizes.of(family) if sizes is not None else {}
-        recorded = sum(counts.values())
-        if recorded < wanted:
-            where = "the compile cache is off" if store is None else f"{recorded} recorded of the {wanted} it waits for"
-            logger.info("model %s: %s%s %s, the defaults (auto: %s)", name, field_prefix, field, defaults, where)
-            update[field] = defaults
-            continue
-        chosen = traffic.propose(counts, len(defaults), defaults[-1])
-        logger.info("model %s: %s%s %s, learned from %d recorded calls: padded work %.2fx the real, against %.2fx "
-                    "with the defaults %s", name, field_prefix, field, chosen, recorded,
-                    traffic.padding(counts, chosen), traffic.padding(counts, defaults), defaults)
+        chosen = bucket_usage.learn(name, family, f"{field_prefix}{field}", defaults, wanted, "calls")[0] \
+            if name else defaults
         update[field] = chosen
     return settings.model_copy(update=update)
 

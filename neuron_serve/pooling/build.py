@@ -24,7 +24,6 @@ from ..assembly.from_config import StagedBuild
 from ..assembly.grid import Source
 from ..assembly.queue import READY, compile_queue
 from ..buckets.shape import BucketSpec
-from ..compile import cache as compile_cache
 from ..config.schema import ModelConfig
 from ..errors import ConfigError
 from ..model import CompiledModel
@@ -65,8 +64,7 @@ def grid_source(graph: torch.nn.Module, spec: PoolingSpec, config: ModelConfig,
 def traffic_weights(name: str, buckets: tuple[int, ...]) -> tuple[float, ...] | None:
     """Each length bucket's share of the input lengths the model's replicas recorded in the compile cache (the
     background compile saves the most padding first for that traffic); None when none are recorded."""
-    store = compile_cache.current()
-    counts = bucket_usage.recorded(store.root, name).of("length") if store is not None else {}
+    counts, _ = bucket_usage.recorded_counts(name, "length")
     if not counts:
         return None
     shares = [0] * len(buckets)

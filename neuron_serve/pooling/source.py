@@ -261,22 +261,10 @@ def length_buckets(config: ModelConfig, settings: PoolingSettings, max_len: int)
     if settings.length_buckets != "auto":
         return defaults, "model.yaml" if settings.length_buckets is not None else "defaults"
     from .. import bucket_usage  # noqa: PLC0415 - only auto reads the recorded lengths
-    from ..buckets import traffic  # noqa: PLC0415
-    from ..compile import cache as compile_cache  # noqa: PLC0415
 
-    store = compile_cache.current()
-    counts = bucket_usage.recorded(store.root, config.name).of("length") if store is not None else {}
-    recorded, wanted = sum(counts.values()), settings.learn_buckets_after or AUTO_LEARN_AFTER
-    if recorded < wanted:
-        where = "the compile cache is off" if store is None else f"{recorded} recorded of the {wanted} it waits for"
-        logger.info("model %s: length buckets %s, the defaults (length_buckets: auto: %s)", config.name, defaults,
-                    where)
-        return defaults, "defaults"
-    learned = traffic.propose(counts, len(defaults), max_len)
-    logger.info("model %s: length buckets %s, learned from %d recorded inputs: padded work %.2fx the real, "
-                "against %.2fx with the defaults %s", config.name, learned, recorded, traffic.padding(counts, learned),
-                traffic.padding(counts, defaults), defaults)
-    return learned, f"traffic ({recorded} inputs)"
+    chosen, calls = bucket_usage.learn(config.name, "length", "length buckets", defaults,
+                                       settings.learn_buckets_after or AUTO_LEARN_AFTER, "inputs")
+    return chosen, f"traffic ({calls} inputs)" if calls else "defaults"
 
 
 def _first_line(exc: Exception) -> str:

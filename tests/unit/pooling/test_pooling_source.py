@@ -85,7 +85,7 @@ def test_auto_length_buckets_are_learned_from_the_lengths_recorded_once_there_ar
     with caplog.at_level("INFO", logger="neuron_serve"):
         _, spec, _ = load(pooling_dirs, "embedder", length_buckets="auto", learn_buckets_after=2000)
     assert (spec.length_buckets, spec.buckets_from) == ((32, 64), "defaults")
-    assert ("model embedder: length buckets [32, 64], the defaults (length_buckets: auto: 1100 recorded of the 2000 "
+    assert ("model embedder: length buckets [32, 64], the defaults (auto: 1100 recorded of the 2000 "
             "it waits for)") in caplog.text
 
 
