@@ -51,6 +51,7 @@ class Usage:
     def __init__(self, model: str, replica: str, cache_root: str | Path | None) -> None:
         self.model, self.replica = model, replica
         self.sizes = Sizes()
+        self.root = Path(cache_root) if cache_root is not None else None
         self.path = traffic_dir(cache_root, model) / f"{_safe(replica)}.json" if cache_root is not None else None
         self._counters: dict[tuple[str, int], tuple] = {}
         self._work: dict[tuple[str, int], list[int]] = {}  # (family, bucket) -> [calls, real, padded]
@@ -79,6 +80,15 @@ class Usage:
         if self.path is not None and time.monotonic() - self._saved > SAVE_EVERY_S:
             self.save()
         return self.counters(family, bucket)
+
+    def counts(self, family: str) -> dict[int, int]:
+        """``family``'s sizes as the deployment saw them: this replica's (kept here, up to now) and the other
+        replicas' kept in the compile cache (size -> calls)."""
+        merged = self.sizes.of(family)
+        if self.root is not None:
+            for size, times in recorded(self.root, self.model, but=self.path).of(family).items():
+                merged[size] += times
+        return dict(merged)
 
     def summary(self) -> dict[str, dict]:
         """Per family: padded work as a fraction of all the work its calls did, and each bucket's calls, real and
@@ -131,11 +141,14 @@ def for_model(model: str, replica: str) -> Usage:
         return usage
 
 
-def recorded(cache_root: str | Path, model: str) -> Sizes:
-    """Every replica's sizes of ``model`` kept under ``cache_root``, merged (an unreadable file is skipped)."""
+def recorded(cache_root: str | Path, model: str, but: Path | None = None) -> Sizes:
+    """Every replica's sizes of ``model`` kept under ``cache_root`` (all ``but`` one file), merged (an unreadable
+    file is skipped)."""
     merged = Sizes()
     folder = traffic_dir(cache_root, model)
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        if path == but:
+            continue
         try:
             merged = merged.merge([Sizes.from_dict(json.loads(path.read_text())["sizes"])])
         except (OSError, ValueError, KeyError, TypeError):

@@ -117,6 +117,12 @@ BUCKET_WORK = Counter(
     "Units (tokens or rows) a compiled bucket's calls ran, by kind: real (the requests') or padded (up to the bucket)",
     ["model", "replica", "family", "bucket", "kind"],
 )
+BUCKET_SWITCHES = Counter(
+    "neuron_serve_bucket_switches",
+    "Times a running replica changed a family's compiled buckets for those its traffic pads least (buckets: auto), "
+    "by outcome: switched, or abandoned (a compile of the new buckets failed; the old ones serve on)",
+    ["model", "replica", "family", "outcome"],
+)
 CACHE_HITS = Counter(
     "neuron_serve_compile_cache_hits_total", "Operator-support and compile cache hits",
     ["model", "replica", "cache"],

@@ -123,6 +123,12 @@ class GridBuild:
             self._compiled[entry] = bucket
         return bucket
 
+    def adopt(self, entry: Entry, bucket: Bucket) -> None:
+        """Take ``bucket``, compiled for another grid of the same module at ``entry``'s shape and batch size, as
+        ``entry``'s: a replica that changes its buckets compiles only the ones it did not have."""
+        with self._lock:
+            self._compiled[entry] = bucket
+
     def compiled(self) -> list[Entry]:
         """The entries compiled so far, in grid order."""
         with self._lock:

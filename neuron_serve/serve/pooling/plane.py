@@ -41,6 +41,7 @@ class PoolingPlane:
         # The lengths asked for and what the length buckets pad of them (bucket_usage.py): counted, kept in the
         # compile cache for `neuron-serve buckets`, and summed up in the metadata.
         self.usage = bucket_usage.for_model(self.name, data.replica)
+        self.rebucket = None  # a Rebucketing (rebucket.py) when pooling.length_buckets is auto
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")  # requests of much text
 
     # -- lifecycle ------------------------------------------------------------------
@@ -61,7 +62,18 @@ class PoolingPlane:
         (the data plane's, given them when the replica built it, so gRPC's metadata holds them too)."""
         found = self.data.metadata()
         found["parameters"]["padding"] = self.usage.summary()
+        if self.rebucket is not None:
+            found["parameters"]["rebucketing"] = self.rebucket.describe()
         return found
+
+    def switch(self, model, spec: PoolingSpec) -> None:
+        """Serve ``model``, compiled over ``spec``'s length buckets, from now on (on the compile queue's thread:
+        loading compiles). Requests already grouped by the old buckets run on the new model's bucket that holds
+        them."""
+        self.data.grow(model)
+        self.data.parameters.update(spec.describe())
+        self.spec = spec
+        self.tokens.spec = spec
 
     def model_card(self) -> dict:
         """What ``GET /v1/models`` says of this model beyond its id."""
@@ -181,7 +193,7 @@ class PoolingPlane:
         # One group (the usual case) is awaited directly: gather would wrap it in a task.
         outputs = [await runs[0]] if len(runs) == 1 else await asyncio.gather(*runs)
         padded = sum(buckets[b] * len(m) for b, m in groups.items()) - sum(len(r.ids) for r in rows)
-        self._used(rows, groups)
+        self._used(rows, groups, buckets)
         if len(groups) == 1:
             return outputs[0][0], padded
         first = outputs[0][0]
@@ -190,14 +202,15 @@ class PoolingPlane:
             joined[members] = output[0]
         return joined, padded
 
-    def _used(self, rows: list[Row], groups: dict[int, list[int]]) -> None:
+    def _used(self, rows: list[Row], groups: dict[int, list[int]], buckets: tuple[int, ...]) -> None:
         """Each input's length recorded against the bucket that ran it, and counted (with the answer's metrics)."""
-        buckets = self.spec.length_buckets
         for b, members in groups.items():
             bucket = buckets[b]
             for i in members:
                 size = len(rows[i].ids)
                 self.metrics.bucket_work(self.usage.record("length", size, bucket), size, bucket - size)
+        if self.rebucket is not None:
+            self.rebucket.observe()
 
 
 _current: PoolingPlane | None = None

@@ -16,17 +16,14 @@ import sys
 from ray import serve
 
 from ... import logs
-from ...assembly.queue import READY, compile_queue
 from ...config.schema import ModelConfig, parse_config
-from ...pooling.tokens import Tokens
 from ..grpc import service as grpc_service
 from ..http import auth
 from ..infer import plane as dataplane
-from ..infer.plane import ModelDataPlane
 from ..pooling import plane as pooling_plane
 from ..pooling.answers import answer
 from ..pooling.http import pooling_app
-from ..pooling.plane import PoolingPlane
+from ..pooling.replica import build_plane
 from . import grpc_port
 from .applications import POOLING, call_model, model_states
 
@@ -90,24 +87,3 @@ class PoolingServer:
         plane = getattr(self, "plane", None)  # absent when building failed
         if plane is not None:
             await plane.stop()
-
-
-def build_plane(config: ModelConfig, base_dir: str | None, replica: str) -> PoolingPlane:
-    """The replica's pooling plane over its data plane, as an infer model's: ready once the longest length bucket
-    at the largest batch size is compiled and loaded (any input fits it); the other compiled models join it as each
-    is compiled, in the background (model.yaml's ``background_compile``), all of it on the compile queue."""
-    from ...pooling.build import described, staged  # noqa: PLC0415 - the compiler is loaded by replicas only
-
-    # The model's directory is read and its graph made on the queue's thread, as every trace.
-    loading = compile_queue().submit(f"load {config.name} (pooling model)", lambda: staged(config, base_dir),
-                                     priority=READY, group=config.name, kind="load")
-    build, spec, tokenizer = loading.future.result()
-    planes: list[PoolingPlane] = []
-
-    def load(model) -> PoolingPlane:
-        known = described(model, spec)
-        data = ModelDataPlane(config, model, replica, parameters=known.describe(), compiles=build.compiles)
-        planes.append(PoolingPlane(config, data, Tokens(tokenizer, known), known))
-        return planes[0]
-
-    return build.start(load, grow=lambda model: planes[0].data.grow(model))
