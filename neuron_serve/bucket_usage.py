@@ -94,16 +94,9 @@ class Usage:
         """Per family: padded work as a fraction of all the work its calls did, and each bucket's calls, real and
         padded units (what ``parameters.padding`` of the model's metadata says)."""
         with self._lock:
-            work = {key: list(value) for key, value in self._work.items()}
-        found: dict[str, dict] = {}
-        for (family, bucket), (calls, real, padded) in sorted(work.items()):
-            entry = found.setdefault(family, {"padded_fraction": 0.0, "buckets": {}})
-            entry["buckets"][str(bucket)] = {"calls": calls, "real": real, "padded": padded}
-        for entry in found.values():
-            real = sum(b["real"] for b in entry["buckets"].values())
-            padded = sum(b["padded"] for b in entry["buckets"].values())
-            entry["padded_fraction"] = round(padded / (real + padded), 4) if real + padded else 0.0
-        return found
+            work = {key: tuple(value) for key, value in self._work.items()}
+        return _summary(work)
+
 
     def save(self) -> None:
         """Write the sizes out (atomically: a reader never sees half a file); a cache that cannot be written is
@@ -121,6 +114,30 @@ class Usage:
                 os.replace(tmp, self.path)
             except OSError:
                 pass
+
+
+def merged_summaries(summaries: list[dict[str, dict]]) -> dict[str, dict]:
+    """:meth:`Usage.summary` of several processes (a replica's tensor-parallel groups) as one."""
+    work: dict[tuple[str, int], tuple[int, int, int]] = {}
+    for summary in summaries:
+        for family, entry in summary.items():
+            for bucket, counted in entry["buckets"].items():
+                calls, real, padded = work.get((family, int(bucket)), (0, 0, 0))
+                work[family, int(bucket)] = (calls + counted["calls"], real + counted["real"],
+                                             padded + counted["padded"])
+    return _summary(work)
+
+
+def _summary(work: dict[tuple[str, int], tuple[int, int, int]]) -> dict[str, dict]:
+    found: dict[str, dict] = {}
+    for (family, bucket), (calls, real, padded) in sorted(work.items()):
+        entry = found.setdefault(family, {"padded_fraction": 0.0, "buckets": {}})
+        entry["buckets"][str(bucket)] = {"calls": calls, "real": real, "padded": padded}
+    for entry in found.values():
+        real = sum(b["real"] for b in entry["buckets"].values())
+        padded = sum(b["padded"] for b in entry["buckets"].values())
+        entry["padded_fraction"] = round(padded / (real + padded), 4) if real + padded else 0.0
+    return found
 
 
 _USAGE: dict[tuple[str, str, Path | None], Usage] = {}

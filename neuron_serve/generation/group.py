@@ -71,6 +71,11 @@ class EngineGroup(Dispatcher):
         return cls([Engine(m, device=device, **engine_options) for m, device in copies_on_cores(model, cores)],
                    max_waiting, model.build)
 
+    @property
+    def padding(self) -> dict:
+        """What the engines' buckets padded so far (they share one bucket_usage.Usage)."""
+        return self.engines[0].usage.summary()
+
     def choose(self) -> Engine:
         return max(self.engines, key=lambda e: e.free_slots)
 

@@ -27,9 +27,10 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Sequence as Seq
 
+from .. import bucket_usage
 from ..errors import ModelNotReady
 from ..targets.pjrt import neuron_devices_present
-from .protocol import AdapterReply, CompileState, Dispatcher, EngineRequest, Engines, TokenEvent
+from .protocol import AdapterReply, CompileState, Dispatcher, EngineRequest, Engines, TokenEvent, UsageState
 
 logger = logging.getLogger("neuron_serve")
 
@@ -66,6 +67,7 @@ class EngineProcess(Engines):
         # Where the engines' compiles stand (None: nothing compiles after start, an artifact), kept up to date
         # by the worker; listeners hear of each change (serve/ray/compile_state.py records it for status).
         self.compile_state: dict | None = payload.pop("compile")
+        self.padding: dict = {}  # what the engines' buckets padded so far (bucket_usage), as each request ends
         self._compile_listeners: list[Callable[[Any], None]] = []
         self.info: dict = payload
         self._sinks: dict[str, Callable[[TokenEvent], None]] = {}  # open requests' sinks
@@ -159,6 +161,8 @@ class EngineProcess(Engines):
                 for event in payload:
                     if isinstance(event, CompileState):
                         self._compiled(event.state)
+                    elif isinstance(event, UsageState):
+                        self.padding = event.summary
                     elif isinstance(event, AdapterReply):
                         self._replied(event)
                     else:
@@ -279,6 +283,11 @@ class ProcessGroup(Dispatcher):
         summed = {k: sum(s.get(k, 0) for s in states) for k in ("compiled", "pending", "failed")}
         failures = [f for s in states for f in s.get("failures", [])]
         return {**summed, **({"failures": failures} if failures else {}), "background": states[0]["background"]}
+
+    @property
+    def padding(self) -> dict:
+        """What the groups' buckets padded so far, summed."""
+        return bucket_usage.merged_summaries([p.padding for p in self.processes])
 
     def subscribe(self, listener: Callable[[Any], None]) -> Callable[[], None]:
         stops = [p.subscribe(listener) for p in self.processes]

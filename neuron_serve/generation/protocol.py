@@ -54,6 +54,13 @@ class CompileState:
 
 
 @dataclass
+class UsageState:
+    """What the engines' buckets padded so far (bucket_usage.Usage.summary), sent as each request ends."""
+
+    summary: dict
+
+
+@dataclass
 class AdapterReply:
     """The engine process's answer to a LoRA adapter load or unload: the error it raised, pickled (None: done)."""
 

@@ -109,7 +109,7 @@ def serve(conn: Connection) -> int:
     from ..targets.pjrt import start_emulated_cores_on_threads  # noqa: PLC0415
     from .build import build_engines  # noqa: PLC0415
     from .metrics import compile_listener, compile_state  # noqa: PLC0415
-    from .protocol import AdapterReply, CompileState, TokenEvent  # noqa: PLC0415
+    from .protocol import AdapterReply, CompileState, TokenEvent, UsageState  # noqa: PLC0415
 
     try:
         config = parse_config(config)
@@ -131,6 +131,13 @@ def serve(conn: Connection) -> int:
     state = compile_state(build, background) if build is not None else None
     conn.send(("ready", {**engines.info, "tokenizer": engines.engines[0].tokenizer, "compile": state}))
     outbox = Outbox(conn)
+    usage = engines.engines[0].usage  # the replica's engines share one
+
+    def post(event: TokenEvent) -> None:
+        """A request's event to the replica; after its last, what the buckets padded so far (the metadata's)."""
+        outbox.post(event)
+        if event.finished:
+            outbox.post(UsageState(usage.summary()))
     if build is not None:  # each later compile that ends: its metrics here, its state to the replica
         build.compiles.subscribe(compile_listener(config.name, replica, build, background,
                                                   lambda now: outbox.post(CompileState(now))))
@@ -142,9 +149,9 @@ def serve(conn: Connection) -> int:
         if message[0] == "submit":
             request = message[1]
             try:
-                engines.submit(request, outbox.post)
+                engines.submit(request, post)
             except Exception as exc:  # noqa: BLE001 - said as its end (a grammar the engine cannot read, ...)
-                outbox.post(TokenEvent(request.request_id, None, finish_reason="error", error=str(exc),
+                post(TokenEvent(request.request_id, None, finish_reason="error", error=str(exc),
                                        error_status=getattr(exc, "http_status", 500)))
         elif message[0] == "abort":
             engines.abort(message[1], message[2])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import urllib.request
 
 import numpy as np
@@ -100,6 +101,40 @@ def test_tools_are_refused_for_a_model_whose_chat_template_has_none(client):
     answer = client.chat.completions.create(model="llm", messages=CAPITAL, tools=[weather], tool_choice="none",
                                             temperature=0, max_tokens=12)
     assert answer.choices[0].message.content.startswith("The capital of France")
+
+
+def test_the_llm_s_metadata_counts_what_its_prefill_and_decode_buckets_padded(client, eager, examples_llm_server):
+    """One greedy completion alone: its prompt's tokens on one prefill bucket (64 once compiled, 512 before), each of
+    its decode calls one row on the decode rows bucket that ran it (1, or 8 before that is compiled)."""
+    _, tokenizer = eager
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+
+    def padding() -> dict:
+        return metadata(examples_llm_server, "llm")["parameters"]["padding"]
+
+    before = padding()
+    client.completions.create(model="llm", prompt=PROMPTS[0], max_tokens=6, temperature=0)
+    deadline = time.monotonic() + 10  # the engine process sends its counts as the request ends, beside the answer
+    while (grown := _grown(before, padding())).get("prefill") is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    [(bucket, prefill)] = grown["prefill"].items()
+    assert bucket in ("64", "512") and prefill == {"calls": 1, "real": len(ids), "padded": int(bucket) - len(ids)}
+    assert grown["decode_rows"] and all(
+        counted["real"] == counted["calls"] and counted["padded"] == counted["calls"] * (int(rows) - 1)
+        for rows, counted in grown["decode_rows"].items()), grown
+    assert 1 <= sum(counted["calls"] for counted in grown["decode_rows"].values()) <= 5  # 6 tokens, 1 from prefill
+
+
+def _grown(before: dict, after: dict) -> dict:
+    """Per family and bucket, what the counts grew by (buckets that did not grow left out)."""
+    found = {}
+    for family, entry in after.items():
+        old = before.get(family, {}).get("buckets", {})
+        for bucket, counted in entry["buckets"].items():
+            delta = {k: v - old.get(bucket, {}).get(k, 0) for k, v in counted.items()}
+            if delta["calls"]:
+                found.setdefault(family, {})[bucket] = delta
+    return found
 
 
 def metadata(server, name: str = "embedder") -> dict:

@@ -163,6 +163,8 @@ class GenerationPlane:
                 **self.precision_card(),
                 "neuron_serve_version": __version__,
                 "compile": self.compile_state(),
+                # What the prefill and decode buckets padded, per family (bucket_usage), since the replica started.
+                "padding": dict(getattr(self.frontend.engines, "padding", {})),
                 **({"lora": self.lora_card()} if self.lora is not None else {}),
             },
         }

@@ -1,5 +1,5 @@
 """A serving pooling replica with ``length_buckets: auto`` changes its own length buckets for those its traffic pads
-least: built as a replica builds it (serve/pooling/replica.py, the compile queue, a background compile), sent
+least: built as a replica builds it (serve/ray/pooling_deployment.build_plane, the compile queue, a background compile), sent
 short texts until a look is due, answering right before, during and after the switch; the buckets it switches to
 worked out here from the lengths by trying every choice, the compiled-model budget kept, and a restart starting on
 them."""
@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import warnings
 
 import pytest
 import torch
@@ -18,7 +19,6 @@ from prometheus_client import REGISTRY
 from neuron_serve.config.schema import parse_config
 from neuron_serve.pooling import source
 from neuron_serve.serve.protocols.pooling import PoolingRequest
-from neuron_serve.serve.pooling.replica import build_plane
 
 NAME = "embedder-rebucket"  # a name of its own: the counters are the process's
 TOLERANCE = 1e-5  # float32 against sentence-transformers' eager encode
@@ -47,6 +47,9 @@ def run(pooling_dirs, tmp_path_factory):
            "pooling": {"length_buckets": "auto", "learn_buckets_after": 8}, "batch_sizes": [1, 4],
            "batching": {"max_batch_size": 4, "max_queue_delay_ms": 1}}
     config = parse_config(raw)
+    with warnings.catch_warnings():  # Ray Serve's own pydantic fields warn as it is imported
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from neuron_serve.serve.ray.pooling_deployment import build_plane  # noqa: PLC0415
     store = compile_cache.configure(tmp_path_factory.mktemp("rebucket") / "cache")
     try:
         plane = build_plane(config, None, "test")

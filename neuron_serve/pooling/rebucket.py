@@ -24,14 +24,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ... import metrics
-from ...assembly.grid import GridBuild
-from ...assembly.queue import BACKGROUND, COMPILED, compile_queue
-from ...buckets import traffic
-from ...compile.subgraph import compile_count
-from ...config.schema import ModelConfig
-from ...model import CompiledModel
-from ...pooling.spec import PoolingSpec
+from .. import metrics
+from ..assembly.grid import GridBuild
+from ..assembly.queue import BACKGROUND, COMPILED, compile_queue
+from ..buckets import traffic
+from ..compile.subgraph import compile_count
+from ..config.schema import ModelConfig
+from ..model import CompiledModel
+from .build import grid_source
+from .spec import PoolingSpec
 
 logger = logging.getLogger("neuron_serve")
 
@@ -39,7 +40,8 @@ MIN_SAVING = 0.05  # the least share of the recorded inputs' work a switch must 
 
 
 class Rebucketing:
-    """When and to what one pooling plane changes its length buckets (see the module's docstring)."""
+    """When and to what one pooling plane changes its length buckets (see the module's docstring). ``plane`` is
+    the replica's serve/pooling/plane.PoolingPlane: its spec, usage, data plane and ``switch``."""
 
     def __init__(self, plane: Any, config: ModelConfig, base_dir: str | Path | None, module: Any,
                  every: int, ready: Callable[[], bool]) -> None:
@@ -93,8 +95,6 @@ class Rebucketing:
             self._busy.release()
 
     def _switch(self, lengths: list[int], source: str, now: float, then: float) -> bool:
-        from ...pooling.build import grid_source  # noqa: PLC0415 - the compiler is loaded by replicas only
-
         started, compiles = time.perf_counter(), compile_count()
         self.state = f"compiling {lengths}"
         spec: PoolingSpec = dataclasses.replace(self.plane.spec, length_buckets=tuple(lengths), buckets_from=source)
