@@ -104,8 +104,8 @@ def test_tools_are_refused_for_a_model_whose_chat_template_has_none(client):
 
 
 def test_the_llm_s_metadata_counts_what_its_prefill_and_decode_buckets_padded(client, eager, examples_llm_server):
-    """One greedy completion alone: its prompt's tokens on one prefill bucket (64 once compiled, 512 before), each of
-    its decode calls one row on the decode rows bucket that ran it (1, or 8 before that is compiled)."""
+    """One greedy completion alone: its prompt's tokens on one prefill bucket (the smallest compiled that holds it),
+    each of its decode calls one row on the decode rows bucket that ran it."""
     _, tokenizer = eager
     ids = tokenizer(PROMPTS[0])["input_ids"]
 
@@ -118,7 +118,7 @@ def test_the_llm_s_metadata_counts_what_its_prefill_and_decode_buckets_padded(cl
     while (grown := _grown(before, padding())).get("prefill") is None and time.monotonic() < deadline:
         time.sleep(0.1)
     [(bucket, prefill)] = grown["prefill"].items()
-    assert bucket in ("64", "512") and prefill == {"calls": 1, "real": len(ids), "padded": int(bucket) - len(ids)}
+    assert int(bucket) >= len(ids) and prefill == {"calls": 1, "real": len(ids), "padded": int(bucket) - len(ids)}
     assert grown["decode_rows"] and all(
         counted["real"] == counted["calls"] and counted["padded"] == counted["calls"] * (int(rows) - 1)
         for rows, counted in grown["decode_rows"].items()), grown
