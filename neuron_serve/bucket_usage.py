@@ -97,7 +97,6 @@ class Usage:
             work = {key: tuple(value) for key, value in self._work.items()}
         return _summary(work)
 
-
     def save(self) -> None:
         """Write the sizes out (atomically: a reader never sees half a file); a cache that cannot be written is
         not the replica's failure."""

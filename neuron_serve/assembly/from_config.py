@@ -187,28 +187,27 @@ class StagedBuild:
         self._compiles = compile_count()
 
     def start(self, load: Callable[[CompiledModel], T] = lambda model: model,
-              grow: Callable[[CompiledModel], None] | None = None, *, priority: int = READY) -> T:
+              grow: Callable[[CompiledModel], None] | None = None) -> T:
         """Queue every compile; once the start-up ones are compiled (every one without
         background), return ``load(model)``, run on the queue's thread (loading onto cores
         compiles too). Raises the error of a start-up compile that failed, after dropping the
         other compiles. Each later compiled model goes to ``grow(model)`` (on the queue's thread),
-        ``model`` then holding every model compiled so far. ``priority``: the start-up compiles'
-        and the load's (BACKGROUND for a replica that already serves and builds another grid).
+        ``model`` then holding every model compiled so far.
         """
         if self.path is not None:
             needed = [self.compiles.submit(f"{self.config.name} (artifact {self.path})", self._load_artifact,
-                                           priority=priority)]
+                                           priority=READY)]
             loading = self.compiles.submit(f"load {self.config.name}", functools.partial(self._load, needed, load),
-                                           priority=priority, kind="load")
+                                           priority=READY, kind="load")
             return self._ready(needed, loading)
         self.grid = GridBuild(self.config, self.base_dir, self._weights_swapper(), staged=self.background,
                               source=self.source)
         early = [e for e in self.grid.order if e in self.grid.ready or not self.background]
         self._open = len(self.grid.order)
-        needed = [self._submit(entry, priority, grow) for entry in early]
+        needed = [self._submit(entry, READY, grow) for entry in early]
         # The load is queued before any background compile, so that none can run ahead of it.
         loading = self.compiles.submit(f"load {self.config.name}", functools.partial(self._load, needed, load),
-                                       priority=priority, kind="load")
+                                       priority=READY, kind="load")
         for entry in self.grid.order:
             if entry not in early:
                 self._submit(entry, BACKGROUND, grow)

@@ -132,7 +132,6 @@ class Rebucketing:
                     time.perf_counter() - started, len(grid.order) - len(jobs), now, then)
         return True
 
-
     def _abandon(self, lengths: list[int], job: Any) -> bool:
         self.state = "serving"
         self._abandoned.inc()

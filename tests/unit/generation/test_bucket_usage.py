@@ -16,7 +16,7 @@ import yaml
 from prometheus_client import REGISTRY
 
 import generation_models as gm
-from neuron_serve import cli, logs
+from neuron_serve import bucket_usage, cli, logs
 from neuron_serve.compile import cache as compile_cache
 from neuron_serve.generation import SamplingParams, engine_for
 
@@ -154,6 +154,19 @@ def test_auto_buckets_are_learned_from_the_recorded_calls_once_there_are_enough(
                 f"it waits for)") in caplog.text
     finally:
         compile_cache.configure()
+
+
+def test_the_padding_of_several_engine_processes_is_summed_bucket_by_bucket():
+    """A replica's tensor-parallel groups each count their own calls; the metadata says their sum."""
+    one = {"prefill": {"padded_fraction": 0.5, "buckets": {"64": {"calls": 2, "real": 64, "padded": 64}}}}
+    two = {"prefill": {"padded_fraction": 0.0, "buckets": {"64": {"calls": 1, "real": 64, "padded": 0},
+                                                            "512": {"calls": 1, "real": 256, "padded": 256}}},
+           "decode_rows": {"padded_fraction": 0.0, "buckets": {"1": {"calls": 3, "real": 3, "padded": 0}}}}
+    assert bucket_usage.merged_summaries([one, two, {}]) == {
+        "prefill": {"padded_fraction": round(320 / (384 + 320), 4),
+                    "buckets": {"64": {"calls": 3, "real": 128, "padded": 64},
+                                "512": {"calls": 1, "real": 256, "padded": 256}}},
+        "decode_rows": {"padded_fraction": 0.0, "buckets": {"1": {"calls": 3, "real": 3, "padded": 0}}}}
 
 
 def test_learn_buckets_after_needs_an_auto_family():

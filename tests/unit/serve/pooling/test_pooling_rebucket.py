@@ -69,7 +69,9 @@ def run(pooling_dirs, tmp_path_factory):
                     answers["before"].append((text, await embed(plane, [text])))
                 look = plane.rebucket.thread
                 while look is not None and look.is_alive():  # requests keep being answered while it compiles
-                    answers["during"].append((SHORT[0], await embed(plane, [SHORT[0]])))
+                    texts = SHORT[:3]  # three clients at once, texts of different lengths
+                    for text, got in zip(texts, await asyncio.gather(*(embed(plane, [t]) for t in texts))):
+                        answers["during"].append((text, got))
                     await asyncio.sleep(0.2)
                 if look is not None:
                     look.join()
