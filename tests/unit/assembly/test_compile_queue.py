@@ -1,6 +1,7 @@
 """The compile queue: one worker thread, most urgent first, failures recorded and survived."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -175,6 +176,10 @@ def test_listeners_hear_each_start_and_end_and_cannot_stop_the_worker(queue):
     queue.group("m").subscribe(lambda job: group_heard.append(job.label))
     jobs = [queue.submit("a", lambda: 1, group="m"), queue.submit("b", lambda: 2, group="other")]
     assert queue.wait(jobs, timeout=10)
+    # wait() returns once the job has ended; its listeners hear the end just after, on the worker thread.
+    deadline = time.monotonic() + 10
+    while (len(heard) < 6 or len(group_heard) < 3) and time.monotonic() < deadline:
+        time.sleep(0.01)
     # Each job's own events in order (b may be queued while a runs); the listener that raised stopped nothing.
     assert [state for label, state in heard if label == "a"] == ["pending", "running", "compiled"]
     assert [state for label, state in heard if label == "b"] == ["pending", "running", "compiled"]
