@@ -20,8 +20,15 @@ sentence-transformers' own benchmarks use; 6 layers, hidden 384, mean pooling, n
 
 Then, as ``neuron-serve-proposed``, neuron-serve again with the length buckets ``neuron-serve buckets`` proposes
 from the lengths the first one's replica recorded in the compile cache (the same number of buckets, the largest
-kept): buckets chosen from the traffic the model got. Each neuron-serve run's padded work over its real work is read
-from its model's metadata (``parameters.padding``) after the load.
+kept): buckets chosen from the traffic the model got. With ``--servers ...,auto``, as ``neuron-serve-auto``,
+neuron-serve with ``pooling.length_buckets: auto`` (``learn_buckets_after`` 512) on a compile cache of its own (no
+lengths recorded before it): loaded until it has re-bucketed itself while serving and compiled the new buckets,
+then measured the same way. Each neuron-serve run's padded work over its real work is read from its model's
+metadata (``parameters.padding``) before and after the measured points.
+
+``--lengths lognormal`` makes the texts' token lengths log-normal (median 16, sigma 0.8, 4 to 250 tokens): most
+short, a long tail, the skewed traffic buckets chosen from the traffic are for. The figures of
+docs/guides/shapes.md: ``python -m bench.embeddings --lengths lognormal --servers neuron-serve,infinity,auto``.
 
 Workload: one text a request, ``{"model": "embedder", "input": text}`` on ``/v1/embeddings``,
 from a seeded list of lines of this repository's docs of 8 to 64 tokens (all-MiniLM-L6-v2's tokenizer), the same
@@ -37,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import sys
@@ -54,6 +62,9 @@ INFINITY = ROOT / ".venv-infinity" / "bin" / "infinity_emb"
 CONCURRENCY = (1, 16)
 TOKENS = (8, 64)
 TEXTS = 256
+LOGNORMAL_MEDIAN, LOGNORMAL_SIGMA = 16, 0.8  # --lengths lognormal: tokens a text, [CLS] and [SEP] counted
+LEARN_AFTER = 512  # the auto run's learn_buckets_after
+AUTO_WARMUP_S = 900  # the auto run's longest wait for its switch of buckets
 BATCH = 16
 CHECKED = 4  # texts each server's answers are compared on
 TOLERANCE = 1e-4
@@ -105,8 +116,10 @@ def write_model(out: Path, shape: dict | None = None) -> Path:
     return out
 
 
-def workload(tokenizer, count: int = TEXTS, seed: int = 0) -> list[str]:
-    """``count`` lines of the docs (joined when short, cut at a word when long) of 8 to 64 tokens."""
+def workload(tokenizer, count: int = TEXTS, seed: int = 0, lengths: str = "docs") -> list[str]:
+    """``count`` lines of the docs (joined when short, cut at a word when long): of 8 to 64 tokens (``docs``), or
+    of a log-normal number of tokens (``lognormal``: median LOGNORMAL_MEDIAN, sigma LOGNORMAL_SIGMA, 4 to 250:
+    most texts short, a long tail, as search queries and chat messages are)."""
     sys.path.insert(0, str(ROOT / "deployments" / "example_models"))
     import make_embedders  # noqa: PLC0415
 
@@ -114,13 +127,21 @@ def workload(tokenizer, count: int = TEXTS, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     texts = []
     while len(texts) < count:
+        if lengths == "lognormal":
+            low = high = min(250, max(4, round(rng.lognormvariate(math.log(LOGNORMAL_MEDIAN), LOGNORMAL_SIGMA))))
+        else:
+            low, high = TOKENS
         words = []
-        while len(tokenizer(" ".join(words))["input_ids"]) < TOKENS[0]:
+        while len(tokenizer(" ".join(words))["input_ids"]) < low:
             words += rng.choice(lines).split()
-        while len(tokenizer(" ".join(words))["input_ids"]) > TOKENS[1]:
+        while len(words) > 1 and len(tokenizer(" ".join(words))["input_ids"]) > high:
             words = words[:-1]
         texts.append(" ".join(words))
     return texts
+
+
+def token_counts(tokenizer, texts: list[str]) -> list[int]:
+    return [len(tokenizer(text)["input_ids"]) for text in texts]
 
 
 def write_bodies(texts: list[str], directory: Path) -> Path:
@@ -169,25 +190,25 @@ def specs(model_dir: Path, yaml_path: Path, python: str = sys.executable) -> dic
             "ray": (ray, [("ray", ray.label, "/v1/embeddings")])}
 
 
-def write_neuron_serve_yaml(model_dir: Path, path: Path, length_buckets: list[int] | None = None) -> None:
+def write_neuron_serve_yaml(model_dir: Path, path: Path, length_buckets: list[int] | str | None = None) -> None:
     import yaml  # noqa: PLC0415
 
     config = {"name": MODEL, "task": "embed", "model": {"pretrained": str(model_dir.resolve())}, "cores_per_replica": 2,
               "batching": {"max_batch_size": BATCH}}
     if length_buckets is not None:
         config["pooling"] = {"length_buckets": length_buckets}
+        if length_buckets == "auto":
+            config["pooling"]["learn_buckets_after"] = LEARN_AFTER
     path.write_text(yaml.safe_dump(config, sort_keys=False))
 
 
-def proposed_spec(found: dict, yaml_path: Path, buckets: list[int]) -> tuple:
-    """neuron-serve on ``yaml_path`` (the proposed buckets), measured on the model's URL only."""
+def variant_spec(found: dict, key: str, label: str, yaml_path: Path, env: dict | None = None) -> tuple:
+    """neuron-serve on another ``yaml_path`` (proposed or auto buckets), measured on the model's URL only."""
     spec, routes = found["neuron-serve"]
     command = [str(yaml_path) if part.endswith("embedder.yaml") else part for part in spec.command]
-    proposed = servers.ServerSpec("neuron-serve-proposed", f"neuron-serve, length buckets {buckets}", command,
-                                  spec.port, startup_s=spec.startup_s, replica_marker=spec.replica_marker,
-                                  ready_line=spec.ready_line)
-    key, _, path = routes[0]
-    return proposed, [("neuron-serve-proposed", proposed.label, path)]
+    variant = servers.ServerSpec(key, label, command, spec.port, startup_s=spec.startup_s,
+                                 replica_marker=spec.replica_marker, ready_line=spec.ready_line, env=env or {})
+    return variant, [(key, label, routes[0][2])]
 
 
 def recorded_sizes(since: float) -> dict:
@@ -216,16 +237,44 @@ def proposed_buckets(yaml_path: Path, sizes_path: Path) -> list[int]:
     return json.loads(done.stdout)["length"]["proposed"]
 
 
-def padding(server: EmbeddingServer) -> tuple[float, dict] | None:
-    """The replica's padded work over its real work since it started, and its metadata's ``parameters.padding``
-    whole (each bucket's calls, real and padded tokens)."""
+def parameters(server: EmbeddingServer) -> dict:
+    """The model's metadata parameters (``padding``, ``length_buckets``, ``rebucketing``), {} when unreadable."""
     url = f"http://127.0.0.1:{server.spec.port}/v2/models/{MODEL}"
     try:
         with urllib.request.urlopen(url, timeout=30) as answer:
-            found = json.load(answer)["parameters"]["padding"]
-        return 1 / (1 - found["length"]["padded_fraction"]), found
+            return json.load(answer)["parameters"]
     except (OSError, KeyError, ValueError):
+        return {}
+
+
+def padding(before: dict, after: dict) -> tuple[float, dict] | None:
+    """Padded work over real work between two readings of ``parameters.padding`` (the measured points only, not
+    a warm-up), and each bucket's calls, real and padded tokens in between."""
+    def buckets(found: dict) -> dict:
+        return found.get("length", {}).get("buckets", {})
+
+    was, now = buckets(before), buckets(after)
+    if not now:
         return None
+    delta = {b: {k: now[b][k] - was.get(b, {}).get(k, 0) for k in ("calls", "real", "padded")} for b in now}
+    delta = {b: d for b, d in delta.items() if d["calls"]}
+    real, padded = sum(d["real"] for d in delta.values()), sum(d["padded"] for d in delta.values())
+    return ((real + padded) / real, delta) if real else None
+
+
+def learn(server: EmbeddingServer, manifest: Path, log) -> dict:
+    """Load the auto replica until it has switched its buckets and compiled them (``rebucketing.switches`` >= 1,
+    state ``serving``): what `auto` serves after its warm-up. Returns its parameters then."""
+    deadline = time.monotonic() + AUTO_WARMUP_S
+    while time.monotonic() < deadline:
+        loadgen.run_load(server.url(MODEL), manifest, max(CONCURRENCY), 5)
+        found = parameters(server)
+        state = found.get("rebucketing", {})
+        if state.get("switches", 0) >= 1 and state.get("state") == "serving":
+            log(f"  auto switched to length buckets {found.get('length_buckets')} "
+                f"({found.get('length_buckets_from')})")
+            return found
+    raise RuntimeError(f"the auto replica did not switch its buckets in {AUTO_WARMUP_S} s: {parameters(server)}")
 
 
 def check(server: EmbeddingServer, texts: list[str], expected: np.ndarray) -> float:
@@ -245,13 +294,19 @@ def measure(spec, routes: list[tuple[str, str, str]], manifest: Path, texts: lis
     """Start one server, check and measure it on each of its ``routes`` (key, label, path), stop it."""
     server = EmbeddingServer(spec, out / "logs", routes[0][2])
     entries = {key: {"label": label, "points": {}} for key, label, _ in routes}
+    ours = spec.key.startswith("neuron-serve")
     try:
         probe = (json.dumps({"model": MODEL, "input": texts[0]}).encode(), {"Content-Type": "application/json"})
         try:
             ready = server.wait_ready({MODEL: probe})
+            if spec.key == "neuron-serve-auto":
+                learned = learn(server, manifest, log)
+                for entry in entries.values():
+                    entry["label"] += f" (after its warm-up: {learned.get('length_buckets')})"
         except RuntimeError as exc:
             log(f"  {spec.key} failed: {exc}")
             return {key: {**entry, "failed": str(exc)} for key, entry in entries.items()}
+        before = parameters(server).get("padding", {}) if ours else {}
         for key, _, path in routes:
             server.path, entry = path, entries[key]
             entry["ready_s"] = ready
@@ -263,7 +318,7 @@ def measure(spec, routes: list[tuple[str, str, str]], manifest: Path, texts: lis
                 entry["points"][conc] = point
                 log(f"  {key:15s} c{conc:<3d} {point['rps']:8.1f} req/s  p50 {point['p50_ms']:7.1f} ms  "
                     f"p99 {point['p99_ms']:7.1f} ms  errors {point['errors']}")
-        memory, padded = server.memory_mb(), padding(server) if spec.key.startswith("neuron-serve") else None
+        memory, padded = server.memory_mb(), padding(before, parameters(server).get("padding", {})) if ours else None
         for entry in entries.values():
             entry["memory_mb"] = memory
             if padded is not None:
@@ -282,7 +337,8 @@ def ratios(systems: dict) -> dict:
     result = {}
     top, one = max(CONCURRENCY), min(CONCURRENCY)
     theirs = [(k, p) for k in PEERS if (p := point(k, top))]
-    for ours_key, name in (("neuron-serve", f"rps_c{top}"), ("neuron-serve-proposed", f"rps_c{top}_proposed")):
+    for ours_key, name in (("neuron-serve", f"rps_c{top}"), ("neuron-serve-proposed", f"rps_c{top}_proposed"),
+                           ("neuron-serve-auto", f"rps_c{top}_auto")):
         ours = point(ours_key, top)
         if ours and theirs:
             best, p = max(theirs, key=lambda kp: kp[1]["rps"])
@@ -310,19 +366,21 @@ def report(figures: dict) -> str:
     labels = {k: e["label"] for k, e in systems.items()}
     padded = [(e["label"], e["padding"]) for k, e in systems.items() if "padding" in e and k != "neuron-serve-v1"]
     if padded:
-        lines += ["", "Padded work over real work (tokens computed over the texts' own, the replica's "
-                      "`parameters.padding` after the load): " + "; ".join(f"{label}: {x:.2f}x" for label, x in padded)]
+        lines += ["", "Padded work over real work (tokens computed over the texts' own, from the replica's "
+                      "`parameters.padding` before and after the measured points): " + "; ".join(f"{label}: {x:.2f}x" for label, x in padded)]
     found = figures["ratios"]
     lines += ["", "neuron-serve (the model's URL) against the better peer of the same run (n/a: a figure is missing; "
               "above 1 is better for neuron-serve):", ""]
     for name, text in [(f"rps_c{max(CONCURRENCY)}", f"requests/s at concurrency {max(CONCURRENCY)}"),
                        (f"rps_c{max(CONCURRENCY)}_proposed", f"requests/s at concurrency {max(CONCURRENCY)}, with the "
                                                              f"proposed length buckets"),
+                       (f"rps_c{max(CONCURRENCY)}_auto", f"requests/s at concurrency {max(CONCURRENCY)}, with "
+                                                         f"length_buckets: auto after its warm-up"),
                        (f"p50_c{min(CONCURRENCY)}", "p50 latency at concurrency 1 (the peer's over ours)"),
                        (f"p99_c{min(CONCURRENCY)}", "p99 latency at concurrency 1 (the peer's over ours)")]:
         r = found.get(name)
         lines.append(f"- {text}: " + (f"{r['ratio']:.2f}x against {labels[r['peer']]}" if r else "n/a"))
-    lines += ["", f"Workload: one text a request ({TOKENS[0]} to {TOKENS[1]} tokens, {TEXTS} texts), {figures['seconds']:g}"
+    lines += ["", f"Workload: one text a request ({figures['lengths_text']}, {TEXTS} texts), {figures['seconds']:g}"
               f" s per point after a 1 s warm-up; model: all-MiniLM-L6-v2 (deployments/embedder/); load "
               f"average {figures['load_average'][0]:.1f} at the start, {figures['load_average'][-1]:.1f} at the end on "
               f"{os.cpu_count()} cores."]
@@ -330,18 +388,23 @@ def report(figures: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    keys = ["neuron-serve", "infinity", "ray"]
+    keys, optional = ["neuron-serve", "infinity", "ray"], ["auto"]
     parser = argparse.ArgumentParser(prog="python -m bench.embeddings", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="4 s per point instead of 10")
     parser.add_argument("--seconds", type=float, help="seconds of load per point")
     parser.add_argument("--out", type=Path, help="results directory (default bench/results/<timestamp>)")
-    parser.add_argument("--servers", default=",".join(keys), help="comma-separated subset of: " + ", ".join(keys))
+    parser.add_argument("--servers", default=",".join(keys),
+                        help="comma-separated subset of: " + ", ".join(keys + optional) + " (auto: neuron-serve with "
+                             "length_buckets: auto on a compile cache of its own, measured once it has switched)")
+    parser.add_argument("--lengths", choices=("docs", "lognormal"), default="docs",
+                        help=f"the texts' token lengths: docs lines of {TOKENS[0]} to {TOKENS[1]} (default), or "
+                             f"log-normal (median {LOGNORMAL_MEDIAN}, sigma {LOGNORMAL_SIGMA}, 4 to 250)")
     args = parser.parse_args(argv)
     out = args.out or RESULTS / time.strftime("%Y%m%d-%H%M%S")
     (out / "logs").mkdir(parents=True, exist_ok=True)
     chosen = args.servers.split(",")
-    if unknown := set(chosen) - set(keys):
+    if unknown := set(chosen) - set(keys + optional):
         parser.error(f"unknown servers: {', '.join(sorted(unknown))}")
     if "infinity" in chosen and not INFINITY.exists():
         print(f"[embeddings] no {INFINITY}: run `make infinity-venv`; infinity is skipped", file=sys.stderr)
@@ -355,7 +418,11 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = real_model()
     reference = SentenceTransformer(str(model_dir), device="cpu")
-    texts = workload(reference.tokenizer)
+    texts = workload(reference.tokenizer, lengths=args.lengths)
+    counts = sorted(token_counts(reference.tokenizer, texts))
+    lengths_text = (f"{args.lengths} lengths: {counts[0]} to {counts[-1]} tokens, median {counts[len(counts) // 2]}, "
+                    f"p90 {counts[int(len(counts) * 0.9)]}, mean {sum(counts) / len(counts):.1f}")
+    log(lengths_text)
     expected = reference.encode(texts[:CHECKED])
     manifest = write_bodies(texts, out / "embed-bodies")
     write_neuron_serve_yaml(model_dir, out / "embedder.yaml")
@@ -364,6 +431,14 @@ def main(argv: list[str] | None = None) -> int:
     load, systems = [os.getloadavg()[0]], {}
     log(f"{len(chosen)} servers x concurrency {', '.join(map(str, CONCURRENCY))}, {seconds:g}s each; results in {out}")
     for key in chosen:
+        if key == "auto":
+            # Its own compile cache: no lengths recorded before it, so it starts on the defaults and learns while
+            # it serves (the shared cache holds the other runs' lengths, which a start would learn from).
+            write_neuron_serve_yaml(model_dir, out / "embedder-auto.yaml", "auto")
+            spec, routes = variant_spec(found, "neuron-serve-auto", "neuron-serve, length_buckets: auto",
+                                        out / "embedder-auto.yaml", {"NEURON_SERVE_CACHE_DIR": str(out / "auto-cache")})
+            systems.update(measure(spec, routes, manifest, texts, expected, seconds, out, log))
+            continue
         spec, routes = found[key]
         started = time.time()
         systems.update(measure(spec, routes, manifest, texts, expected, seconds, out, log))
@@ -377,10 +452,12 @@ def main(argv: list[str] | None = None) -> int:
             buckets = proposed_buckets(out / "embedder.yaml", sizes_path)
             log(f"  neuron-serve buckets proposes length buckets {buckets}")
             write_neuron_serve_yaml(model_dir, out / "embedder-proposed.yaml", buckets)
-            spec, routes = proposed_spec(found, out / "embedder-proposed.yaml", buckets)
+            spec, routes = variant_spec(found, "neuron-serve-proposed", f"neuron-serve, length buckets {buckets}",
+                                        out / "embedder-proposed.yaml")
             systems.update(measure(spec, routes, manifest, texts, expected, seconds, out, log))
     load.append(os.getloadavg()[0])
-    figures = {"seconds": seconds, "load_average": load, "systems": systems}
+    figures = {"seconds": seconds, "load_average": load, "systems": systems, "lengths": args.lengths,
+               "lengths_text": lengths_text}
     figures["ratios"] = ratios(systems)
     markdown = report(figures)
     (out / "embeddings.md").write_text(markdown + "\n")

@@ -41,6 +41,12 @@ first chunk with text) and time per output token per request ((last token time -
 token time) / (tokens - 1), the last token's time being the chunk that ends the choice),
 p50 and p99. Then neuron-serve against the best peer: tokens/s at concurrency 32, TTFT and
 TPOT at concurrency 1. Writes generate_http.md (printed too) and generate_http.json.
+
+With ``--proposed``, neuron-serve is served again (``neuron-serve-proposed``) on the prefill and decode-rows
+buckets ``neuron-serve buckets`` proposes from the sizes its first run recorded in the compile cache (as many as
+the first run's, the largest kept: what ``prefill_buckets: auto`` and ``decode_batch_buckets: auto`` start on
+after that traffic), and the report compares the two at each concurrency, with each run's padded work over its
+real work. docs/guides/shapes.md's figures: ``python -m bench.generate_http --servers neuron-serve --proposed``.
 """
 
 from __future__ import annotations
@@ -261,17 +267,51 @@ def no_eos_config(model_dir: Path) -> str:
     return json.dumps({**config, "eos_token_id": vocab, "do_sample": False})
 
 
-def write_neuron_serve_yaml(model_dir: Path, path: Path) -> None:
-    """deployments/llm.yaml with room for the workload: the model dir absolute, 512 positions, 32 slots."""
+def write_neuron_serve_yaml(model_dir: Path, path: Path, prefill: list[int] | None = None,
+                            decode_rows: list[int] | None = None) -> None:
+    """deployments/llm.yaml with room for the workload: the model dir absolute, 512 positions, 32 slots; the
+    prefill and decode-rows buckets given (the proposed ones), else 64 and 512 tokens, 1, 8 and 32 rows."""
     import yaml  # noqa: PLC0415
 
     config = yaml.safe_load((ROOT / "deployments" / "llm.yaml").read_text())
     config["model"]["pretrained"] = str(model_dir.resolve())
     config.setdefault("generation", {}).update(max_model_len=MAX_MODEL_LEN, max_num_seqs=max(CONCURRENCY),
-                                               prefill_buckets=[64, MAX_MODEL_LEN],
-                                               decode_batch_buckets=[1, 8, max(CONCURRENCY)],
+                                               prefill_buckets=prefill or [64, MAX_MODEL_LEN],
+                                               decode_batch_buckets=decode_rows or [1, 8, max(CONCURRENCY)],
                                                decode_context_buckets=[MAX_MODEL_LEN])
     path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def recorded_sizes(model: str, since: float) -> dict:
+    """The sizes the model's replicas kept in the compile cache during this run (files written since ``since``),
+    merged: {family: {size: calls}}."""
+    from neuron_serve import bucket_usage  # noqa: PLC0415
+    from neuron_serve.buckets.traffic import Sizes  # noqa: PLC0415
+    from neuron_serve.compile import cache as compile_cache  # noqa: PLC0415
+
+    root = compile_cache.default_dir()
+    folder = bucket_usage.traffic_dir(root, model) if root is not None else None
+    merged = Sizes()
+    for path in sorted(folder.glob("*.json")) if folder is not None and folder.is_dir() else []:
+        if path.stat().st_mtime >= since:
+            merged = merged.merge([Sizes.from_dict(json.loads(path.read_text())["sizes"])])
+    return merged.as_dict()
+
+
+def proposed_buckets(yaml_path: Path, sizes_path: Path) -> dict:
+    """`neuron-serve buckets` on the recorded sizes: {family: {"today", "proposed", ...}}."""
+    cli = str(Path(sys.executable).with_name("neuron-serve"))
+    done = subprocess.run([cli, "buckets", str(yaml_path), "--sizes", str(sizes_path), "--json"],
+                          capture_output=True, text=True, check=True)
+    return json.loads(done.stdout)
+
+
+def proposed_spec(found: dict, yaml_path: Path, label: str) -> tuple:
+    """neuron-serve on ``yaml_path`` (the proposed buckets), as ``neuron-serve-proposed``."""
+    spec, model, extra = found["neuron-serve"]
+    command = [str(yaml_path) if part.endswith("neuron-serve-llm.yaml") else part for part in spec.command]
+    return servers.ServerSpec("neuron-serve-proposed", label, command, spec.port, startup_s=spec.startup_s,
+                              replica_marker=spec.replica_marker, ready_line=spec.ready_line), model, extra
 
 
 def specs(model_dir: Path, llm_yaml: Path, python: str = sys.executable) -> dict[str, tuple]:
@@ -332,9 +372,24 @@ def measure_server(key: str, spec, model: str, extra: dict, slices: dict, warmup
             log(f"  {key:16s} c{conc:<3d} sampled {point['tokens_per_s']:8.1f} tok/s  TTFT p50 "
                 f"{ms(point['ttft_p50_s'])} ms  TPOT p50 {ms(point['tpot_p50_s'])} ms  errors {point['errors']}")
         entry["memory_mb"] = server.memory_mb()
+        if key.startswith("neuron-serve"):
+            entry["padding"] = padding(spec.port, model)
     finally:
         server.stop()
     return entry
+
+
+def padding(port: int, model: str) -> dict[str, float]:
+    """Per family (prefill, decode_rows), the replica's padded work over its real work since it started
+    (its metadata's ``parameters.padding``); {} when unreadable."""
+    import urllib.request  # noqa: PLC0415
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models/{model}", timeout=30) as answer:
+            found = json.load(answer)["parameters"]["padding"]
+    except (OSError, KeyError, ValueError):
+        return {}
+    return {family: 1 / (1 - entry["padded_fraction"]) for family, entry in found.items()}
 
 
 # -- the report --
@@ -349,7 +404,7 @@ def ratios(systems: dict) -> dict:
         p = systems.get(key, {}).get("points", {}).get(conc)
         return p if p and p["errors"] < p["requests"] else None
 
-    ours, peers, result = "neuron-serve", [k for k in systems if k != "neuron-serve"], {}
+    ours, peers, result = "neuron-serve", [k for k in systems if not k.startswith("neuron-serve")], {}
     top, one = max(CONCURRENCY), min(CONCURRENCY)
     theirs = [(k, p) for k in peers if (p := point(k, top))]
     if point(ours, top) and theirs:
@@ -366,6 +421,14 @@ def ratios(systems: dict) -> dict:
         best, p = max(theirs, key=lambda kp: kp[1]["tokens_per_s"])
         result[f"sampled_tokens_per_s_c{top}"] = {"peer": best,
                                                   "ratio": sampled[ours]["tokens_per_s"] / p["tokens_per_s"]}
+    # The proposed buckets against the defaults (above 1: the proposed are better).
+    for conc in CONCURRENCY:
+        default, proposed = point(ours, conc), point("neuron-serve-proposed", conc)
+        if default and proposed:
+            result[f"proposed_c{conc}"] = {
+                "ttft_p50": default["ttft_p50_s"] / proposed["ttft_p50_s"],
+                "tpot_p50": default["tpot_p50_s"] / proposed["tpot_p50_s"],
+                "tokens_per_s": proposed["tokens_per_s"] / default["tokens_per_s"]}
     return result
 
 
@@ -394,6 +457,19 @@ def report(figures: dict) -> str:
                        (f"tpot_p99_c{min(CONCURRENCY)}", "TPOT p99 at concurrency 1")]:
         r = found.get(name)
         lines.append(f"- {text}: " + (f"{r['ratio']:.2f}x {labels[r['peer']]}'s" if r else "n/a"))
+    if any(k.startswith("proposed_c") for k in found):
+        lines += ["", "neuron-serve with the buckets `neuron-serve buckets` proposes from the sizes the first run "
+                      f"recorded ({labels.get('neuron-serve-proposed', 'n/a')}) against its defaults (above 1: the "
+                      "proposed are better):", ""]
+        for conc in CONCURRENCY:
+            if r := found.get(f"proposed_c{conc}"):
+                lines.append(f"- concurrency {conc}: TTFT p50 {r['ttft_p50']:.2f}x, TPOT p50 {r['tpot_p50']:.2f}x, "
+                             f"output tok/s {r['tokens_per_s']:.2f}x")
+    if padded := {k: e["padding"] for k, e in systems.items() if e.get("padding")}:
+        lines += ["", "Padded work over real work (the replica's `parameters.padding` after its run, warm-up "
+                      "included): " + "; ".join(f"{labels[k]}: " + ", ".join(f"{family} {x:.2f}x"
+                                                                            for family, x in found_.items())
+                                                for k, found_ in padded.items())]
     w = figures["workload"]
     lines += ["", f"Workload: {w['requests']} streamed /v1/completions requests per server at temperature 0 (and the "
               f"sampled points at temperature {SAMPLING['temperature']}, top_p {SAMPLING['top_p']}, a seed each), prompts "
@@ -413,6 +489,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--servers", default=",".join(all_keys),
                         help="comma-separated subset of: " + ", ".join(all_keys))
     parser.add_argument("--model-dir", type=Path, default=MODEL_DIR, help="the model directory (make llm-example)")
+    parser.add_argument("--proposed", action="store_true",
+                        help="after neuron-serve, serve it again on the prefill and decode-rows buckets `neuron-serve "
+                             "buckets` proposes from the sizes its replica recorded, and compare the two")
     args = parser.parse_args(argv)
     out = args.out or RESULTS / time.strftime("%Y%m%d-%H%M%S")
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -447,7 +526,24 @@ def main(argv: list[str] | None = None) -> int:
         f"results in {out}")
     for key in keys:
         spec, model, extra = chosen[key]
+        started = time.time()
         systems[key] = measure_server(key, spec, model, extra, slices, warmup, out, log, sampled)
+        if key == "neuron-serve" and args.proposed and not systems[key].get("failed"):
+            # The prefill and decode-rows buckets the recorded sizes call for (as many as today, the largest kept):
+            # what `prefill_buckets: auto` and `decode_batch_buckets: auto` start on after this traffic.
+            sizes = recorded_sizes(model, started)
+            if not sizes.get("prefill"):
+                log("  no sizes recorded in the compile cache (NEURON_SERVE_CACHE_DIR=off?): no proposed buckets")
+                continue
+            (sizes_path := out / "llm-sizes.json").write_text(json.dumps(sizes))
+            families = proposed_buckets(out / "neuron-serve-llm.yaml", sizes_path)
+            prefill, rows = families["prefill"]["proposed"], families.get("decode_rows", {}).get("proposed")
+            log(f"  neuron-serve buckets proposes prefill buckets {prefill}, decode rows {rows}")
+            write_neuron_serve_yaml(args.model_dir, out / "neuron-serve-proposed-llm.yaml", prefill, rows)
+            spec, model, extra = proposed_spec(chosen, out / "neuron-serve-proposed-llm.yaml",
+                                               f"neuron-serve, prefill {prefill}, decode rows {rows}")
+            systems["neuron-serve-proposed"] = measure_server("neuron-serve-proposed", spec, model, extra, slices,
+                                                              warmup, out, log, sampled)
     load.append(os.getloadavg()[0])
     lengths = sorted(r["prompt_tokens"] for r in measured)
     figures = {"mode": mode, "requests_per_point": counts, "load_average": load, "systems": systems,

@@ -99,6 +99,31 @@ def test_ratios_compare_neuron_serve_with_the_best_peer_and_skip_failed_points()
     assert gh.ratios({k: v for k, v in systems.items() if k != "neuron-serve"}) == {}
 
 
+def test_the_proposed_buckets_run_is_compared_with_the_defaults_not_taken_for_a_peer():
+    def point(tps, ttft, tpot):
+        return {"requests": 4, "errors": 0, "tokens_per_s": tps, "ttft_p50_s": ttft, "ttft_p99_s": ttft,
+                "tpot_p50_s": tpot, "tpot_p99_s": tpot, "short": 0}
+
+    systems = {"neuron-serve": {"label": "neuron-serve", "points": {1: point(30, 0.6, 0.05), 32: point(300, 2.0, 0.1)},
+                                "padding": {"prefill": 3.1, "decode_rows": 1.2}},
+               "neuron-serve-proposed": {"label": "neuron-serve, prefill [200, 512]",
+                                         "points": {1: point(33, 0.3, 0.05), 32: point(360, 1.0, 0.1)},
+                                         "padding": {"prefill": 1.4, "decode_rows": 1.1}},
+               "ray": {"label": "ray", "points": {1: point(40, 0.1, 0.02), 32: point(100, 0.5, 0.2)}}}
+    found = gh.ratios(systems)
+    # The proposed run is neither "neuron-serve" nor a peer: the best peer at 32 is ray's 100 tok/s.
+    assert found["tokens_per_s_c32"] == {"peer": "ray", "ratio": pytest.approx(3.0)}
+    assert found["proposed_c1"] == {"ttft_p50": pytest.approx(2.0), "tpot_p50": pytest.approx(1.0),
+                                    "tokens_per_s": pytest.approx(1.1)}
+    assert found["proposed_c32"]["tokens_per_s"] == pytest.approx(1.2)
+    text = gh.report({"systems": systems, "ratios": found, "mode": "quick", "requests_per_point": {},
+                      "load_average": [1.0, 1.0], "workload": {"requests": 8, "prompt_tokens": "8-200",
+                                                                "new_tokens": "16-128", "output_tokens": 500}})
+    assert "- concurrency 1: TTFT p50 2.00x, TPOT p50 1.00x, output tok/s 1.10x" in text
+    assert ("neuron-serve: prefill 3.10x, decode_rows 1.20x; neuron-serve, prefill [200, 512]: prefill 1.40x, "
+            "decode_rows 1.10x") in text
+
+
 def test_the_workload_s_prompts_have_their_token_lengths_and_are_the_same_each_time():
     from example_models import make_tiny_llm
 
