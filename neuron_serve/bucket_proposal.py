@@ -1,6 +1,7 @@
 """``neuron-serve buckets MODEL.yaml``: the padding a model's buckets cost on the sizes its replicas recorded, and
 the bucket lists that would cost least, as a model.yaml fragment to paste. A generate model's prefill lengths,
-decode rows and prompt chunks; a pooling model's (task: embed, score, classify) input lengths.
+decode rows and prompt chunks; a pooling model's (task: embed, score, classify) input lengths; a task: infer
+model's sizes along its one bucketed dim (``shape``: buckets.sizes) and its chunks' rows (``rows``: batch_sizes).
 
 The sizes come from the compile cache (bucket_usage.py: every replica of the model writes its own) or from a
 file (``--sizes``: ``{family: {size: requests}}``, or a replica's file). Each family keeps its largest bucket (every
@@ -67,6 +68,20 @@ def pooling_buckets(config: Any, base_dir: str | Path | None) -> list[int]:
     return list(source.load(config, base_dir)[1].length_buckets)
 
 
+def infer_families(config: Any) -> dict[str, tuple[str, str, list[int]]]:
+    """A task: infer model's families: its shape buckets when they bucket one dim (``shape``: a request's size
+    along it), its compiled batch sizes with dynamic_batch (``rows``: a chunk's real rows)."""
+    families = {}
+    if config.buckets is not None:
+        sizes = [size if isinstance(size, int) else size[0] for size in config.buckets.sizes
+                 if isinstance(size, int) or len(size) == 1]
+        if len(sizes) == len(config.buckets.sizes):
+            families["shape"] = ("buckets.sizes", "positions", sorted(sizes))
+    if (batch_sizes := config.compiled_batch_sizes()) is not None:
+        families["rows"] = ("batch_sizes", "rows", sorted(batch_sizes))
+    return families
+
+
 def today(config: Any, base_dir: str | Path | None) -> dict[str, tuple[str, str, list[int]]]:
     """Each family of the model's compiled shapes: (its model.yaml field, its unit, its buckets today)."""
     if config.task == "generate":
@@ -76,9 +91,11 @@ def today(config: Any, base_dir: str | Path | None) -> dict[str, tuple[str, str,
     if config.task in POOLING_TASKS:
         (family, (field, unit)), = POOLING_FAMILIES.items()
         return {family: (f"pooling.{field}", unit, pooling_buckets(config, base_dir))}
-    raise ConfigError(f"task: neuron-serve buckets proposes the buckets of a task: generate model (its replicas "
-                      f"record their prompt lengths and decode rows) or of a pooling model (embed, score, classify: "
-                      f"their input lengths); {config.name} is task: {config.task}.")
+    if families := infer_families(config):
+        return families
+    raise ConfigError(f"buckets: {config.name} compiles one shape at one batch size: nothing to propose. neuron-serve "
+                      f"buckets proposes a task: infer model's shape buckets when they bucket one dim (buckets.sizes) "
+                      f"and its batch sizes (dynamic_batch: true)")
 
 
 def propose(config: Any, base_dir: str | Path | None, sizes: Sizes, max_models: int | None = None) -> dict:
@@ -113,6 +130,9 @@ def report(name: str, families: dict, source: str) -> str:
     lines += ["", "model.yaml:"]
     sections: dict[str, list[str]] = {}
     for entry in families.values():
+        if "." not in entry["field"]:  # a top-level field (an infer model's batch_sizes)
+            lines.append(f"{entry['field']}: {entry['proposed']}")
+            continue
         section, field = entry["field"].split(".", 1)
         sections.setdefault(section, []).append(f"  {field}: {entry['proposed']}")
     for section, fields in sections.items():

@@ -26,6 +26,9 @@ class RuntimeObserver:
     def chunk(self, core: int, batch_size: int, padded: int) -> None:
         """A chunk goes to ``core`` (the runner): the compiled batch size that runs it, its padded rows."""
 
+    def shape(self, size: int, bucket: int) -> None:
+        """A request of ``size`` along a model's one bucketed dim runs on the shape bucket of size ``bucket``."""
+
     def transfer(self, stage: str, core: int, size_bytes: int) -> None:
         """A pipeline stage starts on ``core`` with ``size_bytes`` of input tensors (the pipeline)."""
 

@@ -59,9 +59,11 @@ class DeferredMetrics:
 class ReplicaMetrics(RuntimeObserver):
     """One model's metrics on one replica. Each event queues its update (``deferred``); ``_record_*`` apply them."""
 
-    def __init__(self, model: str, replica: str) -> None:
+    def __init__(self, model: str, replica: str, usage: Any = None) -> None:
         self.model = model
         self.replica = replica
+        # The sizes asked for and what the buckets padded of them (bucket_usage.Usage), when the model keeps them.
+        self.usage = usage
         self._labels = {"model": model, "replica": replica}
         # Labelled once: labels() costs microseconds, and these are recorded per request.
         self._queue_time = metrics.QUEUE_TIME.labels(**self._labels)
@@ -150,6 +152,21 @@ class ReplicaMetrics(RuntimeObserver):
         self._child(metrics.CORE_BATCHES, core=str(core)).inc()
         self._child(metrics.SIZE_CHUNKS, batch_size=str(batch_size)).inc()
         self._child(metrics.PADDING_ROWS).inc(padded)
+        if self.usage is not None:
+            self._count_work(self.usage.record("rows", batch_size - padded, batch_size), batch_size - padded, padded)
+
+    def shape(self, size: int, bucket: int) -> None:
+        if self.usage is not None:
+            self.deferred.add(self._record_shape, size, bucket)
+
+    def _record_shape(self, size: int, bucket: int) -> None:
+        self._count_work(self.usage.record("shape", size, bucket), size, bucket - size)
+
+    @staticmethod
+    def _count_work(counters: tuple, real: int, padded: int) -> None:
+        real_counter, padded_counter = counters
+        real_counter.inc(real)
+        padded_counter.inc(padded)
 
     def padding(self, padded: int) -> None:
         self.deferred.add(self._child(metrics.BATCH_PADDING).observe, padded)

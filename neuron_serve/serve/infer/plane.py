@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from ... import bucket_usage
 from ...assembly.queue import CompileGroup, CompileJob
 from ...version import __version__
 from ...config.schema import ModelConfig
@@ -76,13 +77,18 @@ class ModelDataPlane:
     """One built model on one replica: loads it on the cores, batches its requests, speaks OIP v2."""
 
     def __init__(self, config: ModelConfig, model: CompiledModel, replica: str | None = None,
-                 parameters: dict | None = None, *, compiles: CompileGroup | None = None) -> None:
+                 parameters: dict | None = None, *, compiles: CompileGroup | None = None,
+                 record_sizes: bool = False) -> None:
         self.config = config
         self.parameters = dict(parameters or {})  # more of metadata's parameters (a pooling model's settings)
         self.name = config.name
         self.replica = replica or str(os.getpid())
+        # record_sizes (a task: infer model): each request's size along its bucketed dim and each chunk's rows,
+        # against the buckets and batch sizes that ran them: counted, in the metadata, kept in the compile cache
+        # for `neuron-serve buckets` (a pooling model records its token lengths itself).
+        self.usage = bucket_usage.for_model(self.name, self.replica) if record_sizes else None
         # The runtime's events, and the plane's, as this replica's metrics: one observer, handed down once.
-        self.observer = ReplicaMetrics(self.name, self.replica)
+        self.observer = ReplicaMetrics(self.name, self.replica, self.usage)
         self.runner = ModelRunner(model, cores=config.cores_per_replica, name=self.name, observer=self.observer)
         self.observer.loaded(model, self.runner)
         # The model's compiles on this replica's compile queue (those still running join through grow).
@@ -147,6 +153,8 @@ class ModelDataPlane:
             self._unsubscribe()
         await self._batcher.stop(drain=True)
         self.observer.deferred.flush()
+        if self.usage is not None:
+            self.usage.save()
         if getattr(self, "monitor", None) is not None:
             self.monitor.stop()
         self.runner.close()
@@ -170,6 +178,7 @@ class ModelDataPlane:
                 "batch_sizes": self.runner.model.batch_sizes,
                 "neuron_serve_version": __version__,
                 "compile": self.compile_state(),
+                **({"padding": self.usage.summary()} if self.usage is not None else {}),
                 **self.parameters,
             },
         }

@@ -124,7 +124,8 @@ def _build_plane(config: ModelConfig, base_dir: str | None, replica: str) -> Mod
 
     def load(model) -> ModelDataPlane:
         # An artifact loads in one job: the plane counts its compiled models itself.
-        planes.append(ModelDataPlane(config, model, replica, compiles=build.compiles if build.path is None else None))
+        planes.append(ModelDataPlane(config, model, replica, compiles=build.compiles if build.path is None else None,
+                                     record_sizes=True))
         return planes[0]
 
     return build.start(load, grow=lambda model: planes[0].grow(model))

@@ -116,10 +116,11 @@ def test_refusals_name_what_to_do(fresh_cache, tmp_path, capsys):
     assert cli.main(["buckets", str(config), "--sizes", str(sizes), "--max-models", "0"]) == 2
     assert capsys.readouterr().err == "error: --max-models: a family needs at least one bucket; got 0.\n"
     infer = tmp_path / "infer.yaml"
-    infer.write_text(yaml.safe_dump({"name": "mlp", "model": {"factory": "x:y"},
+    infer.write_text(yaml.safe_dump({"name": "mlp", "model": {"factory": "x:y"}, "dynamic_batch": False,
                                      "inputs": [{"name": "x", "shape": [1, 4]}]}))
     assert cli.main(["buckets", str(infer), "--sizes", str(sizes)]) == 2
-    assert "task: neuron-serve buckets proposes the buckets of a task: generate model" in capsys.readouterr().err
+    assert ("error: buckets: mlp compiles one shape at one batch size: nothing to propose. neuron-serve buckets "
+            "proposes a task: infer model's shape buckets") in capsys.readouterr().err
 
 
 def test_auto_buckets_are_learned_from_the_recorded_calls_once_there_are_enough(served, caplog):

@@ -112,3 +112,63 @@ def test_each_shape_bucket_pads_its_own_rows_and_the_padding_is_counted():
     assert chunks == {(0, 2): 1, (1, 2): 1}  # each bucket's one row ran padded to 2
     # Two rows in the batch, but each shape bucket padded its one row to a 2-row chunk.
     assert (after[0] - before[0], after[1] - before[1]) == (2, 2)
+
+
+def test_an_infer_model_counts_and_keeps_its_sizes_and_neuron_serve_buckets_proposes_from_them(
+        fresh_cache, tmp_path, capsys):
+    """A task: infer model's two families, as a replica records them: each request's size along its bucketed dim
+    against the shape bucket that ran it (``shape``), each chunk's real rows against its compiled batch size
+    (``rows``); in its metadata, its Prometheus counters and, when it stops, the compile cache, where `neuron-serve
+    buckets` reads them."""
+    from prometheus_client import REGISTRY
+
+    from neuron_serve import cli
+
+    config = parse_config({**BUCKETED, "name": "row-sums-usage"})
+    built, eager = build(config, HERE), build_model(config, HERE)
+    replica = "usage"
+
+    def work(family: str, bucket: int, kind: str) -> float:
+        return REGISTRY.get_sample_value("neuron_serve_bucket_work_total", {
+            "model": "row-sums-usage", "replica": replica, "family": family, "bucket": str(bucket),
+            "kind": kind}) or 0.0
+
+    async def calls():
+        plane = ModelDataPlane(config, built, replica=replica, record_sizes=True)
+        plane.runner.use_costs([{2: 1.0, 4: 3.0}, {2: 1.0, 4: 3.0}])
+        plane.start()
+        try:
+            outs = []
+            for length in (3, 3, 6):  # one row each, one at a time: three 2-row chunks
+                x = torch.rand(1, length)
+                content, _ = await rest_infer(plane, body(x), {})
+                outs.append((torch.tensor(json.loads(content)["outputs"][0]["data"]).reshape(1, 2), eager(x)))
+            await asyncio.sleep(0)  # metrics are applied on the loop's next turn, after the answer
+            return outs, plane.metadata()["parameters"]["padding"]
+        finally:
+            await plane.stop()
+
+    outputs, padding = asyncio.run(calls())
+    for out, expected in outputs:
+        torch.testing.assert_close(out, expected, atol=TOLERANCE, rtol=TOLERANCE)
+    # Lengths 3, 3 (bucket 4: 1 padded each) and 6 (bucket 8: 2 padded); each row alone in a chunk of 2.
+    assert padding == {
+        "rows": {"padded_fraction": 0.5, "buckets": {"2": {"calls": 3, "real": 3, "padded": 3}}},
+        "shape": {"padded_fraction": round(4 / 16, 4), "buckets": {"4": {"calls": 2, "real": 6, "padded": 2},
+                                                                    "8": {"calls": 1, "real": 6, "padded": 2}}}}
+    assert (work("shape", 4, "real"), work("shape", 4, "padded"), work("shape", 8, "padded")) == (6, 2, 2)
+    assert (work("rows", 2, "real"), work("rows", 2, "padded")) == (3, 3)
+
+    # Kept in the compile cache when the replica stopped; proposed from there.
+    (yaml_path := tmp_path / "row-sums.yaml").write_text(json.dumps({**BUCKETED, "name": "row-sums-usage"}))
+    assert cli.main(["buckets", str(yaml_path), "--json"]) == 0
+    families = json.loads(capsys.readouterr().out)
+    # shape: sizes {3: 2, 6: 1} on two buckets, 8 kept: [3, 8] pads 3+3+8 = 14 against [6, 8]'s 6+6+6 = 18.
+    assert families["shape"]["today"] == [4, 8] and families["shape"]["proposed"] == [3, 8]
+    assert families["shape"]["padding_today"] == pytest.approx(16 / 12)
+    assert families["shape"]["padding_proposed"] == pytest.approx(14 / 12)
+    # rows: every chunk had one real row: [1, 4] pads nothing.
+    assert families["rows"]["today"] == [2, 4] and families["rows"]["proposed"] == [1, 4]
+    assert families["rows"]["padding_proposed"] == pytest.approx(1.0)
+    assert cli.main(["buckets", str(yaml_path)]) == 0
+    assert capsys.readouterr().out.endswith("model.yaml:\nbatch_sizes: [1, 4]\nbuckets:\n  sizes: [3, 8]\n")
