@@ -85,11 +85,14 @@ class EngineProcess(Engines):
             if self._ended is not None:
                 raise ModelNotReady(f"the generation engine process has ended ({self._ended}); the replica is being "
                                     f"replaced, retry shortly.")
+            # The sink first: the worker's first token can arrive (on the reader's thread, which looks sinks up
+            # without this lock) before send returns here.
+            self._sinks[request.request_id] = sink
             try:
                 self._conn.send(("submit", request))
             except OSError as exc:
+                self._sinks.pop(request.request_id, None)
                 raise ModelNotReady(f"the generation engine process is not reachable ({exc}); retry shortly.") from None
-            self._sinks[request.request_id] = sink
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         with self._lock:
