@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from . import bucket_usage
 from .errors import ConfigError
 from .buckets import traffic
 from .buckets.traffic import Sizes
@@ -91,7 +92,7 @@ def today(config: Any, base_dir: str | Path | None) -> dict[str, tuple[str, str,
     if config.task in POOLING_TASKS:
         (family, (field, unit)), = POOLING_FAMILIES.items()
         return {family: (f"pooling.{field}", unit, pooling_buckets(config, base_dir))}
-    if families := infer_families(config):
+    if families := infer_families(bucket_usage.learned_batch_sizes(config)):
         return families
     raise ConfigError(f"buckets: {config.name} compiles one shape at one batch size: nothing to propose. neuron-serve "
                       f"buckets proposes a task: infer model's shape buckets when they bucket one dim (buckets.sizes) "

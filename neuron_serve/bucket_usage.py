@@ -197,3 +197,35 @@ def learn(model: str, family: str, what: str, defaults: list[int], wanted: int, 
                 "defaults %s", model, what, chosen, calls, unit, traffic.padding(counts, chosen),
                 traffic.padding(counts, defaults), defaults)
     return chosen, calls
+
+
+def learned_batch_sizes(config):
+    """``config`` as a task: infer replica starting now compiles it: with ``batch_sizes: auto``, a copy whose batch
+    sizes are :func:`learn`'s from the chunks (family ``rows``) its replicas recorded, the defaults until
+    ``learn_buckets_after`` are; any other config as it is."""
+    if config.batch_sizes != "auto" or not config.dynamic_batch:
+        return config
+    from .config.generation import AUTO_LEARN_AFTER  # noqa: PLC0415
+
+    defaults = config.compiled_batch_sizes()
+    chosen, _ = learn(config.name, "rows", "batch sizes", defaults, config.learn_buckets_after or AUTO_LEARN_AFTER,
+                      "chunks")
+    return config.model_copy(update={"batch_sizes": chosen})
+
+
+def describe(model: str, summary: dict[str, dict], replicas: int = 1) -> str:
+    """:meth:`Usage.summary` (or :func:`merged_summaries`) as a person reads it: per family, the padded share of
+    the work, then each bucket's calls, real and padded units (``neuron-serve status --buckets``)."""
+    of = f" ({replicas} replicas)" if replicas != 1 else ""
+    if not summary:
+        return f"{model}{of}: no call counted yet"
+    lines = [f"{model}{of}:"]
+    for family, entry in summary.items():
+        lines.append(f"  {family}: {entry['padded_fraction']:.1%} of the work padded")
+        lines.append(f"    {'bucket':>8} {'calls':>9} {'real':>11} {'padded':>11} {'padded %':>9}")
+        for bucket, counted in sorted(entry["buckets"].items(), key=lambda item: int(item[0])):
+            work = counted["real"] + counted["padded"]
+            share = f"{counted['padded'] / work:.1%}" if work else "-"
+            lines.append(f"    {bucket:>8} {counted['calls']:>9} {counted['real']:>11} {counted['padded']:>11} "
+                         f"{share:>9}")
+    return "\n".join(lines)

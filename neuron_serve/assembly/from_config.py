@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 from . import artifact, progress
+from .. import bucket_usage
 from .grid import Entry, GridBuild, Source
 from .queue import BACKGROUND, COMPILED, FAILED, READY, CompileGroup, CompileJob, CompileQueue, compile_queue
 from ..api import dynamic_batch
@@ -169,13 +170,14 @@ class StagedBuild:
     def __init__(self, config: ModelConfig, base_dir: str | Path | None = None, *,
                  background: bool | None = None, queue: CompileQueue | None = None,
                  source: Source | None = None) -> None:
-        self.config = config
+        # batch_sizes: auto starts on the sizes the traffic recorded calls for (an artifact keeps its own).
+        self.path = artifact_path(config, base_dir)
+        self.config = config if self.path is not None else bucket_usage.learned_batch_sizes(config)
         self.base_dir = base_dir
         self.source = source  # the grid's module and buckets, when not the model.yaml's factory (pooling)
         self.background = config.background_compile if background is None else background
         # This build's jobs; a process may build a model of the same name twice (tests, bench).
         self.compiles: CompileGroup = (queue or compile_queue()).group(f"{config.name}#{next(_builds)}")
-        self.path = artifact_path(config, base_dir)
         self.grid: GridBuild | None = None
         self.started = time.perf_counter()
         self.ready_seconds: float | None = None  # from the build's start to the start-up models compiled

@@ -13,11 +13,11 @@ from typing import Any, Literal
 
 import torch
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from .compiler_args import parse_compiler_args
 from ..errors import ConfigError
-from .generation import FieldError, GenerationSettings, check_task
+from .generation import AUTO_LEARN_AFTER, FieldError, GenerationSettings, check_task
 from .messages import format_errors
 from .names import NAME_PATTERN
 from .pooling import POOLING_TASKS, PoolingSettings, check_pooling_task
@@ -308,10 +308,16 @@ class ModelConfig(_Strict):
     outputs: list[str] | None = Field(default=None, description="names of the flattened outputs (default: from the model)")
     buckets: BucketSettings | None = None
     dynamic_batch: bool = Field(True, description="accept any batch size, run as the cheapest compiled batch sizes")
-    batch_sizes: list[int] | None = Field(
-        default=None, min_length=1,
+    batch_sizes: list[int] | Literal["auto"] | None = Field(
+        default=None,
         description="batch sizes to compile each bucket at (default: powers of 4 up to batching.max_batch_size, "
-                    "plus it); needs dynamic_batch",
+                    "plus it); needs dynamic_batch. auto (task: infer): as many as the defaults, the largest kept, "
+                    "those that pad the chunks the model's replicas recorded least, once learn_buckets_after are",
+    )
+    learn_buckets_after: PositiveInt | None = Field(
+        default=None,
+        description=f"batch_sizes: auto: the recorded chunks a replica needs before it starts on the batch sizes "
+                    f"chosen from them; default: {AUTO_LEARN_AFTER}",
     )
     cores_per_replica: int = Field(1, ge=1)
     background_compile: bool = Field(
@@ -360,8 +366,22 @@ class ModelConfig(_Strict):
             if not self.dynamic_batch:
                 raise ValueError("batch_sizes needs dynamic_batch: true (without it a request must have the "
                                  "trace-time batch); remove batch_sizes or enable dynamic_batch")
-            check_batch_sizes(self.batch_sizes, limit=self.batching.max_batch_size)
+            if self.batch_sizes != "auto":
+                check_batch_sizes(self.batch_sizes, limit=self.batching.max_batch_size)
+        self._check_learning()
         return self
+
+    def _check_learning(self) -> None:
+        if self.batch_sizes == "auto" and self.task != "infer":
+            learns = ("generation.prefill_buckets: auto or decode_batch_buckets: auto" if self.task == "generate"
+                      else "pooling.length_buckets: auto")
+            raise FieldError("batch_sizes", f"auto applies to task: infer (it learns from the rows of its chunks); a "
+                                            f"task: {self.task} model learns its buckets with {learns}; give a list")
+        if self.learn_buckets_after is not None and self.batch_sizes != "auto":
+            where = {"generate": "generation.", "infer": ""}.get(self.task, "pooling.")
+            raise FieldError("learn_buckets_after", f"applies to batch_sizes: auto; set batch_sizes: auto or remove "
+                                                    f"learn_buckets_after" + (f" (or give {where}learn_buckets_after)"
+                                                                              if where else ""))
 
     def _check_placement(self) -> None:
         try:
@@ -389,14 +409,17 @@ class ModelConfig(_Strict):
 
     @field_validator("batch_sizes")
     @classmethod
-    def _sorted_sizes(cls, sizes: list[int] | None) -> list[int] | None:
-        return None if sizes is None else check_batch_sizes(sizes)
+    def _sorted_sizes(cls, sizes: list[int] | str | None) -> list[int] | str | None:
+        return sizes if sizes is None or sizes == "auto" else check_batch_sizes(sizes)
 
     def compiled_batch_sizes(self) -> list[int] | None:
-        """The batch sizes to compile: as given, else derived from batching.max_batch_size (None: the trace batch)."""
+        """The batch sizes to compile: as given, else derived from batching.max_batch_size (None: the trace batch).
+        With auto, the defaults: a build starts from :func:`bucket_usage.learned_batch_sizes`' copy instead."""
         if not self.dynamic_batch:
             return None
-        return self.batch_sizes or default_batch_sizes(self.batching.max_batch_size)
+        if self.batch_sizes is None or self.batch_sizes == "auto":
+            return default_batch_sizes(self.batching.max_batch_size)
+        return self.batch_sizes
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         return tuple(spec.example() for spec in self.inputs or [])

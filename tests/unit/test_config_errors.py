@@ -69,6 +69,16 @@ CASES = [
     ("buckets name an unknown input", variant("buckets", {"sizes": [8], "inputs": {"y": 1}}),
      "buckets name unknown inputs ['y']"),
     ("buckets without sizes", variant("buckets", {"sizes": [], "inputs": {"x": 1}}), "buckets.sizes: List should have at least 1 item"),
+    ("batch sizes neither a list nor auto", variant("batch_sizes", "some"),
+     "batch_sizes: Input should be 'auto' (use one of the values listed)"),
+    ("batch sizes auto without dynamic batch", {**variant("batch_sizes", "auto"), "dynamic_batch": False},
+     "batch_sizes needs dynamic_batch: true"),
+    ("learn_buckets_after without batch sizes auto", variant("learn_buckets_after", 10),
+     "learn_buckets_after: applies to batch_sizes: auto; set batch_sizes: auto or remove learn_buckets_after"),
+    ("batch sizes auto for a pooling model", {**variant("batch_sizes", "auto"), "task": "embed",
+                                              "model": {"pretrained": "/models/minilm"}, "inputs": None},
+     "batch_sizes: auto applies to task: infer (it learns from the rows of its chunks); a task: embed model learns "
+     "its buckets with pooling.length_buckets: auto; give a list"),
 ]
 
 

@@ -172,3 +172,42 @@ def test_an_infer_model_counts_and_keeps_its_sizes_and_neuron_serve_buckets_prop
     assert families["rows"]["padding_proposed"] == pytest.approx(1.0)
     assert cli.main(["buckets", str(yaml_path)]) == 0
     assert capsys.readouterr().out.endswith("model.yaml:\nbatch_sizes: [1, 4]\nbuckets:\n  sizes: [3, 8]\n")
+
+
+@pytest.mark.parametrize("after", [16, 17])
+def test_batch_sizes_auto_starts_on_the_sizes_the_recorded_chunks_call_for(fresh_cache, caplog, after):
+    """``batch_sizes: auto``: a replica starting with ``learn_buckets_after`` chunks recorded in the compile cache
+    compiles as many batch sizes as the defaults (1, 4, 8 for max_batch_size 8), the largest kept, that pad them
+    least; with fewer recorded, the defaults. Answers are eager's either way."""
+    from neuron_serve import bucket_usage
+
+    name = f"row-sums-auto-{after}"
+    config = parse_config({**BUCKETED, "name": name, "batch_sizes": "auto", "learn_buckets_after": after,
+                           "batching": {"max_batch_size": 8, "max_queue_delay_ms": 1}})
+    recorded = bucket_usage.Usage(name, "earlier", fresh_cache.root)  # another replica's chunks, kept when it stopped
+    for rows, times in ((2, 10), (3, 5), (8, 1)):
+        recorded.sizes.record("rows", rows, times)
+    recorded.save()
+    with caplog.at_level("INFO", logger="neuron_serve"):
+        built = build(config, HERE)
+    learned = after <= 16
+    # 16 chunks of 2, 3 and 8 rows on three sizes with 8 kept: 2 and 3 pad nothing ([1, 4, 8] pads 10*2 + 5*1).
+    assert built.batch_sizes == ([2, 3, 8] if learned else [1, 4, 8])
+    line = (f"model {name}: batch sizes [2, 3, 8], learned from 16 recorded chunks: padded work 1.00x the real, "
+            f"against 1.58x with the defaults [1, 4, 8]" if learned else
+            f"model {name}: batch sizes [1, 4, 8], the defaults (auto: 16 recorded of the 17 it waits for)")
+    assert line in caplog.messages
+    eager = build_model(config, HERE)
+
+    async def calls():
+        plane = ModelDataPlane(config, built, replica="auto")
+        plane.start()
+        try:
+            x = torch.rand(5, 6)
+            content, _ = await rest_infer(plane, body(x), {})
+            return torch.tensor(json.loads(content)["outputs"][0]["data"]).reshape(5, 2), eager(x)
+        finally:
+            await plane.stop()
+
+    out, expected = asyncio.run(calls())
+    torch.testing.assert_close(out, expected, atol=TOLERANCE, rtol=TOLERANCE)
