@@ -253,7 +253,17 @@ def _status(args: argparse.Namespace) -> int:
     from .serve.ray import cluster, deploy  # noqa: PLC0415
 
     cluster.connect(args.address or "auto")
-    print(json.dumps(deploy.status(), indent=2))
+    found = deploy.status()
+    if not args.buckets:
+        print(json.dumps(found, indent=2))
+        return 0
+    from .bucket_usage import describe  # noqa: PLC0415
+
+    models = {name: state for name, state in found.items() if "padding" in state or "compile" in state}
+    if not models:
+        print("no model is counting its buckets' padding (none deployed, or none has started)")
+    for name, state in models.items():
+        print(describe(name, state.get("padding", {}), state.get("padding_replicas", 1)))
     return 0
 
 
@@ -352,6 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", parents=[common], help="show the deployed models and their state")
     status.add_argument("--address", help="Ray cluster (default: the local one)")
+    status.add_argument("--buckets", action="store_true",
+                        help="what each model's buckets padded: per family and bucket, calls, real and padded work, "
+                             "added up over its replicas (neuron-serve buckets proposes better ones)")
     status.set_defaults(func=_status)
 
     buckets = sub.add_parser("buckets", parents=[common],

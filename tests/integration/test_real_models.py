@@ -5,7 +5,10 @@ and sentence-transformers' own eager answers."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 import time
 import urllib.request
 
@@ -163,6 +166,32 @@ def test_embeddings_equal_sentence_transformers_and_rank_a_paraphrase_first(clie
     grown = {b: {k: after[b][k] - before.get(b, {}).get(k, 0) for k in after[b]} for b in after}
     assert {b: g for b, g in grown.items() if g["calls"]} == {"64": {"calls": 4, "real": tokens,
                                                                       "padded": 4 * 64 - tokens}}
+
+
+def test_status_buckets_adds_up_what_each_model_s_buckets_padded(client, examples_llm_server):
+    """`neuron-serve status --buckets` says per model, family and bucket what the metadata says (one replica each
+    here), as the replicas publish it every few seconds."""
+    client.embeddings.create(model="embedder", input=SENTENCES[:2])
+    client.completions.create(model="llm", prompt=PROMPTS[0], max_tokens=2, temperature=0)
+    deadline = time.monotonic() + 30
+    while True:
+        status = subprocess.run([sys.executable, "-m", "neuron_serve.cli", "status", "--buckets", "--address",
+                                 examples_llm_server.ray_address()], capture_output=True, text=True, timeout=120,
+                                cwd=real_models.ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        assert status.returncode == 0, status.stderr[-2000:]
+        length = metadata(examples_llm_server)["parameters"]["padding"]["length"]
+        rows = [(bucket, c["calls"], c["real"], c["padded"]) for bucket, c in length["buckets"].items()]
+        wanted = [f"  length: {length['padded_fraction']:.1%} of the work padded"] + [
+            f"    {b:>8} {calls:>9} {real:>11} {padded:>11} {padded / (real + padded):>9.1%}"
+            for b, calls, real, padded in sorted(rows, key=lambda row: int(row[0]))]
+        embedder = status.stdout.split("embedder:\n", 1)[-1].splitlines()
+        llm = status.stdout.split("llm:\n", 1)[-1].split("embedder:")[0]
+        llm_counted = "\n  prefill: " in llm and "  decode_rows: " in llm  # families in name order
+        if (llm_counted and all(line in embedder for line in wanted)) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert "embedder:\n" in status.stdout and all(line in embedder for line in wanted), (wanted, status.stdout)
+    assert llm_counted, status.stdout
 
 
 def test_the_embedder_is_ready_on_its_first_compiled_model(examples_llm_server):

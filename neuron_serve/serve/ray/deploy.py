@@ -14,9 +14,10 @@ import ray
 from ray import serve
 from ray.experimental import internal_kv
 
+from ... import bucket_usage
 from ...config.schema import ModelConfig
 from ..http import auth
-from . import compile_state, failure, ingress, readiness
+from . import compile_state, failure, ingress, padding_state, readiness
 from .cluster import head_processes
 from .deployment import DRAIN_S, SERVER_APP, model_application, server_application
 
@@ -104,9 +105,11 @@ def build_failure(name: str) -> str:
 
 def status() -> dict[str, dict]:
     """Every application's state and message; for a model, its replicas' compiled models by state
-    (``compile``: summed over its replicas, then each replica's), while some compile in the background."""
+    (``compile``: summed over its replicas, then each replica's), while some compile in the background, and what
+    its buckets padded (``padding``: its replicas' counts added up, as a model's metadata says of one replica)."""
     apps = serve.status().applications
     compiling = compile_state.read()
+    padded = padding_state.read()
     found = {}
     for name, app in apps.items():
         found[name] = {"status": str(app.status), "message": app.message}
@@ -115,6 +118,9 @@ def status() -> dict[str, dict]:
             found[name]["compile"] = {state: sum(r.get(state, 0) for r in replicas.values())
                                       for state in ("compiled", "pending", "failed")}
             found[name]["compile"]["replicas"] = replicas
+        if any(padded.get(name, {}).values()):
+            found[name]["padding"] = bucket_usage.merged_summaries(list(padded[name].values()))
+            found[name]["padding_replicas"] = len(padded[name])
     return found
 
 
@@ -133,6 +139,7 @@ def shutdown(names: list[str] | None = None, progress=lambda message: None) -> N
     if names:
         readiness.forget(names)  # deployed again, a model is checked again before it is called ready
         compile_state.forget(names)
+        padding_state.forget(names)
         for name in names:
             progress(f"stopping model {name!r}: waiting for its in-flight requests (at most {DRAIN_S} s)")
             serve.delete(name)
@@ -159,6 +166,7 @@ def shutdown(names: list[str] | None = None, progress=lambda message: None) -> N
     progress("stopping Ray Serve (its controller and HTTP ingress)")
     readiness.forget()
     compile_state.forget()
+    padding_state.forget()
     _stop_serve(progress)
 
 

@@ -32,7 +32,7 @@ from .applications import (Adapters, call_model, forward_pooling, generate_state
                            pooling_states, statuses)
 from ..grpc import service as grpc_service
 from . import grpc_port
-from . import cluster, compile_state, readiness
+from . import cluster, compile_state, padding_state, readiness
 from ..http.app import server_app
 from ..infer.http import model_app
 
@@ -79,6 +79,7 @@ class ModelServer:
         self.plane.start()
         dataplane.set_current(self.plane)
         self._untrack = compile_state.track(self.plane, replica)
+        self._unpublish = padding_state.track(self.plane, replica)
         self._grpc = self._relay = self._grpc_key = None
         if grpc_options:
             self._grpc, self._relay, self._grpc_key = await grpc_port.start_for_replica(
@@ -99,6 +100,8 @@ class ModelServer:
     async def __del__(self) -> None:
         if getattr(self, "_untrack", None) is not None:
             self._untrack()
+        if getattr(self, "_unpublish", None) is not None:
+            self._unpublish()
         if getattr(self, "_grpc_key", None) is not None:
             try:  # no replica relays here once its list is read again (RELAY_TTL_S)
                 await grpc_port.unregister(self._grpc_key)

@@ -25,7 +25,7 @@ from ...config.generation import GenerationSettings
 from ...errors import ModelNotReady, NeuronServeError
 from ...generation.frontend import Frontend
 from ..http import auth
-from . import adapter_registry, compile_state
+from . import adapter_registry, compile_state, padding_state
 from ..generate import plane as generate_plane
 from ..generate.answers import openai_answer, openai_error
 from ..generate.http import generate_app
@@ -58,6 +58,7 @@ class GenerateServer:
         self.plane.start()
         generate_plane.set_current(self.plane)
         self._untrack = compile_state.track(self.plane, replica)
+        self._unpublish = padding_state.track(self.plane, replica)
 
     async def openai(self, kind: str, request: Any) -> AsyncIterator:
         """An OpenAI request the server app decoded and forwarded: (status, headers, streamed), then the
@@ -123,8 +124,9 @@ class GenerateServer:
                               f"text over HTTP: POST /v2/models/{plane.name}/generate or the OpenAI routes under /v1.")
 
     async def __del__(self) -> None:
-        if getattr(self, "_untrack", None) is not None:
-            self._untrack()
+        for stop in (getattr(self, "_untrack", None), getattr(self, "_unpublish", None)):
+            if stop is not None:
+                stop()
         generate_plane.set_current(None)
         plane = getattr(self, "plane", None)
         if plane is not None:

@@ -28,7 +28,7 @@ from ..pooling import plane as pooling_plane
 from ..pooling.answers import answer
 from ..pooling.http import pooling_app
 from ..pooling.plane import PoolingPlane
-from . import grpc_port
+from . import compile_state, grpc_port, padding_state
 from .applications import POOLING, call_model, model_states
 
 logger = logging.getLogger("neuron_serve")
@@ -53,6 +53,9 @@ class PoolingServer:
         self.plane.start()
         dataplane.set_current(self.plane.data)  # OIP v2 over HTTP and gRPC, on the same queue and cores
         pooling_plane.set_current(self.plane)
+        # neuron-serve status: its compiled models (the data plane's) and what its length buckets padded.
+        self._untrack = compile_state.track(self.plane.data, replica)
+        self._unpublish = padding_state.track(self.plane, replica)
         self._grpc = self._relay = self._grpc_key = None
         if grpc_options:
             self._grpc, self._relay, self._grpc_key = await grpc_port.start_for_replica(
@@ -77,6 +80,9 @@ class PoolingServer:
         return found
 
     async def __del__(self) -> None:
+        for stop in (getattr(self, "_untrack", None), getattr(self, "_unpublish", None)):
+            if stop is not None:
+                stop()
         if getattr(self, "_grpc_key", None) is not None:
             try:
                 await grpc_port.unregister(self._grpc_key)
