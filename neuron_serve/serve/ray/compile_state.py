@@ -53,19 +53,20 @@ def track(plane: Any, replica: str) -> Callable[[], None]:
     return untrack
 
 
-def read() -> dict[str, dict[str, dict]]:
-    """Every model's replicas' compile states: model -> replica -> state."""
+def read(prefix: str = PREFIX) -> dict[str, dict[str, dict]]:
+    """Every model's replicas' states under ``prefix`` (their compiles; padding_state's too): model -> replica ->
+    state."""
     found: dict[str, dict[str, dict]] = {}
-    for key in internal_kv._internal_kv_list(PREFIX, namespace=NAMESPACE):  # noqa: SLF001
+    for key in internal_kv._internal_kv_list(prefix, namespace=NAMESPACE):  # noqa: SLF001
         value = internal_kv._internal_kv_get(key, namespace=NAMESPACE)  # noqa: SLF001
         if value:
-            model, _, replica = key.decode()[len(PREFIX):].partition("/")
+            model, _, replica = key.decode()[len(prefix):].partition("/")
             found.setdefault(model, {})[replica] = json.loads(value)
     return found
 
 
-def forget(models: list[str] | None = None) -> None:
-    """Drop the states of ``models`` (every model with None): they are being stopped."""
-    for key in internal_kv._internal_kv_list(PREFIX, namespace=NAMESPACE):  # noqa: SLF001
-        if models is None or key.decode()[len(PREFIX):].partition("/")[0] in models:
+def forget(models: list[str] | None = None, prefix: str = PREFIX) -> None:
+    """Drop the states under ``prefix`` of ``models`` (every model with None): they are being stopped."""
+    for key in internal_kv._internal_kv_list(prefix, namespace=NAMESPACE):  # noqa: SLF001
+        if models is None or key.decode()[len(prefix):].partition("/")[0] in models:
             internal_kv._internal_kv_del(key, namespace=NAMESPACE)  # noqa: SLF001

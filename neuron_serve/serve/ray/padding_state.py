@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from ray.experimental import internal_kv
 
+from . import compile_state
 from .grpc_port import NAMESPACE
 
 logger = logging.getLogger("neuron_serve")
@@ -66,17 +67,9 @@ def track(plane: Any, replica: str) -> Callable[[], None]:
 
 def read() -> dict[str, dict[str, dict]]:
     """Every model's replicas' padding summaries: model -> replica -> summary."""
-    found: dict[str, dict[str, dict]] = {}
-    for key in internal_kv._internal_kv_list(PREFIX, namespace=NAMESPACE):  # noqa: SLF001
-        value = internal_kv._internal_kv_get(key, namespace=NAMESPACE)  # noqa: SLF001
-        if value:
-            model, _, replica = key.decode()[len(PREFIX):].partition("/")
-            found.setdefault(model, {})[replica] = json.loads(value)
-    return found
+    return compile_state.read(PREFIX)
 
 
 def forget(models: list[str] | None = None) -> None:
     """Drop the summaries of ``models`` (every model with None): they are being stopped."""
-    for key in internal_kv._internal_kv_list(PREFIX, namespace=NAMESPACE):  # noqa: SLF001
-        if models is None or key.decode()[len(PREFIX):].partition("/")[0] in models:
-            internal_kv._internal_kv_del(key, namespace=NAMESPACE)  # noqa: SLF001
+    compile_state.forget(models, PREFIX)
