@@ -71,7 +71,7 @@ def test_batch_sizes_are_sorted_and_deduplicated():
     ({"batch_sizes": [0, 3]}, "batch_sizes: Value error, batch_sizes: batch sizes must be positive integers, got [0]"),
     ({"batch_sizes": [4, 64]}, "batch_sizes: 64 is larger than batching.max_batch_size (32)"),
     ({"batch_sizes": [2], "batching": {"max_batch_size": 1}}, "batch_sizes: 2 is larger than batching.max_batch_size (1)"),
-    ({"batch_sizes": []}, "batch_sizes: List should have at least 1 item"),
+    ({"batch_sizes": []}, "batch_sizes: Value error, batch_sizes: give at least one batch size"),
     ({"batch_sizes": [2], "dynamic_batch": False}, "batch_sizes needs dynamic_batch: true"),
 ])
 def test_bad_batch_sizes_are_refused_naming_the_field(extra, message):
