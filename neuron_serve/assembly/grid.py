@@ -129,6 +129,14 @@ class GridBuild:
         with self._lock:
             self._compiled[entry] = bucket
 
+    def at_batch_sizes(self, sizes: list[int]) -> GridBuild:
+        """This grid at other batch sizes, of the same module, example and weights (its order smallest first): a
+        replica that changes its batch sizes compiles those it does not have and adopts (:meth:`adopt`) the rest."""
+        grid = GridBuild(self.config.model_copy(update={"batch_sizes": list(sizes)}), self.base_dir,
+                         self.swap_weights, staged=False, source=self.source)
+        grid._module, grid._example = self._module, self._example
+        return grid
+
     def compiled(self) -> list[Entry]:
         """The entries compiled so far, in grid order."""
         with self._lock:

@@ -312,12 +312,13 @@ class ModelConfig(_Strict):
         default=None,
         description="batch sizes to compile each bucket at (default: powers of 4 up to batching.max_batch_size, "
                     "plus it); needs dynamic_batch. auto (task: infer): as many as the defaults, the largest kept, "
-                    "those that pad the chunks the model's replicas recorded least, once learn_buckets_after are",
+                    "those that pad the chunks the model's replicas recorded least, once learn_buckets_after are; a "
+                    "serving replica looks again every learn_buckets_after chunks and switches to better ones",
     )
     learn_buckets_after: PositiveInt | None = Field(
         default=None,
         description=f"batch_sizes: auto: the recorded chunks a replica needs before it starts on the batch sizes "
-                    f"chosen from them; default: {AUTO_LEARN_AFTER}",
+                    f"chosen from them, and between two looks while it serves; default: {AUTO_LEARN_AFTER}",
     )
     cores_per_replica: int = Field(1, ge=1)
     background_compile: bool = Field(

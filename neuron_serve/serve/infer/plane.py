@@ -119,6 +119,7 @@ class ModelDataPlane:
         self._ready = False
         self._stopping = False
         self.lone = LoneRequests()  # the requests in flight, and whether one is alone (runs inline)
+        self.rebucket = None  # an assembly/rebucket.BatchSizeRebucketing when batch_sizes is auto
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -179,6 +180,7 @@ class ModelDataPlane:
                 "neuron_serve_version": __version__,
                 "compile": self.compile_state(),
                 **({"padding": self.usage.summary()} if self.usage is not None else {}),
+                **({"rebucketing": self.rebucket.describe()} if self.rebucket is not None else {}),
                 **self.parameters,
             },
         }
@@ -206,6 +208,8 @@ class ModelDataPlane:
             times.started, times.ran = started, ran
         if any(not isinstance(r, Exception) for r in results):
             self.observer.executed()
+        if self.rebucket is not None:
+            self.rebucket.observe()
         return results
 
     def triton_config(self) -> dict:

@@ -104,7 +104,7 @@ def build_plane(config: ModelConfig, base_dir: str | None, replica: str) -> Pool
     at the largest batch size is compiled and loaded (any input fits it); the other compiled models join it as each
     is compiled, in the background (model.yaml's ``background_compile``), all of it on the compile queue."""
     from ...pooling.build import described, staged  # noqa: PLC0415 - the compiler is loaded by replicas only
-    from ...pooling.rebucket import Rebucketing  # noqa: PLC0415 - as the build
+    from ...pooling.rebucket import LengthRebucketing  # noqa: PLC0415 - as the build
 
     # The model's directory is read and its graph made on the queue's thread, as every trace.
     loading = compile_queue().submit(f"load {config.name} (pooling model)", lambda: staged(config, base_dir),
@@ -121,6 +121,6 @@ def build_plane(config: ModelConfig, base_dir: str | None, replica: str) -> Pool
     plane = build.start(load, grow=lambda model: planes[0].data.grow(model))
     settings = config.pooling
     if settings is not None and settings.length_buckets == "auto":
-        plane.rebucket = Rebucketing(plane, config, base_dir, build.source.module,
-                                     settings.learn_buckets_after or AUTO_LEARN_AFTER, build.finished.is_set)
+        plane.rebucket = LengthRebucketing(plane, config, base_dir, build.source.module,
+                                           settings.learn_buckets_after or AUTO_LEARN_AFTER, build.finished.is_set)
     return plane

@@ -7,8 +7,6 @@ them."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 import time
 import warnings
 
@@ -16,6 +14,7 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
+from log_lines import capture
 from neuron_serve.config.schema import parse_config
 from neuron_serve.pooling import source
 from neuron_serve.serve.protocols.pooling import PoolingRequest
@@ -142,22 +141,3 @@ def test_each_decision_is_logged_and_a_look_that_saves_too_little_keeps_the_buck
     assert any(line.startswith(f"model {NAME}: length buckets [{first}, 64] kept for the ")
                for line in lines), lines
 
-
-@contextlib.contextmanager
-def capture():
-    """The neuron_serve logger's messages while the block runs (from every thread)."""
-    lines: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    logger, handler = logging.getLogger("neuron_serve"), Keep(logging.INFO)
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield lines
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)

@@ -1,0 +1,196 @@
+"""A serving replica that changes one family of its compiled sizes for those its traffic pads least.
+
+A replica with ``auto`` sizes (a pooling model's ``pooling.length_buckets``, a task: infer model's
+``batch_sizes``) starts on those learned from what the model's replicas recorded (or the defaults), and keeps
+looking while it serves: each time it has recorded another ``every`` calls of the family, it proposes the sizes that
+pad everything recorded so far least (this replica's and the others', kept in the compile cache; as many as it
+serves, the largest kept: the compiled-model budget does not grow and every request still fits). When the proposal
+cuts the work of what was recorded by at least ``MIN_SAVING``, it compiles the models it does not have on the
+compile queue, behind any other compile (BACKGROUND), while the old ones serve; once all are compiled it switches
+to them in one assignment (ModelRunner.grow) and the old ones no longer held are dropped. A request already
+formed for the old sizes runs on the new ones (padded further, or split): answers are the same whichever compiled
+model runs them. A compile that fails abandons the switch (logged, counted): the old sizes serve on.
+
+What a person reads: a log line per decision, ``neuron_serve_bucket_switches_total{family, outcome}``, and the
+model's metadata (``parameters.rebucketing``). The pooling and infer variants say what their sizes are and how a
+grid of other sizes is built and served.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from .. import metrics
+from ..buckets import traffic
+from ..compile.subgraph import compile_count
+from ..config.schema import ModelConfig
+from ..model import CompiledModel
+from .grid import Entry, GridBuild
+from .queue import BACKGROUND, COMPILED, compile_queue
+
+logger = logging.getLogger("neuron_serve")
+
+MIN_SAVING = 0.05  # the least share of the recorded calls' work a switch must save to be worth its compiles
+
+
+class Rebucketing:
+    """When and to what one replica changes a family of its sizes (see the module's docstring). A variant says
+    which: ``family`` (bucket_usage's), ``what`` and ``unit`` (as its log lines name them) and the hooks below."""
+
+    family = ""
+    what = ""  # "length buckets", "batch sizes"
+    unit = ""  # "inputs", "chunks"
+
+    def __init__(self, config: ModelConfig, replica: str, usage: Any, every: int, ready: Callable[[], bool]) -> None:
+        self.config = config
+        self.usage = usage  # bucket_usage.Usage: what this replica recorded, and the others' in the cache
+        self.every = every
+        self.ready = ready  # whether the replica's own compile has ended (a switch never runs beside it)
+        self.switches = 0
+        self.state = "serving"  # or "compiling [sizes]"
+        self._next = every  # this replica's recorded calls at the next look
+        self._busy = threading.Lock()
+        self.thread: threading.Thread | None = None
+        labels = {"model": config.name, "replica": replica, "family": self.family}
+        self._switched = metrics.BUCKET_SWITCHES.labels(**labels, outcome="switched")
+        self._abandoned = metrics.BUCKET_SWITCHES.labels(**labels, outcome="abandoned")
+
+    # -- what a variant says ---------------------------------------------------------------
+
+    def current(self) -> list[int]:
+        """The sizes served now, smallest first."""
+        raise NotImplementedError
+
+    def served(self) -> CompiledModel:
+        """The compiled model served now."""
+        raise NotImplementedError
+
+    def held(self, model: CompiledModel) -> dict[tuple[int, int], Any]:
+        """``model``'s compiled models by the key :meth:`key` gives a new grid's entries."""
+        raise NotImplementedError
+
+    def grid(self, sizes: list[int]) -> tuple[GridBuild, Callable[[Entry], tuple[int, int]]]:
+        """The grid of the same module over ``sizes``, and the key of each of its entries in :meth:`held`."""
+        raise NotImplementedError
+
+    def apply(self, model: CompiledModel, sizes: list[int], source: str) -> None:
+        """Serve ``model`` (compiled over ``sizes``) from now on; on the compile queue's thread (loading compiles)."""
+        raise NotImplementedError
+
+    # -- the decisions ---------------------------------------------------------------------
+
+    def describe(self) -> dict:
+        """What the model's metadata says of it (``parameters.rebucketing``)."""
+        return {"every": self.every, "switches": self.switches, "state": self.state}
+
+    def observe(self) -> None:
+        """Called on the event loop after calls are recorded: cheap unless a look is due."""
+        recorded = self.usage.sizes.total(self.family)
+        if recorded < self._next or not self.ready() or self._busy.locked():
+            return
+        self._next = recorded + self.every
+        self.thread = threading.Thread(target=self.look, name=f"rebucket-{self.config.name}", daemon=True)
+        self.thread.start()
+
+    def look(self) -> bool:
+        """Propose sizes for the calls recorded, and switch to them when they save enough; whether it switched."""
+        if not self._busy.acquire(blocking=False):
+            return False
+        try:
+            current = self.current()
+            counts = self.usage.counts(self.family)
+            proposed = traffic.propose(counts, len(current), current[-1])
+            now, then = traffic.padding(counts, current), traffic.padding(counts, proposed)
+            calls = sum(counts.values())
+            name = self.config.name
+            if proposed == current or then > now * (1 - MIN_SAVING):
+                logger.info("model %s: %s %s kept for the %d %s recorded: padded work %.2fx the real, %.2fx with "
+                            "the best %d (%s)", name, self.what, current, calls, self.unit, now, then, len(current),
+                            proposed)
+                return False
+            logger.info("model %s: switching %s %s -> %s for the %d %s recorded: padded work %.2fx the real -> "
+                        "%.2fx; compiling the new ones while the old serve", name, self.what, current, proposed,
+                        calls, self.unit, now, then)
+            return self._switch(proposed, f"traffic ({calls} {self.unit}, while serving)", now, then)
+        finally:
+            self._busy.release()
+
+    def _switch(self, sizes: list[int], source: str, now: float, then: float) -> bool:
+        started, compiles = time.perf_counter(), compile_count()
+        self.state = f"compiling {sizes}"
+        grid, key = self.grid(sizes)
+        served = self.held(self.served())
+        group = compile_queue().group(f"{self.config.name} rebucket {self.switches + 1}")
+        jobs = []
+        for entry in grid.order:
+            held = served.get(key(entry))
+            if held is not None:  # a compiled model at a size kept is kept, not compiled again
+                grid.adopt(entry, held)
+            else:
+                jobs.append(group.submit(grid.label(entry), lambda e=entry: grid.compile(e), priority=BACKGROUND))
+        group.wait(jobs)
+        failed = [j for j in jobs if j.state != COMPILED]
+        if failed:
+            return self._abandon(sizes, failed[0])
+        model = grid.model()
+        was = self.served()
+        model.input_names, model.output_names = list(was.input_names), list(was.output_names)
+        model.build_info = dataclasses.replace(was.build_info,
+                                               compiles=was.build_info.compiles + compile_count() - compiles)
+        # Loading onto the cores compiles: on the queue's thread, as every compiled model joins a replica.
+        loading = group.submit(f"load {self.config.name} {self.what} {sizes}",
+                               lambda: self.apply(model, sizes, source), priority=BACKGROUND, kind="load")
+        group.wait([loading])
+        if loading.state != COMPILED:
+            return self._abandon(sizes, loading)
+        self.switches += 1
+        self.state = "serving"
+        self._switched.inc()
+        logger.info("model %s: now on %s %s (%d compiled in %.1f s, %d kept); padded work %.2fx -> %.2fx for the "
+                    "%s recorded", self.config.name, self.what, sizes, len(jobs), time.perf_counter() - started,
+                    len(grid.order) - len(jobs), now, then, self.unit)
+        return True
+
+    def _abandon(self, sizes: list[int], job: Any) -> bool:
+        self.state = "serving"
+        self._abandoned.inc()
+        reason = job.future.exception() if job.future.done() and not job.future.cancelled() else "cancelled"
+        logger.warning("model %s: %s %s abandoned (%s did not end: %s); %s serve on", self.config.name, self.what,
+                       sizes, job.label, reason, self.current())
+        return False
+
+
+class BatchSizeRebucketing(Rebucketing):
+    """A task: infer model with ``batch_sizes: auto``: its compiled batch sizes, from the rows of the chunks it ran
+    (``plane`` is the replica's serve/infer/plane.ModelDataPlane; ``grid`` the build's GridBuild, whose module and
+    example every new batch size is compiled from)."""
+
+    family = "rows"
+    what = "batch sizes"
+    unit = "chunks"
+
+    def __init__(self, plane: Any, grid: GridBuild, every: int, ready: Callable[[], bool]) -> None:
+        super().__init__(plane.config, plane.replica, plane.usage, every, ready)
+        self.plane = plane
+        self.built = grid
+
+    def current(self) -> list[int]:
+        return list(self.served().batch_sizes)
+
+    def served(self) -> CompiledModel:
+        return self.plane.runner.model
+
+    def held(self, model: CompiledModel) -> dict[tuple[int, int], Any]:
+        # The shape buckets do not change: a compiled model is kept by its shape bucket's place and its rows.
+        return {(i, bucket.batch_size): bucket for i in range(len(model.buckets)) for bucket in model.grid(i)}
+
+    def grid(self, sizes: list[int]) -> tuple[GridBuild, Callable[[Entry], tuple[int, int]]]:
+        return self.built.at_batch_sizes(sizes), lambda entry: (entry.bucket, entry.batch)
+
+    def apply(self, model: CompiledModel, sizes: list[int], source: str) -> None:
+        self.plane.grow(model)
+        self.plane.parameters["batch_sizes_from"] = source
