@@ -37,6 +37,26 @@ def build(arch: str, seed: int = 0, **overrides) -> torch.nn.Module:
     return model
 
 
+class NoKernelAtSixteen(transformers.LlamaForCausalLM):
+    """A Llama whose forward cannot be traced at 16 tokens a row: its prefill of 16 fails to compile, as a
+    model's operator may at one shape (eager, on real tensors, it runs)."""
+
+    def forward(self, input_ids=None, **kwargs):
+        traced = input_ids is not None and type(input_ids) is not torch.Tensor
+        if traced and input_ids.shape[1] == 16:
+            raise NotImplementedError("no kernel for 16 tokens a row")
+        return super().forward(input_ids=input_ids, **kwargs)
+
+
+def failing_llama() -> torch.nn.Module:
+    """:func:`build`'s Llama, as :class:`NoKernelAtSixteen`."""
+    reference = build("llama")
+    lm = NoKernelAtSixteen(reference.config).eval()
+    lm.load_state_dict(reference.state_dict())
+    lm.generation_config.eos_token_id = None
+    return lm
+
+
 def eager_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[int]:
     """transformers' own greedy generation of ``new_tokens`` tokens."""
     ids = torch.tensor([prompt])

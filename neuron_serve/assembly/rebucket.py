@@ -9,7 +9,8 @@ cuts the work of what was recorded by at least ``MIN_SAVING``, it compiles the m
 compile queue, behind any other compile (BACKGROUND), while the old ones serve; once all are compiled it switches
 to them in one assignment (ModelRunner.grow) and the old ones no longer held are dropped. A request already
 formed for the old sizes runs on the new ones (padded further, or split): answers are the same whichever compiled
-model runs them. A compile that fails abandons the switch (logged, counted): the old sizes serve on.
+model runs them. A compile that fails abandons the switch (logged, counted): the old sizes serve on, and that list is
+not tried again by this replica.
 
 What a person reads: a log line per decision, ``neuron_serve_bucket_switches_total{family, outcome}``, and the
 model's metadata (``parameters.rebucketing``). The pooling and infer variants say what their sizes are and how a
@@ -27,7 +28,6 @@ from typing import Any, Callable
 from .. import metrics
 from ..buckets import traffic
 from ..compile.subgraph import compile_count
-from ..config.schema import ModelConfig
 from ..model import CompiledModel
 from .grid import Entry, GridBuild
 from .queue import BACKGROUND, COMPILED, compile_queue
@@ -45,17 +45,18 @@ class Rebucketing:
     what = ""  # "length buckets", "batch sizes"
     unit = ""  # "inputs", "chunks"
 
-    def __init__(self, config: ModelConfig, replica: str, usage: Any, every: int, ready: Callable[[], bool]) -> None:
-        self.config = config
+    def __init__(self, name: str, replica: str, usage: Any, every: int, ready: Callable[[], bool]) -> None:
+        self.name = name  # the model's
         self.usage = usage  # bucket_usage.Usage: what this replica recorded, and the others' in the cache
         self.every = every
         self.ready = ready  # whether the replica's own compile has ended (a switch never runs beside it)
         self.switches = 0
         self.state = "serving"  # or "compiling [sizes]"
+        self.abandoned: set[tuple[int, ...]] = set()  # lists whose compile failed: the replica does not retry them
         self._next = every  # this replica's recorded calls at the next look
         self._busy = threading.Lock()
         self.thread: threading.Thread | None = None
-        labels = {"model": config.name, "replica": replica, "family": self.family}
+        labels = {"model": name, "replica": replica, "family": self.family}
         self._switched = metrics.BUCKET_SWITCHES.labels(**labels, outcome="switched")
         self._abandoned = metrics.BUCKET_SWITCHES.labels(**labels, outcome="abandoned")
 
@@ -63,22 +64,6 @@ class Rebucketing:
 
     def current(self) -> list[int]:
         """The sizes served now, smallest first."""
-        raise NotImplementedError
-
-    def served(self) -> CompiledModel:
-        """The compiled model served now."""
-        raise NotImplementedError
-
-    def held(self, model: CompiledModel) -> dict[tuple[int, int], Any]:
-        """``model``'s compiled models by the key :meth:`key` gives a new grid's entries."""
-        raise NotImplementedError
-
-    def grid(self, sizes: list[int]) -> tuple[GridBuild, Callable[[Entry], tuple[int, int]]]:
-        """The grid of the same module over ``sizes``, and the key of each of its entries in :meth:`held`."""
-        raise NotImplementedError
-
-    def apply(self, model: CompiledModel, sizes: list[int], source: str) -> None:
-        """Serve ``model`` (compiled over ``sizes``) from now on; on the compile queue's thread (loading compiles)."""
         raise NotImplementedError
 
     # -- the decisions ---------------------------------------------------------------------
@@ -93,7 +78,7 @@ class Rebucketing:
         if recorded < self._next or not self.ready() or self._busy.locked():
             return
         self._next = recorded + self.every
-        self.thread = threading.Thread(target=self.look, name=f"rebucket-{self.config.name}", daemon=True)
+        self.thread = threading.Thread(target=self.look, name=f"rebucket-{self.name}", daemon=True)
         self.thread.start()
 
     def look(self) -> bool:
@@ -106,11 +91,14 @@ class Rebucketing:
             proposed = traffic.propose(counts, len(current), current[-1])
             now, then = traffic.padding(counts, current), traffic.padding(counts, proposed)
             calls = sum(counts.values())
-            name = self.config.name
+            name = self.name
             if proposed == current or then > now * (1 - MIN_SAVING):
                 logger.info("model %s: %s %s kept for the %d %s recorded: padded work %.2fx the real, %.2fx with "
                             "the best %d (%s)", name, self.what, current, calls, self.unit, now, then, len(current),
                             proposed)
+                return False
+            if tuple(proposed) in self.abandoned:  # its compile failed once: not tried again at every look
+                logger.debug("model %s: %s %s kept: %s was abandoned before", name, self.what, current, proposed)
                 return False
             logger.info("model %s: switching %s %s -> %s for the %d %s recorded: padded work %.2fx the real -> "
                         "%.2fx; compiling the new ones while the old serve", name, self.what, current, proposed,
@@ -120,11 +108,65 @@ class Rebucketing:
             self._busy.release()
 
     def _switch(self, sizes: list[int], source: str, now: float, then: float) -> bool:
-        started, compiles = time.perf_counter(), compile_count()
+        started = time.perf_counter()
         self.state = f"compiling {sizes}"
+        try:
+            compiled, kept = self.rebuild(sizes, source)
+        except Abandoned as exc:
+            self.state = "serving"
+            self.abandoned.add(tuple(sizes))
+            self._abandoned.inc()
+            logger.warning("model %s: %s %s abandoned (%s did not end: %s); %s serve on", self.name,
+                           self.what, sizes, exc.label, exc.reason, self.current())
+            return False
+        self.switches += 1
+        self.state = "serving"
+        self._switched.inc()
+        logger.info("model %s: now on %s %s (%d compiled in %.1f s, %d kept); padded work %.2fx -> %.2fx for the "
+                    "%s recorded", self.name, self.what, sizes, compiled, time.perf_counter() - started, kept,
+                    now, then, self.unit)
+        return True
+
+    def rebuild(self, sizes: list[int], source: str) -> tuple[int, int]:
+        """Compile what ``sizes`` need and the replica does not hold, then serve them: (models compiled, models
+        kept). Raises :class:`Abandoned` when a compile or the load fails (the old sizes still serve)."""
+        raise NotImplementedError
+
+
+class Abandoned(Exception):
+    """A switch's compile or load did not end: ``label`` names the job, ``reason`` what it raised."""
+
+    def __init__(self, job: Any) -> None:
+        self.label = job.label
+        self.reason = job.future.exception() if job.future.done() and not job.future.cancelled() else "cancelled"
+        super().__init__(f"{self.label}: {self.reason}")
+
+
+class GridRebucketing(Rebucketing):
+    """A variant whose compiled models are a grid (assembly/grid.py): the new grid's entries the replica holds are
+    adopted, the others compiled, then the new grid's model is loaded in one step (ModelRunner.grow)."""
+
+    def served(self) -> CompiledModel:
+        """The compiled model served now."""
+        raise NotImplementedError
+
+    def held(self, model: CompiledModel) -> dict[tuple[int, int], Any]:
+        """``model``'s compiled models by the key :meth:`grid` gives a new grid's entries."""
+        raise NotImplementedError
+
+    def grid(self, sizes: list[int]) -> tuple[GridBuild, Callable[[Entry], tuple[int, int]]]:
+        """The grid of the same module over ``sizes``, and the key of each of its entries in :meth:`held`."""
+        raise NotImplementedError
+
+    def apply(self, model: CompiledModel, sizes: list[int], source: str) -> None:
+        """Serve ``model`` (compiled over ``sizes``) from now on; on the compile queue's thread (loading compiles)."""
+        raise NotImplementedError
+
+    def rebuild(self, sizes: list[int], source: str) -> tuple[int, int]:
+        compiles = compile_count()
         grid, key = self.grid(sizes)
         served = self.held(self.served())
-        group = compile_queue().group(f"{self.config.name} rebucket {self.switches + 1}")
+        group = compile_queue().group(f"{self.name} rebucket {self.switches + 1}")
         jobs = []
         for entry in grid.order:
             held = served.get(key(entry))
@@ -135,36 +177,22 @@ class Rebucketing:
         group.wait(jobs)
         failed = [j for j in jobs if j.state != COMPILED]
         if failed:
-            return self._abandon(sizes, failed[0])
+            raise Abandoned(failed[0])
         model = grid.model()
         was = self.served()
         model.input_names, model.output_names = list(was.input_names), list(was.output_names)
         model.build_info = dataclasses.replace(was.build_info,
                                                compiles=was.build_info.compiles + compile_count() - compiles)
         # Loading onto the cores compiles: on the queue's thread, as every compiled model joins a replica.
-        loading = group.submit(f"load {self.config.name} {self.what} {sizes}",
+        loading = group.submit(f"load {self.name} {self.what} {sizes}",
                                lambda: self.apply(model, sizes, source), priority=BACKGROUND, kind="load")
         group.wait([loading])
         if loading.state != COMPILED:
-            return self._abandon(sizes, loading)
-        self.switches += 1
-        self.state = "serving"
-        self._switched.inc()
-        logger.info("model %s: now on %s %s (%d compiled in %.1f s, %d kept); padded work %.2fx -> %.2fx for the "
-                    "%s recorded", self.config.name, self.what, sizes, len(jobs), time.perf_counter() - started,
-                    len(grid.order) - len(jobs), now, then, self.unit)
-        return True
-
-    def _abandon(self, sizes: list[int], job: Any) -> bool:
-        self.state = "serving"
-        self._abandoned.inc()
-        reason = job.future.exception() if job.future.done() and not job.future.cancelled() else "cancelled"
-        logger.warning("model %s: %s %s abandoned (%s did not end: %s); %s serve on", self.config.name, self.what,
-                       sizes, job.label, reason, self.current())
-        return False
+            raise Abandoned(loading)
+        return len(jobs), len(grid.order) - len(jobs)
 
 
-class BatchSizeRebucketing(Rebucketing):
+class BatchSizeRebucketing(GridRebucketing):
     """A task: infer model with ``batch_sizes: auto``: its compiled batch sizes, from the rows of the chunks it ran
     (``plane`` is the replica's serve/infer/plane.ModelDataPlane; ``grid`` the build's GridBuild, whose module and
     example every new batch size is compiled from)."""
@@ -174,7 +202,7 @@ class BatchSizeRebucketing(Rebucketing):
     unit = "chunks"
 
     def __init__(self, plane: Any, grid: GridBuild, every: int, ready: Callable[[], bool]) -> None:
-        super().__init__(plane.config, plane.replica, plane.usage, every, ready)
+        super().__init__(plane.config.name, plane.replica, plane.usage, every, ready)
         self.plane = plane
         self.built = grid
 

@@ -150,7 +150,8 @@ class GenerationSettings(BaseModel):
         default=None,
         description="prompt lengths to compile prefill at; the largest is max_model_len. auto: as many as the "
                     "defaults, chosen from the prompt lengths the model's replicas recorded in the compile cache "
-                    "once learn_buckets_after are (the defaults until then)")
+                    "once learn_buckets_after are (the defaults until then), and switched while serving when the "
+                    "calls recorded since call for others")
     decode_batch_buckets: list[PositiveInt] | Literal["auto"] | None = Field(
         default=None,
         description="running-sequence counts to compile decode at; the largest is max_num_seqs. auto: as many as "
@@ -158,7 +159,8 @@ class GenerationSettings(BaseModel):
     learn_buckets_after: PositiveInt | None = Field(
         default=None,
         description=f"with prefill_buckets or decode_batch_buckets auto: the calls of a family recorded before a "
-                    f"replica starts on the buckets chosen from them; default: {AUTO_LEARN_AFTER}")
+                    f"replica starts on the buckets chosen from them, and between two looks while it serves; "
+                    f"default: {AUTO_LEARN_AFTER}")
     decode_context_buckets: list[PositiveInt] | None = Field(
         default=None, min_length=1,
         description="context lengths to compile decode at (each compiled for every decode batch bucket); the "

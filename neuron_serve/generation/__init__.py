@@ -65,6 +65,7 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
     from .engine import Engine  # noqa: PLC0415
     from .frontend import Frontend  # noqa: PLC0415
     from .group import describe  # noqa: PLC0415
+    from .rebucket import auto  # noqa: PLC0415
 
     given = {"max_num_seqs": max_num_seqs, "max_model_len": max_model_len, "prefill_buckets": prefill_buckets,
              "decode_batch_buckets": decode_batch_buckets, "decode_context_buckets": decode_context_buckets,
@@ -90,4 +91,5 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
                                          tensor_parallel_size=tensor_parallel_size)
     engine = Engine(model, eos_token_ids=eos_token_ids(lm), tokenizer=tokenizer, name=name,
                     **engine_options(settings))
+    engine.rebucketings = auto(model.build, name, settings, "0", engine.usage)
     return Frontend(engine, describe([engine], max_waiting), tokenizer)

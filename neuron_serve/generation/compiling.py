@@ -18,6 +18,7 @@ ahead of the background ones, while that request waits and the others run.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
@@ -29,7 +30,8 @@ import torch
 
 from ..api import trace_bucket_on_state
 from ..assembly import progress
-from ..assembly.queue import BACKGROUND, FAILED, NEEDED, READY, CompileGroup, CompileJob, CompileQueue, compile_queue
+from ..assembly.queue import (BACKGROUND, COMPILED, FAILED, NEEDED, READY, CompileGroup, CompileJob, CompileQueue,
+                              compile_queue)
 from ..buckets.generation import GenerationBuckets
 from ..compile import sharding as spmd
 from ..compile.aliases import shared_state
@@ -111,6 +113,7 @@ class GenerationBuild:
         self._jobs: dict[Shape, CompileJob] = {}
         self._deferred: list[Shape] = []  # background compiles not queued yet (resume)
         self._lock = threading.Lock()
+        self._switching = threading.Lock()  # one switch of buckets at a time (switch)
         self._open = len(self.order)
         self.finished = threading.Event()  # every planned compile has ended (compiled or failed)
         self.started = time.perf_counter()
@@ -244,6 +247,38 @@ class GenerationBuild:
             copy.add(shape, on_this_thread(lambda: (use_device(device), copy.bucket_on(bucket)))[1])
         logger.debug("generation model %s joined the engines of %s", shape.label, self.name)
 
+    # -- a switch of buckets while serving ---------------------------------------------------------
+
+    def switch(self, changes: dict[str, list[int]], label: str) -> tuple[int, int]:
+        """Serve under the buckets served with ``changes`` (one family's list chosen from the traffic:
+        GenerationBuckets' ``prefill`` or ``decode_rows``) from now on: the models they need and the engines
+        lack compile on the compile queue behind any other compile (each joins the engines as it is compiled: a
+        call fits it or a larger one, answers alike); then every engine's model drops those the new buckets no
+        longer plan, in one step. (compiled, kept); raises assembly/rebucket.Abandoned
+        when a compile fails: the new models that did join are dropped again, and the old buckets serve on."""
+        from ..assembly.rebucket import Abandoned  # noqa: PLC0415
+
+        with self._switching:  # the buckets changed are those of the switch before, if one ran meanwhile
+            buckets = dataclasses.replace(self.buckets, **changes)
+            model = self.model
+            wanted = shapes_of(buckets)
+            missing = [s for s in compile_order(buckets) if not model.has(s)]
+            group = self.compiles.queue.group(label)
+            why = "for the buckets it switches to"
+            jobs = [group.submit(f"{self.name} {s.label}", functools.partial(self._compile_late, s, why),
+                                 priority=BACKGROUND) for s in missing]
+            group.wait(jobs)
+            failed = next((j for j in jobs if j.state != COMPILED), None)
+            planned = set(wanted) if failed is None else set(shapes_of(self.buckets))
+            dropped = [s for s in model.shapes if s.kind != "scored" and s not in planned]
+            kept = buckets if failed is None else self.buckets
+            for each in [model, *(copy for copy, _ in self._copies)]:
+                each.rebucket(kept, dropped)
+            self.buckets = kept
+            if failed is not None:
+                raise Abandoned(failed)
+            return len(missing), len(wanted) - len(missing)
+
     # -- copies and late needs ------------------------------------------------------------------
 
     def copy_to(self, device: Any) -> GenerationModel:
@@ -273,12 +308,11 @@ class GenerationBuild:
                 return
         self.compiles.queue.promote(job, NEEDED)
 
-    def _compile_late(self, shape: Shape) -> Bucket:
+    def _compile_late(self, shape: Shape, why: str = "asked for by a request") -> Bucket:
         started = time.perf_counter()
         bucket = self._trace(shape, None)
         self._join(self.model, shape, bucket)
-        logger.info("compiled %s %s (asked for by a request) in %.1f s", self.name, shape.label,
-                    time.perf_counter() - started)
+        logger.info("compiled %s %s (%s) in %.1f s", self.name, shape.label, why, time.perf_counter() - started)
         return bucket
 
 

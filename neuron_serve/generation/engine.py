@@ -98,6 +98,8 @@ class Engine(Engines):
         self.metrics = EngineMetrics(name, replica)
         # The sizes asked for and the padding their buckets cost (bucket_usage.py), shared by the replica's engines.
         self.usage = bucket_usage.for_model(name, replica)
+        # With auto buckets, what looks at those sizes and switches the buckets while serving (rebucket.py).
+        self.rebucketings: list = []
         self.speculation = Speculation(speculative_config, executor, self.metrics, self.eos_token_ids) \
             if speculative_config is not None else None
         for kind, value in executor.memory().items():
@@ -363,6 +365,9 @@ class Engine(Engines):
         real, padded = self.usage.record(family, size, bucket)
         self.metrics.count(real, size)
         self.metrics.count(padded, max(bucket - size, 0))
+        for rebucketing in self.rebucketings:
+            if rebucketing.family == family:
+                rebucketing.observe()
 
     def _prefilled(self, seq: Sequence) -> None:
         """``seq``'s whole prompt is in its slot and its first token out."""

@@ -145,6 +145,9 @@ class GenerationModel:
         # What the weights and cache hold: dtype, quantization, kv_cache_dtype (precision.describe; {}: not said)
         self.precision: dict = {}
         self._buckets: dict[Shape, Bucket] = {}
+        # The models a switch of buckets dropped (:meth:`rebucket`): no call is planned on them, but one planned
+        # just before the switch still finds its model; let go at the next switch.
+        self._retired: dict[Shape, Bucket] = {}
         for shape, bucket in compiled.items():
             self.add(shape, bucket)
         self._split_cache()
@@ -155,12 +158,21 @@ class GenerationModel:
         _keep_outputs_on_core(bucket, shape)
         self._buckets = {**self._buckets, shape: bucket}
 
+    def rebucket(self, buckets: GenerationBuckets, dropped: Sequence[Shape]) -> None:
+        """Serve under ``buckets`` from now on, ``dropped``'s models no longer (their replacements have joined);
+        safe beside a running engine, as :meth:`add`."""
+        current = self._buckets
+        self._retired = {s: current[s] for s in dropped if s in current}
+        self._buckets = {s: b for s, b in current.items() if s not in self._retired}
+        self.buckets = buckets
+
     def has(self, shape: Shape) -> bool:
         return shape in self._buckets
 
     def bucket(self, shape: Shape) -> Bucket:
         """The compiled model of ``shape`` (KeyError while it is not compiled)."""
-        return self._buckets[shape]
+        found = self._buckets.get(shape)
+        return found if found is not None else self._retired[shape]
 
     @property
     def shapes(self) -> list[Shape]:
@@ -259,7 +271,7 @@ class GenerationModel:
             self._split_cache()
 
     def _run(self, shape: Shape, inputs: list[torch.Tensor]) -> "StepOutput":
-        outputs = self._buckets[shape].run_flat(inputs)
+        outputs = self.bucket(shape).run_flat(inputs)
         return StepOutput(outputs[0], outputs[1], outputs[2] if shape.sampled else None, sampled=shape.sampled)
 
     def _smallest(self, kind: str, rows: int, tokens: int, context: int, steps: int = 1,

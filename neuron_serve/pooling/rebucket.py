@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..assembly.grid import Entry, GridBuild
-from ..assembly.rebucket import Rebucketing
+from ..assembly.rebucket import GridRebucketing
 from ..config.schema import ModelConfig
 from ..model import CompiledModel
 from .build import grid_source
 from .spec import PoolingSpec
 
 
-class LengthRebucketing(Rebucketing):
+class LengthRebucketing(GridRebucketing):
     """One pooling plane's length buckets. ``plane`` is the replica's serve/pooling/plane.PoolingPlane: its spec,
     usage, data plane and ``switch``; ``module`` the pooling graph its buckets were compiled from."""
 
@@ -33,7 +33,8 @@ class LengthRebucketing(Rebucketing):
 
     def __init__(self, plane: Any, config: ModelConfig, base_dir: str | Path | None, module: Any,
                  every: int, ready: Callable[[], bool]) -> None:
-        super().__init__(config, plane.data.replica, plane.usage, every, ready)
+        super().__init__(config.name, plane.data.replica, plane.usage, every, ready)
+        self.config = config
         self.plane = plane
         self.base_dir = base_dir
         self.module = module

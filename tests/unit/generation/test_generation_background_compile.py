@@ -10,7 +10,6 @@ import time
 
 import pytest
 import torch
-import transformers
 from prometheus_client import REGISTRY
 
 import generation_models as gm
@@ -26,25 +25,6 @@ BUCKETS = GenerationBuckets.build(4, 48, prefill=[16, 48], decode_rows=[1, 4], d
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11], list(range(30, 50))]
 
 
-class NoKernelAtSixteen(transformers.LlamaForCausalLM):
-    """A Llama whose forward cannot be traced at 16 tokens a row: its prefill of 16 fails to compile, as a
-    model's operator may at one shape (eager, on real tensors, it runs)."""
-
-    def forward(self, input_ids=None, **kwargs):
-        traced = input_ids is not None and type(input_ids) is not torch.Tensor
-        if traced and input_ids.shape[1] == 16:
-            raise NotImplementedError("no kernel for 16 tokens a row")
-        return super().forward(input_ids=input_ids, **kwargs)
-
-
-def failing_llama() -> torch.nn.Module:
-    reference = gm.build("llama")
-    lm = NoKernelAtSixteen(reference.config).eval()
-    lm.load_state_dict(reference.state_dict())
-    lm.generation_config.eos_token_id = None
-    return lm
-
-
 SAMPLED = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=5)
 
 
@@ -52,7 +32,7 @@ SAMPLED = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=5)
 def started():
     """An engine on its start-up models; the build goes on behind it. The eager answers are computed first:
     while a compile runs, torch.export's tracer takes every module call of the process."""
-    lm = failing_llama()
+    lm = gm.failing_llama()
     lm.want = ([gm.eager_greedy(lm, p, 10) for p in PROMPTS], [gm.eager_sampled(lm, p, 10, SAMPLED) for p in PROMPTS])
     build = GenerationBuild(lm, BUCKETS, name="staged")
     model = build.start(background=True)
@@ -99,7 +79,7 @@ def test_a_compile_that_fails_is_named_and_counted_and_the_engine_serves_on(star
     [(label, reason)] = build.compiles.failures()
     assert label == "staged prefill_16"
     assert reason.startswith("UnsupportedModelError: torch.export cannot capture the model: NotImplementedError: "
-                             "no kernel for 16 tokens a row at test_generation_background_compile.py(")
+                             "no kernel for 16 tokens a row at generation_models.py(")
     assert "prefill_16" not in [s.label for s in front.engines.model.shapes]
     # A 4-token prompt runs on the 48-token prefill instead: the same answer.
     [done] = front.generate_batch([PROMPTS[0]], SamplingParams(max_tokens=10, temperature=0))

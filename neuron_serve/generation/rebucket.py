@@ -1,0 +1,52 @@
+"""A serving generate replica that changes its prefill or decode-rows buckets for those its traffic pads least.
+
+With ``generation.prefill_buckets: auto`` (or ``decode_batch_buckets: auto``) a replica starts on the buckets
+learned from what the model's replicas recorded (build.learned), and keeps looking while it serves
+(assembly/rebucket.py: when it looks and what it proposes). A switch compiles the models the new list needs (for
+prefill, a model per new prompt length, and its extends with prefix caching; for decode rows, every decode, mixed
+and verify model of a new row count) on the compile queue behind any other compile, each joining the engines as it
+is compiled, then drops the ones no longer planned from every engine in one step (compiling.GenerationBuild.switch):
+the number of compiled models and the KV cache are the same after as before. A call always runs on a compiled
+model that holds it, so answers are the same tokens whichever bucket runs them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..assembly.rebucket import Rebucketing
+
+# model.yaml's field, its GenerationBuckets attribute and bucket_usage's family, per list that may be auto
+FAMILIES = {"prefill_buckets": ("prefill", "prefill"), "decode_batch_buckets": ("decode_rows", "decode_rows")}
+
+
+class BucketRebucketing(Rebucketing):
+    """One auto list (``field``: ``prefill_buckets`` or ``decode_batch_buckets``) of a generate model whose
+    models ``build`` (compiling.GenerationBuild) compiles; ``usage`` is what its engines record."""
+
+    unit = "calls"
+
+    def __init__(self, build: Any, name: str, replica: str, usage: Any, field: str, every: int) -> None:
+        self.attribute, self.family = FAMILIES[field]
+        self.what = f"generation.{field}"
+        super().__init__(name, replica, usage, every, build.finished.is_set)
+        self.build = build
+
+    def current(self) -> list[int]:
+        return list(getattr(self.build.buckets, self.attribute))
+
+    def rebuild(self, sizes: list[int], source: str) -> tuple[int, int]:
+        return self.build.switch({self.attribute: list(sizes)}, f"{self.name} rebucket {self.family} "
+                                                                 f"{self.switches + 1}")
+
+
+def auto(build: Any, name: str, settings: Any, replica: str, usage: Any) -> list[BucketRebucketing]:
+    """A rebucketing for each list ``settings`` (GenerationSettings) leaves to the traffic; none without a ``build``
+    (an artifact's models compile nowhere)."""
+    if build is None:
+        return []
+    from ..config.generation import AUTO_LEARN_AFTER  # noqa: PLC0415
+
+    every = settings.learn_buckets_after or AUTO_LEARN_AFTER
+    return [BucketRebucketing(build, name, replica, usage, field, every)
+            for field in FAMILIES if getattr(settings, field) == "auto"]
