@@ -212,13 +212,20 @@ class BatchSizeRebucketing(GridRebucketing):
     def served(self) -> CompiledModel:
         return self.plane.runner.model
 
-    def held(self, model: CompiledModel) -> dict[tuple[int, int], Any]:
-        # The shape buckets do not change: a compiled model is kept by its shape bucket's place and its rows.
-        return {(i, bucket.batch_size): bucket for i in range(len(model.buckets)) for bucket in model.grid(i)}
+    def held(self, model: CompiledModel) -> dict[tuple[Any, int], Any]:
+        # The shape buckets do not change: a compiled model is kept by its shape bucket's sizes and its rows.
+        return {(_shape(model.spec, i), bucket.batch_size): bucket
+                for i in range(len(model.buckets)) for bucket in model.grid(i)}
 
-    def grid(self, sizes: list[int]) -> tuple[GridBuild, Callable[[Entry], tuple[int, int]]]:
-        return self.built.at_batch_sizes(sizes), lambda entry: (entry.bucket, entry.batch)
+    def grid(self, sizes: list[int]) -> tuple[GridBuild, Callable[[Entry], tuple[Any, int]]]:
+        grid = self.built.at_batch_sizes(sizes)
+        return grid, lambda entry: (_shape(grid.spec, entry.bucket), entry.batch)
 
     def apply(self, model: CompiledModel, sizes: list[int], source: str) -> None:
         self.plane.grow(model)
         self.plane.parameters["batch_sizes_from"] = source
+
+
+def _shape(spec: Any, index: int) -> Any:
+    """Shape bucket ``index``'s sizes (a served model holds only the buckets that compiled: places may differ)."""
+    return tuple(spec.sizes[index]) if spec is not None else index

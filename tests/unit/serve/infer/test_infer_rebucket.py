@@ -21,27 +21,32 @@ from neuron_serve.config.schema import parse_config
 from neuron_serve.serve.protocols.infer import InferInput, InferRequest
 
 HERE = Path(__file__).resolve().parents[2] / "models"  # two_stage_model.py
-NAME = "two-stage-rebucket"  # a name of its own: the counters are the process's
 TOLERANCE = 1e-5  # float32, compiled on XLA:CPU against eager
-CONFIG = {
-    "name": NAME, "model": {"factory": "two_stage_model:unseeded"}, "inputs": [{"name": "x", "shape": [4, 8]}],
-    "partitioner": {"model_support_percentage_threshold": 0.5}, "batch_sizes": "auto", "learn_buckets_after": 6,
-    "batching": {"max_batch_size": 8, "max_queue_delay_ms": 1},
+COMMON = {"batch_sizes": "auto", "learn_buckets_after": 6, "batching": {"max_batch_size": 8, "max_queue_delay_ms": 1}}
+CONFIGS = {
+    # Two accelerator partitions around a CPU one, weights of their own draw.
+    "two-stage-rebucket": {"model": {"factory": "two_stage_model:unseeded"}, "inputs": [{"name": "x", "shape": [4, 8]}],
+                           "partitioner": {"model_support_percentage_threshold": 0.5}},
+    # Two shape buckets along dim 1 (inputs of 5 columns run in the 6 bucket): each re-compiled at the new sizes.
+    "row-sums-rebucket": {"model": {"factory": "two_stage_model:row_sums"}, "inputs": [{"name": "x", "shape": [2, 8]}],
+                          "buckets": {"sizes": [6, 8], "inputs": {"x": 1}}},
 }
 
 
-def switches(outcome: str) -> float:
+def switches(name: str, outcome: str) -> float:
     return REGISTRY.get_sample_value("neuron_serve_bucket_switches_total", {
-        "model": NAME, "replica": "test", "family": "rows", "outcome": outcome}) or 0.0
+        "model": name, "replica": "test", "family": "rows", "outcome": outcome}) or 0.0
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def run(request, tmp_path_factory):
     """The model on a new compile cache, on the default sizes [1, 4, 8] (nothing recorded yet) with a look every 6
     chunks; costs given so that 3 rows run as one 4-row chunk and 5 rows as one 8-row chunk."""
     from neuron_serve.compile import cache as compile_cache  # noqa: PLC0415
 
-    config = parse_config(CONFIG)
+    name = request.param
+    config = parse_config({"name": name, **CONFIGS[name], **COMMON})
+    columns = 5 if "buckets" in CONFIGS[name] else 8  # row-sums: 5 columns, padded to its 6 bucket
     with warnings.catch_warnings():  # Ray Serve's own pydantic fields warn as it is imported
         warnings.simplefilter("ignore", DeprecationWarning)
         from neuron_serve.serve.ray.deployment import _build_plane  # noqa: PLC0415
@@ -53,7 +58,7 @@ def run(tmp_path_factory):
         while not plane.rebucket.ready():  # a look waits for the replica's own compile to end; so does the test
             assert time.monotonic() < deadline, plane.compile_state()
             time.sleep(0.2)
-        plane.runner.use_costs([{1: 1.0, 4: 1.1, 8: 1.2}])
+        plane.runner.use_costs([{1: 1.0, 4: 1.1, 8: 1.2}] * len(plane.runner.model.buckets))
         before = {"sizes": list(plane.runner.model.batch_sizes), "compiled": _compiled(plane)}
         module = plane.rebucket.built._module  # the factory's model, whose weights every compiled model holds
 
@@ -62,18 +67,18 @@ def run(tmp_path_factory):
             answers: dict[str, list] = {"before": [], "during": [], "after": []}
             try:
                 for rows in (3, 5) * 10:  # one request at a time: a look starts once 6 chunks are recorded
-                    answers["before"].append(await infer(plane, rows))
+                    answers["before"].append(await infer(plane, rows, columns))
                     await asyncio.sleep(0)  # the chunk is recorded on the loop's next turn
                     if plane.rebucket.thread is not None:
                         break
                 look = plane.rebucket.thread
                 assert look is not None, plane.metadata()["parameters"]["padding"]
                 while look.is_alive():  # requests keep being answered while it compiles
-                    answers["during"].extend(await asyncio.gather(infer(plane, 3), infer(plane, 5), infer(plane, 2)))
+                    answers["during"].extend(await asyncio.gather(*(infer(plane, n, columns) for n in (3, 5, 2))))
                     await asyncio.sleep(0.1)
                 look.join()
                 for rows in (3, 5, 8, 1, 7):
-                    answers["after"].append(await infer(plane, rows))
+                    answers["after"].append(await infer(plane, rows, columns))
                 again = await asyncio.get_running_loop().run_in_executor(None, plane.rebucket.look)
                 return answers, plane.metadata(), again
             finally:
@@ -83,7 +88,7 @@ def run(tmp_path_factory):
             answers, metadata, again = asyncio.run(main())
         after = {"sizes": list(plane.runner.model.batch_sizes), "compiled": _compiled(plane)}
         restarted = bucket_usage.learned_batch_sizes(config).batch_sizes
-        return {"before": before, "after": after, "answers": answers, "metadata": metadata, "again": again,
+        return {"name": name, "buckets": len(plane.runner.model.buckets), "before": before, "after": after, "answers": answers, "metadata": metadata, "again": again,
                 "lines": lines, "module": module, "restarted": restarted}
     finally:
         compile_cache.configure()
@@ -94,8 +99,8 @@ def _compiled(plane) -> int:
     return sum(len(model.grid(i)) for i in range(len(model.buckets)))
 
 
-async def infer(plane, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    x = torch.rand(rows, 8)
+async def infer(plane, rows: int, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.rand(rows, columns)
     answer = await plane.infer(InferRequest(None, [InferInput("x", "FP32", tuple(x.shape), x)]))
     return x, answer.outputs[0].tensor
 
@@ -104,8 +109,8 @@ def test_it_switches_to_the_batch_sizes_that_pad_its_chunks_least_within_the_sam
     # Chunks of 3 and 5 rows on three sizes, 8 kept: [3, 5, 8] pads nothing, [1, 4, 8] pads 1 and 3 rows.
     assert run["before"]["sizes"] == [1, 4, 8]
     assert run["after"]["sizes"] == [3, 5, 8]
-    assert run["after"]["compiled"] == run["before"]["compiled"] == 3
-    assert switches("switched") == 1 and switches("abandoned") == 0
+    assert run["after"]["compiled"] == run["before"]["compiled"] == 3 * run["buckets"]
+    assert switches(run["name"], "switched") == 1 and switches(run["name"], "abandoned") == 0
     parameters = run["metadata"]["parameters"]
     assert parameters["batch_sizes"] == [3, 5, 8]
     assert parameters["batch_sizes_from"].startswith("traffic (") and parameters["batch_sizes_from"].endswith(
@@ -127,10 +132,11 @@ def test_a_restart_starts_on_the_batch_sizes_it_switched_to(run):
 
 
 def test_each_decision_is_logged_and_a_look_that_saves_too_little_keeps_the_sizes(run):
-    lines = run["lines"]
-    assert any(line.startswith(f"model {NAME}: switching batch sizes [1, 4, 8] -> [3, 5, 8] for the ")
+    lines, name, buckets = run["lines"], run["name"], run["buckets"]
+    assert any(line.startswith(f"model {name}: switching batch sizes [1, 4, 8] -> [3, 5, 8] for the ")
                and " chunks recorded: padded work " in line for line in lines), lines
-    assert any(line.startswith(f"model {NAME}: now on batch sizes [3, 5, 8] (2 compiled in ")
-               and " s, 1 kept); padded work " in line for line in lines), lines
+    # Each shape bucket compiles 3 and 5 rows and keeps its 8.
+    assert any(line.startswith(f"model {name}: now on batch sizes [3, 5, 8] ({2 * buckets} compiled in ")
+               and f" s, {buckets} kept); padded work " in line for line in lines), lines
     assert run["again"] is False
-    assert any(line.startswith(f"model {NAME}: batch sizes [3, 5, 8] kept for the ") for line in lines), lines
+    assert any(line.startswith(f"model {name}: batch sizes [3, 5, 8] kept for the ") for line in lines), lines
