@@ -16,6 +16,7 @@ the model's metadata says of it (``parameters.padding``), read from what the rep
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import os
@@ -179,6 +180,23 @@ def recorded_counts(model: str, family: str) -> tuple[dict[int, int], bool]:
 
     store = compile_cache.current()
     return (recorded(store.root, model).of(family) if store is not None else {}), store is not None
+
+
+def shares(model: str, family: str, buckets: list[int] | tuple[int, ...], what: str) -> tuple[float, ...] | None:
+    """Each of ``buckets``' share of the sizes of ``family`` the model's replicas recorded in the compile cache (a
+    size counted on the smallest bucket that holds it; one past them all, on the largest): what a background
+    compile weights the padding each next model saves by, so the buckets the traffic uses come first. None when
+    nothing is recorded. Logged, ``what`` naming the sizes."""
+    counts, _ = recorded_counts(model, family)
+    if not counts:
+        return None
+    held = [0] * len(buckets)
+    for size, times in counts.items():
+        held[min(bisect.bisect_left(buckets, size), len(buckets) - 1)] += times
+    total = sum(held)
+    logger.info("model %s: compile order for the %d %s recorded (%s)", model, total, what,
+                ", ".join(f"{n}: {share / total:.0%}" for n, share in zip(buckets, held)))
+    return tuple(share / total for share in held)
 
 
 def learn(model: str, family: str, what: str, defaults: list[int], wanted: int, unit: str) -> tuple[list[int], int]:

@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from .. import bucket_usage
 from . import progress
 from ..api import dynamic_batch, trace_entry
 from ..buckets.order import compile_order
@@ -73,8 +74,11 @@ class GridBuild:
         batches = self.sizes or [(config.inputs[0].shape or [1])[0]]
         ready = [(len(shapes) - 1, max(batches))]  # any request fits it: see buckets/order.py
         if staged:  # what a replica needs to be ready first, then the most padding saved first
-            self.order = [Entry(b, n) for b, n in compile_order(shapes, batches, max(batches), ready,
-                                                                    source.weights if source is not None else None)]
+            weights = source.weights if source is not None else None
+            if source is None and self.spec is not None and all(len(s) == 1 for s in shapes):
+                # A model.yaml's one bucketed dim: weighted by the sizes its replicas recorded (bucket_usage.py).
+                weights = bucket_usage.shares(config.name, "shape", [s[0] for s in shapes], "request sizes")
+            self.order = [Entry(b, n) for b, n in compile_order(shapes, batches, max(batches), ready, weights)]
         else:  # everything before ready: bucket by bucket, smallest batch first, as trace_buckets
             self.order = [Entry(b, n) for b in range(len(shapes)) for n in sorted(batches)]
         self.ready = [Entry(b, n) for b, n in ready]

@@ -24,10 +24,11 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
+from .. import bucket_usage
 from ..api import trace_bucket_on_state
 from ..assembly import progress
 from ..assembly.queue import (BACKGROUND, COMPILED, FAILED, NEEDED, READY, CompileGroup, CompileJob, CompileQueue,
@@ -54,10 +55,11 @@ def ready_shapes(buckets: GenerationBuckets) -> list[Shape]:
             Shape("decode", buckets.decode_rows[-1], 1, buckets.decode_context[-1])]
 
 
-def compile_order(buckets: GenerationBuckets) -> list[Shape]:
+def compile_order(buckets: GenerationBuckets, prefill_shares: Sequence[float] | None = None) -> list[Shape]:
     """Every model, :func:`ready_shapes` first, then the rest, what saves the most per call first:
 
-    - the smaller prefills, shortest first (a short prompt padded to ``max_model_len`` costs the most);
+    - the smaller prefills, shortest first (a short prompt padded to ``max_model_len`` costs the most); with
+      ``prefill_shares`` (each prefill bucket's share of the prompt lengths recorded), the most used first;
     - the greedy one-step decodes, fewest rows first, then shortest context (a lone stream run over
       every slot does ``max_num_seqs`` times its work);
     - the sampled one-step decodes in the same order (until then a sampled row takes its logits to the
@@ -72,9 +74,12 @@ def compile_order(buckets: GenerationBuckets) -> list[Shape]:
     groups = {("prefill", False): 0, ("decode", False): 1, ("mixed", False): 2, ("decode", True): 3,
               ("extend", False): 4, ("verify", False): 5}
 
+    used = dict(zip(buckets.prefill, prefill_shares or ()))
+
     def rank(shape: Shape) -> tuple:
         rows = -shape.rows if shape.kind == "mixed" else shape.rows
-        return groups[shape.kind, shape.steps > 1], shape.sampled, rows, shape.context, shape.tokens
+        share = -used.get(shape.tokens, 0.0) if shape.kind == "prefill" else 0.0
+        return groups[shape.kind, shape.steps > 1], shape.sampled, share, rows, shape.context, shape.tokens
 
     return first + sorted((s for s in shapes_of(buckets) if s not in first), key=rank)
 
@@ -103,7 +108,9 @@ class GenerationBuild:
             spmd.start_spmd(tensor_parallel_size)
             self.plan = tensor_parallel.plan(lm, tensor_parallel_size)
         self.name = name or type(lm).__name__
-        self.order = compile_order(buckets)
+        # With prompt lengths recorded for this model (bucket_usage.py), the prefills they use most compile first.
+        self.order = compile_order(buckets, bucket_usage.shares(self.name, "prefill", buckets.prefill, "prompt lengths")
+                                   if name else None)
         self.compiles: CompileGroup = (queue or compile_queue()).group(f"{self.name}#{next(_builds)}")
         self.progress = progress.BuildProgress(self.name, len(self.order), labels=[s.label for s in self.order])
         self.model: GenerationModel | None = None

@@ -12,7 +12,6 @@ queue, cores round-robin).
 
 from __future__ import annotations
 
-import bisect
 import logging
 from pathlib import Path
 from typing import Any
@@ -58,22 +57,7 @@ def grid_source(graph: torch.nn.Module, spec: PoolingSpec, config: ModelConfig,
                   input_names=list(spec.input_names), output_names=[spec.output_name],
                   labels=[f"len {n}" for n in spec.length_buckets],
                   partitioner=config.partitioner_config(base_dir) or PartitionerConfig(),
-                  weights=traffic_weights(config.name, spec.length_buckets))
-
-
-def traffic_weights(name: str, buckets: tuple[int, ...]) -> tuple[float, ...] | None:
-    """Each length bucket's share of the input lengths the model's replicas recorded in the compile cache (the
-    background compile saves the most padding first for that traffic); None when none are recorded."""
-    counts, _ = bucket_usage.recorded_counts(name, "length")
-    if not counts:
-        return None
-    shares = [0] * len(buckets)
-    for length, times in counts.items():
-        shares[min(bisect.bisect_left(buckets, length), len(buckets) - 1)] += times
-    total = sum(shares)
-    logger.info("model %s: compile order for the %d input lengths recorded (%s of them by length bucket)", name,
-                total, ", ".join(f"{n}: {share / total:.0%}" for n, share in zip(buckets, shares)))
-    return tuple(share / total for share in shares)
+                  weights=bucket_usage.shares(config.name, "length", spec.length_buckets, "input lengths"))
 
 
 def staged(config: ModelConfig, base_dir: str | Path | None = None, *,
