@@ -155,3 +155,40 @@ def test_a_switch_whose_compile_fails_is_abandoned_and_the_old_buckets_serve_on(
     assert abandoned[0].startswith("model llm-rebucket-fails: generation.prefill_buckets [16, 48] abandoned "
                                    "(NoKernelAtSixteen prefill_16 did not end: "), abandoned
     assert abandoned[0].endswith("; [32, 48] serve on"), abandoned
+
+
+def test_a_model_yaml_replica_re_buckets_its_engines_too(tmp_path):
+    """What a served replica's engine process builds (build.build_engine of a model.yaml, the background compile on):
+    every engine of the group looks at the prompts, and the switch reaches each."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from neuron_serve.config.schema import parse_config  # noqa: PLC0415
+    from neuron_serve.generation.build import build_engine  # noqa: PLC0415
+
+    lm = gm.build("llama")
+    prompt = list(range(1, 6))
+    want = gm.eager_greedy(lm, prompt, 4)
+    config = parse_config({"name": "llm-rebucket-yaml", "task": "generate",
+                           "model": {"factory": "generation_models:build", "kwargs": {"arch": "llama"}},
+                           "generation": {"max_num_seqs": 2, "max_model_len": 48, "prefill_buckets": "auto",
+                                          "learn_buckets_after": 2, "decode_context_buckets": [48],
+                                          "on_device_sampling": False}})
+    compile_cache.configure(tmp_path / "cache")
+    try:
+        front = build_engine(config, Path(__file__).resolve().parents[2], background=True)
+        try:
+            engines = front.engines.engines
+            [look] = engines[0].rebucketings
+            assert all(e.rebucketings == [look] for e in engines) and look.family == "prefill"
+            assert front.engines.build.wait(300)
+            answers = [front.generate_batch([prompt], SamplingParams(max_tokens=4, temperature=0))[0].tokens
+                       for _ in range(2)]
+            look.thread.join()
+            answers.append(front.generate_batch([prompt], SamplingParams(max_tokens=4, temperature=0))[0].tokens)
+            buckets = [e.model.buckets.prefill for e in engines]
+        finally:
+            front.close()
+    finally:
+        compile_cache.configure()
+    assert answers == [want] * 3
+    assert look.switches == 1 and buckets == [[5, 48]] * len(engines)
