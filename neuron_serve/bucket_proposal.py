@@ -118,6 +118,20 @@ def propose(config: Any, base_dir: str | Path | None, sizes: Sizes, max_models: 
     return families
 
 
+def from_cache(config: Any, base_dir: str | Path | None) -> dict:
+    """:func:`propose` on the sizes every replica of ``config``'s model kept in the compile cache; {} when the cache
+    is off, holds none, or the model has nothing to propose (one shape at one batch size)."""
+    from .compile import cache as compile_cache  # noqa: PLC0415 - the cache module imports torch-xla's pieces
+
+    store = compile_cache.current()
+    if store is None:
+        return {}
+    try:
+        return propose(config, base_dir, bucket_usage.recorded(store.root, config.name))
+    except ConfigError:
+        return {}
+
+
 def report(name: str, families: dict, source: str) -> str:
     """What a person reads: each family's padding today and proposed, then the fragment to paste."""
     lines = [f"{name}: sizes from {source}"]

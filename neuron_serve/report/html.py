@@ -270,6 +270,22 @@ def _buckets(data: dict) -> str:
                                      "its own shapes.</p>") + _batch_sizes(data)
 
 
+def _padding(data: dict) -> str:
+    """What the buckets padded of the traffic the model's replicas recorded (``neuron-serve buckets``' figures)."""
+    found = data.get("padding")
+    if not found:
+        return ("<p>No sizes recorded for this model in the compile cache yet: once it serves, each replica keeps "
+                "what it was asked for there, and this says what its buckets padded.</p>")
+    rows = [[escape(family), f"<code>{escape(entry['field'])}</code>", str(entry["calls"]),
+             f"<code>{escape(json.dumps(entry['today']))}</code>", f"{entry['padding_today']:.2f}x",
+             f"<code>{escape(json.dumps(entry['proposed']))}</code>", f"{entry['padding_proposed']:.2f}x"]
+            for family, entry in found.items()]
+    headers = ["family", "field", "calls recorded", "today", "padded work / real", "proposed", "padded work / real"]
+    return ("<h3>What the recorded traffic padded</h3>" + _table(headers, rows, numeric={2, 4, 6})
+            + "<p>From the sizes every replica kept in the compile cache; the proposal has as many buckets, the "
+              "largest kept. <code>neuron-serve buckets</code> prints the model.yaml fragment.</p>")
+
+
 def _suggestions(data: dict) -> str:
     found = data.get("suggestions")
     if found is None:
@@ -314,7 +330,7 @@ def render(data: dict) -> str:
         pipeline_section(data),
         f"<section><h2>Operators on CPU</h2>{_cpu_table(data)}</section>",
         f"<section><h2>Operator counts</h2>{_counts_table(data)}</section>",
-        f"<section><h2>Buckets and batch sizes</h2>{_buckets(data)}</section>",
+        f"<section><h2>Buckets and batch sizes</h2>{_buckets(data)}{_padding(data)}</section>",
         f"<section><h2>Suggestions</h2>{_suggestions(data)}</section>",
         f"<section><h2>Measured times</h2>{_profile(data)}</section></main>",
         f'<script type="application/json" id="report-data">{payload}</script><script>{_JS}</script>',

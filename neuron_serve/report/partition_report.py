@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .. import bucket_proposal
 from ..config.compiler_args import parse_compiler_args
 from ..config.schema import ModelConfig
 from ..partition.config import PartitionerConfig
@@ -30,6 +31,8 @@ def build(config: ModelConfig, model: torch.nn.Module, captured: CapturedGraph, 
         data = explain(captured, analysis, settings, name=config.name, buckets=buckets)
     effective = settings or PartitionerConfig()
     data["batch_sizes"] = config.compiled_batch_sizes()
+    # What the buckets padded of the sizes the model's replicas recorded, and the lists that would pad least.
+    data["padding"] = bucket_proposal.from_cache(config, None)
     # The top-level compiler_args, or partitioner.trace_kwargs' (model.yaml refuses both).
     compiler_args = (settings.trace_kwargs.get("compiler_args") if settings else None) \
         or parse_compiler_args(config.compiler_args)

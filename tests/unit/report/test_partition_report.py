@@ -202,3 +202,38 @@ def test_cli_writes_the_page_for_a_refused_config_and_still_fails(tmp_path):
     assert report["accepted"] is False
     assert [v["message"] for v in report["violations"]] == [message]
     assert message in page.read_text()
+
+
+def test_the_report_says_what_the_recorded_traffic_padded_and_what_would_pad_least(fresh_cache):
+    """A task: infer model's two families, from the sizes its replicas kept in the compile cache: today's buckets and
+    their padding, the proposal and its (recomputed here by hand), in the data and on the page."""
+    from neuron_serve import bucket_usage
+    from neuron_serve.config.schema import build_model, parse_config
+    from neuron_serve.report import partition_report
+
+    config = parse_config({"name": "row-sums-report", "model": {"factory": "two_stage_model:row_sums"},
+                           "inputs": [{"name": "x", "shape": [2, 8]}], "buckets": {"sizes": [4, 8], "inputs": {"x": 1}},
+                           "batch_sizes": [2, 4], "batching": {"max_batch_size": 4}})
+    models = ROOT / "tests" / "unit" / "models"
+    model = build_model(config, models)
+    captured = capture(model, config.example_inputs())
+    analysis = analyze_graph(captured, get_target("neuron"))
+    assert partition_report.build(config, model, captured, analysis)["padding"] == {}
+    assert "No sizes recorded for this model in the compile cache yet" in render(
+        partition_report.build(config, model, captured, analysis))
+    recorded = bucket_usage.Usage("row-sums-report", "earlier", fresh_cache.root)
+    for family, size, times in (("shape", 3, 6), ("shape", 7, 2), ("rows", 1, 8)):
+        recorded.sizes.record(family, size, times)
+    recorded.save()
+    data = partition_report.build(config, model, captured, analysis)
+    shape, rows = data["padding"]["shape"], data["padding"]["rows"]
+    # shape: 6 of size 3 and 2 of 7 on [4, 8] compute 6*4 + 2*8 = 40 for 32 real; on [3, 8], 6*3 + 2*8 = 34.
+    assert (shape["today"], shape["proposed"], shape["calls"]) == ([4, 8], [3, 8], 8)
+    assert (shape["padding_today"], shape["padding_proposed"]) == (pytest.approx(40 / 32), pytest.approx(34 / 32))
+    # rows: 8 one-row chunks on [2, 4] compute 16 rows for 8; on [1, 4], 8.
+    assert (rows["today"], rows["proposed"], rows["padding_today"], rows["padding_proposed"]) == (
+        [2, 4], [1, 4], pytest.approx(2.0), pytest.approx(1.0))
+    page = render(data)
+    assert "<h3>What the recorded traffic padded</h3>" in page
+    assert "<td>shape</td><td><code>buckets.sizes</code></td><td class=n>8</td><td><code>[4, 8]</code></td>" \
+           "<td class=n>1.25x</td><td><code>[3, 8]</code></td><td class=n>1.06x</td>" in page
