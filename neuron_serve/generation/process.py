@@ -68,6 +68,7 @@ class EngineProcess(Engines):
         # by the worker; listeners hear of each change (serve/ray/compile_state.py records it for status).
         self.compile_state: dict | None = payload.pop("compile")
         self.padding: dict = {}  # what the engines' buckets padded so far (bucket_usage), as each request ends
+        self.rebucketing: dict = {}  # where their auto buckets stand (rebucket.describe), as each request ends
         self._compile_listeners: list[Callable[[Any], None]] = []
         self.info: dict = payload
         self._sinks: dict[str, Callable[[TokenEvent], None]] = {}  # open requests' sinks
@@ -165,7 +166,7 @@ class EngineProcess(Engines):
                     if isinstance(event, CompileState):
                         self._compiled(event.state)
                     elif isinstance(event, UsageState):
-                        self.padding = event.summary
+                        self.padding, self.rebucketing = event.summary, event.rebucketing
                     elif isinstance(event, AdapterReply):
                         self._replied(event)
                     else:
@@ -291,6 +292,12 @@ class ProcessGroup(Dispatcher):
     def padding(self) -> dict:
         """What the groups' buckets padded so far, summed."""
         return bucket_usage.merged_summaries([p.padding for p in self.processes])
+
+    @property
+    def rebucketing(self) -> dict:
+        """Where the auto buckets stand: one group's, or each group's (``groups``: each decides on its own)."""
+        states = [p.rebucketing for p in self.processes]
+        return states[0] if len(states) == 1 else ({"groups": states} if any(states) else {})
 
     def subscribe(self, listener: Callable[[Any], None]) -> Callable[[], None]:
         stops = [p.subscribe(listener) for p in self.processes]

@@ -55,9 +55,11 @@ class CompileState:
 
 @dataclass
 class UsageState:
-    """What the engines' buckets padded so far (bucket_usage.Usage.summary), sent as each request ends."""
+    """What the engines' buckets padded so far (bucket_usage.Usage.summary), sent as each request ends, and where
+    their auto buckets stand (rebucket.describe)."""
 
     summary: dict
+    rebucketing: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -35,6 +35,9 @@ class BucketRebucketing(Rebucketing):
     def current(self) -> list[int]:
         return list(getattr(self.build.buckets, self.attribute))
 
+    def describe(self) -> dict:
+        return {"buckets": self.current(), **super().describe()}
+
     def rebuild(self, sizes: list[int], source: str) -> tuple[int, int]:
         return self.build.switch({self.attribute: list(sizes)}, f"{self.name} rebucket {self.family} "
                                                                  f"{self.switches + 1}")
@@ -50,3 +53,9 @@ def auto(build: Any, name: str, settings: Any, replica: str, usage: Any) -> list
     every = settings.learn_buckets_after or AUTO_LEARN_AFTER
     return [BucketRebucketing(build, name, replica, usage, field, every)
             for field in FAMILIES if getattr(settings, field) == "auto"]
+
+
+def describe(rebucketings: list[BucketRebucketing]) -> dict:
+    """What the model's metadata says of them (``parameters.rebucketing``): per auto list, by its model.yaml field,
+    the buckets served now, how often it looks, its switches and its state."""
+    return {r.what: r.describe() for r in rebucketings}

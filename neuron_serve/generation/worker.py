@@ -132,12 +132,13 @@ def serve(conn: Connection) -> int:
     conn.send(("ready", {**engines.info, "tokenizer": engines.engines[0].tokenizer, "compile": state}))
     outbox = Outbox(conn)
     usage = engines.engines[0].usage  # the replica's engines share one
+    from .rebucket import describe  # noqa: PLC0415 - as build_engines
 
     def post(event: TokenEvent) -> None:
         """A request's event to the replica; after its last, what the buckets padded so far (the metadata's)."""
         outbox.post(event)
         if event.finished:
-            outbox.post(UsageState(usage.summary()))
+            outbox.post(UsageState(usage.summary(), describe(engines.engines[0].rebucketings)))
     if build is not None:  # each later compile that ends: its metrics here, its state to the replica
         build.compiles.subscribe(compile_listener(config.name, replica, build, background,
                                                   lambda now: outbox.post(CompileState(now))))

@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import threading
+import time
 
 import httpx
 import pytest
@@ -172,3 +173,24 @@ def test_an_adapter_the_engine_no_longer_serves_is_a_404_as_an_unknown_model_is(
         # What the replica serves by its registry (here its model.yaml's, which still names "gone").
         "message": "the model 'gone' does not exist; this server serves: tiny, gone", "type": "not_found_error",
         "param": "model", "code": "model_not_found"}
+
+
+def test_auto_buckets_switched_in_the_engine_process_are_in_the_replicas_metadata(pretrained):
+    """prefill_buckets: auto in a replica's engine process: its switch while serving reaches the model's metadata
+    (``parameters.rebucketing``) as the next request ends, and the answers are transformers' throughout."""
+    raw = _config(pretrained, prefill_buckets="auto", learn_buckets_after=2)
+    engines = front(EngineProcess(raw, None, "r-auto"))
+    plane = GenerationPlane(parse_config(raw), engines)
+    try:
+        lm = gm.build("llama")
+        prompt = [5, 9, 200, 17, 33]
+        answers, deadline = [], time.monotonic() + 240
+        while time.monotonic() < deadline:  # a look once the background compile is done; it compiles while these run
+            answers.append(engines.generate_batch([prompt], GREEDY, timeout=120)[0].tokens)
+            state = plane.metadata()["parameters"].get("rebucketing", {}).get("generation.prefill_buckets", {})
+            if state.get("switches"):
+                break
+        assert answers == [gm.eager_greedy(lm, prompt, 6)] * len(answers)
+        assert state == {"buckets": [5, 64], "every": 2, "switches": 1, "state": "serving"}, state
+    finally:
+        engines.close()
