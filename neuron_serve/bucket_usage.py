@@ -16,7 +16,6 @@ the model's metadata says of it (``parameters.padding``), read from what the rep
 
 from __future__ import annotations
 
-import bisect
 import json
 import logging
 import os
@@ -190,9 +189,7 @@ def shares(model: str, family: str, buckets: list[int] | tuple[int, ...], what: 
     counts, _ = recorded_counts(model, family)
     if not counts:
         return None
-    held = [0] * len(buckets)
-    for size, times in counts.items():
-        held[min(bisect.bisect_left(buckets, size), len(buckets) - 1)] += times
+    held = [use["requests"] for use in traffic.per_bucket(counts, buckets).values()]
     total = sum(held)
     logger.info("model %s: compile order for the %d %s recorded (%s)", model, total, what,
                 ", ".join(f"{n}: {share / total:.0%}" for n, share in zip(buckets, held)))

@@ -45,6 +45,8 @@ FIRST_CONTEXT_BUCKET = 128
 # eager transformers' forward of it takes 8.6 ms.
 FINER_PREFILL_FROM = 256
 MAX_DECODE_STEPS = 16
+# A family whose buckets may be learned (model.yaml's auto): (recorded family, field, GenerationBuckets attribute)
+LEARNED = (("prefill", "prefill_buckets", "prefill"), ("decode_rows", "decode_batch_buckets", "decode_rows"))
 
 
 def doubling(first: int, last: int) -> list[int]:

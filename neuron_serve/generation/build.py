@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..buckets.generation import GenerationBuckets
+from ..buckets.generation import LEARNED, GenerationBuckets
 from ..config.schema import ModelConfig, _under
 from ..config.generation import GenerationSettings
 from ..errors import ArtifactError, ConfigError
@@ -99,8 +99,6 @@ def check_cache_fits(lm: torch.nn.Module, buckets: GenerationBuckets, field_pref
     return check_fits(lm.config, buckets, weights, dtype_bytes, core, field_prefix, cache_share, needs)
 
 
-# A family whose buckets may be learned (model.yaml's auto): (recorded family, field, GenerationBuckets attribute)
-LEARNED = (("prefill", "prefill_buckets", "prefill"), ("decode_rows", "decode_batch_buckets", "decode_rows"))
 
 
 def learned(settings: GenerationSettings, name: str | None, buckets: GenerationBuckets,
@@ -265,12 +263,11 @@ def build_engines(config: ModelConfig, base_dir: str | Path | None = None, *, re
     group = EngineGroup.on_cores(model, cores or config.cores_per_replica, eos_token_ids=eos,
                                  tokenizer=tokenizer, max_waiting=settings.max_waiting, name=config.name,
                                  replica=replica, adapters=model.adapter_policy, **engine_options(settings))
-    if config.model.artifact is None:
-        from .rebucket import auto  # noqa: PLC0415
+    from .rebucket import auto  # noqa: PLC0415
 
-        rebucketings = auto(model.build, config.name, settings, replica, group.engines[0].usage)
-        for engine in group.engines:
-            engine.rebucketings = rebucketings
+    rebucketings = auto(model.build, config.name, settings, replica, group.engines[0].usage)  # none for an artifact
+    for engine in group.engines:
+        engine.rebucketings = rebucketings
     for name, path in (settings.lora.lora_modules if settings.lora is not None else {}).items():
         try:
             group.load_adapter(name, _under(base_dir, path))

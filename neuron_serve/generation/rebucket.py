@@ -15,19 +15,18 @@ from __future__ import annotations
 from typing import Any
 
 from ..assembly.rebucket import Rebucketing
-
-# model.yaml's field, its GenerationBuckets attribute and bucket_usage's family, per list that may be auto
-FAMILIES = {"prefill_buckets": ("prefill", "prefill"), "decode_batch_buckets": ("decode_rows", "decode_rows")}
+from ..buckets.generation import LEARNED
 
 
 class BucketRebucketing(Rebucketing):
-    """One auto list (``field``: ``prefill_buckets`` or ``decode_batch_buckets``) of a generate model whose
-    models ``build`` (compiling.GenerationBuild) compiles; ``usage`` is what its engines record."""
+    """One auto list (``learned``: LEARNED's entry for ``prefill_buckets`` or ``decode_batch_buckets``) of a generate
+    model whose models ``build`` (compiling.GenerationBuild) compiles; ``usage`` is what its engines record."""
 
     unit = "calls"
 
-    def __init__(self, build: Any, name: str, replica: str, usage: Any, field: str, every: int) -> None:
-        self.attribute, self.family = FAMILIES[field]
+    def __init__(self, build: Any, name: str, replica: str, usage: Any, learned: tuple[str, str, str],
+                 every: int) -> None:
+        self.family, field, self.attribute = learned  # one of LEARNED
         self.what = f"generation.{field}"
         super().__init__(name, replica, usage, every, build.finished.is_set)
         self.build = build
@@ -51,8 +50,8 @@ def auto(build: Any, name: str, settings: Any, replica: str, usage: Any) -> list
     from ..config.generation import AUTO_LEARN_AFTER  # noqa: PLC0415
 
     every = settings.learn_buckets_after or AUTO_LEARN_AFTER
-    return [BucketRebucketing(build, name, replica, usage, field, every)
-            for field in FAMILIES if getattr(settings, field) == "auto"]
+    return [BucketRebucketing(build, name, replica, usage, learned, every)
+            for learned in LEARNED if getattr(settings, learned[1]) == "auto"]
 
 
 def describe(rebucketings: list[BucketRebucketing]) -> dict:

@@ -88,8 +88,9 @@ def run(request, tmp_path_factory):
             answers, metadata, again = asyncio.run(main())
         after = {"sizes": list(plane.runner.model.batch_sizes), "compiled": _compiled(plane)}
         restarted = bucket_usage.learned_batch_sizes(config).batch_sizes
-        return {"name": name, "buckets": len(plane.runner.model.buckets), "before": before, "after": after, "answers": answers, "metadata": metadata, "again": again,
-                "lines": lines, "module": module, "restarted": restarted}
+        return {"name": name, "buckets": len(plane.runner.model.buckets), "before": before, "after": after,
+                "answers": answers, "metadata": metadata, "again": again, "lines": lines, "module": module,
+                "restarted": restarted}
     finally:
         compile_cache.configure()
 
