@@ -4,7 +4,8 @@ Compiles a tiny Llama once, copies it onto core 1, runs eight greedy prompts at 
 the group and prints one JSON object: whether every answer equals transformers' greedy
 generation, how many requests each core's engine served, and which engine each of three
 requests went to once core 0 holds three long ones, and whether prompt logprobs asked of both engines at
-once equal transformers' log-softmax. Then LoRA on the two engines: seeded sampled and greedy requests of
+once equal transformers' log-softmax; then, with the prefill buckets switched on both engines, whether greedy
+and sampled answers do. Then LoRA on the two engines: seeded sampled and greedy requests of
 mixed lengths over two adapters and the base (sampled on the core), and an adapter loaded on the group
 afterwards, each answer against its PEFT model's.
 """
@@ -71,9 +72,26 @@ def main() -> None:
             want = torch.log_softmax(lm(torch.tensor([p])).logits[0].float(), -1)
         got = [lp[0] for lp in d.prompt_logprobs[1:]]
         logprobs_equal.append(max(abs(g - float(want[i, p[i + 1]])) for i, g in enumerate(got)) < 1e-4)
+    rebucketed = _rebucketed(lm, group, frontend, prompts)
     frontend.close()
     print(json.dumps({"equal": equal, "served": at_once, "routed": routed, "scored": logprobs_equal,
-                      "devices": [str(e.executor.device) for e in group.engines], "lora": _lora(prompts)}))
+                      "devices": [str(e.executor.device) for e in group.engines], "rebucketed": rebucketed,
+                      "lora": _lora(prompts)}))
+
+
+def _rebucketed(lm, group, frontend, prompts: list[list[int]]) -> dict:
+    """The group's prefill buckets switched while it serves (what prefill_buckets: auto does): [16, 48] -> [8, 48].
+    Each engine's prefill models after it, and whether greedy and seeded sampled requests of mixed lengths spread
+    over both engines then answer as transformers does."""
+    compiled, kept = group.build.switch({"prefill": [8, 48]}, "rebucket check")
+    params = [SamplingParams(max_tokens=8, temperature=0) if i % 2 else
+              SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=i) for i in range(len(prompts))]
+    done = frontend.generate_batch(prompts, params, timeout=300)
+    equal = [d.tokens == (gm.eager_greedy(lm, q, 8) if p.temperature == 0 else gm.eager_sampled(lm, q, 8, p))
+             for d, q, p in zip(done, prompts, params)]
+    return {"compiled": compiled, "kept": kept, "equal": equal,
+            "prefill": [[s.tokens for s in e.model.shapes if s.kind == "prefill"] for e in group.engines],
+            "buckets": [e.model.buckets.prefill for e in group.engines]}
 
 
 ADAPTERS = {"attention": {"r": 4, "lora_alpha": 8, "target_modules": gm.ATTENTION},

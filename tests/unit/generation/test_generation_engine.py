@@ -451,8 +451,8 @@ def test_a_steps_tokens_reach_their_sinks_while_the_next_model_call_computes(lla
 
 def test_an_engine_per_core_each_with_its_own_cache():
     """Two emulated cores (a fresh process): requests spread over both engines, every answer right, prompt
-    logprobs asked of both at once too (their model compiles once, on the compile queue); LoRA adapters on both
-    engines, sampled and greedy rows alike."""
+    logprobs asked of both at once too (their model compiles once, on the compile queue), a switch of prefill
+    buckets reaching both; LoRA adapters on both engines, sampled and greedy rows alike."""
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2", "PYTHONWARNINGS": "ignore",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "generation_cores_check.py")], capture_output=True,
@@ -466,6 +466,10 @@ def test_an_engine_per_core_each_with_its_own_cache():
     assert result["served"] == [4, 4], result["served"]
     assert result["routed"] == [1, 1, 1], result["routed"]
     assert result["scored"] == [True] * 4
+    # A switch of prefill buckets while serving reaches both engines: each drops prefill 16 for 8 (one compiled,
+    # the other models kept), and greedy and sampled rows on both answer as transformers does after it.
+    assert result["rebucketed"]["prefill"] == [[8, 48]] * 2 and result["rebucketed"]["buckets"] == [[8, 48]] * 2
+    assert (result["rebucketed"]["compiled"], result["rebucketed"]["equal"]) == (1, [True] * 8)
     # LoRA over both engines: 8 sampled and greedy rows over two adapters and the base, then 4 sampled rows of an
     # adapter loaded on the group, each its PEFT model's; both engines wrote adapters into their buffers.
     assert result["lora"]["equal"] == [True] * 12
