@@ -359,13 +359,14 @@ def bucket_model_trace(
 
 def trace_bucket_on_state(model: torch.nn.Module, aliases: dict, example_inputs: Any, shared_state: DeviceState,
                           *, target: str = "neuron", compiler_args: str | list[str] | None = None,
-                          initial: list[torch.Tensor] | None = None) -> Bucket:
+                          initial: list[torch.Tensor] | None = None, inline_weights_to_neff: bool = True) -> Bucket:
     """One more bucket model around a state that buckets compiled earlier already hold on the core.
 
     ``aliases`` name ``model``'s state tensors as ``bucket_model_trace``'s ``func`` returns
     them, in the state's order; the bucket reads and updates ``shared_state`` in place. For a
     bucket compiled when it is first needed (a model's rarely used variant) without
-    compiling the others again.
+    compiling the others again. With ``inline_weights_to_neff=False`` its executable takes the
+    weights as inputs, and shares their copy on the core with every other that takes them.
     """
     states = state_aliases.check_aliases(model, aliases, "trace_bucket_on_state")
     # ``initial``: the state's shapes and dtypes as host tensors, so a compile beside a running engine never reads
@@ -373,7 +374,7 @@ def trace_bucket_on_state(model: torch.nn.Module, aliases: dict, example_inputs:
     states = state_aliases.bind_shared(
         states, initial if initial is not None else [torch.zeros_like(t, device="cpu") for t in shared_state.tensors], 0)
     return _trace_bucket(model, as_args(example_inputs), None, None, target, compiler_args, states=states,
-                         shared_state=shared_state)
+                         shared_state=shared_state, inline_weights=check_inline_weights(inline_weights_to_neff))
 
 
 def trace_entry(

@@ -97,6 +97,7 @@ def capture(func: Callable, example_inputs: Any, example_kwargs: dict | None = N
     except Exception as exc:  # torch raises many types; the user needs the construct and its line
         raise capture_error(exc, module) from None
     gm = exported.module()
+    _forget_export_proxies()
     in_spec, out_spec = gm._in_spec, gm._out_spec
     _strip_guards(gm)
     gm.graph._codegen = torch.fx.graph.CodeGen()  # flat in, flat out
@@ -104,6 +105,16 @@ def capture(func: Callable, example_inputs: Any, example_kwargs: dict | None = N
     gm.recompile()
     flat_inputs, _ = pytree.tree_flatten((args, dict(example_kwargs or {})))
     return CapturedGraph(gm=gm, in_spec=in_spec, out_spec=out_spec, flat_inputs=flat_inputs)
+
+
+def _forget_export_proxies() -> None:
+    """torch.export leaves its last trace's graph reachable from a module-level map (fake tensor id -> proxy), so
+    a process that compiled keeps a whole extra copy of its last model's graph; the export is done with it."""
+    import torch.fx.experimental.proxy_tensor as proxy_tensor  # noqa: PLC0415
+
+    leftover = getattr(proxy_tensor, "_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT", None)
+    if isinstance(leftover, dict):
+        leftover.clear()
 
 
 def _strip_guards(gm: torch.fx.GraphModule) -> None:

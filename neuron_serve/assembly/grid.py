@@ -90,6 +90,13 @@ class GridBuild:
         self._compiled: dict[Entry, Bucket] = {}
         self._lock = threading.Lock()
 
+    @property
+    def inline_weights(self) -> bool:
+        """Whether each compiled model holds its weights (model.yaml's inline_weights_to_neff, true by default, as
+        torch-neuronx's trace). A pooling model's never do: its compiled models take them as inputs and share one
+        copy on each core (compile/core_weights.py)."""
+        return self.source is None and self.config.inline_weights_to_neff is not False
+
     def label(self, entry: Entry) -> str:
         """The entry as its progress line names it: ``mlp batch 16``, ``encoder bucket 2 batch 4``."""
         parts = [self.config.name]
@@ -116,7 +123,7 @@ class GridBuild:
             bucket = trace_entry(self._module, self._example, buckets=self.spec, bucket=entry.bucket, batch_size=batch,
                                  batch_sizes=self.sizes or (), partitioner_config=partitioner,
                                  compiler_args=config.compiler_args, target=config.target,
-                                 inline_weights_to_neff=config.inline_weights_to_neff is not False,
+                                 inline_weights_to_neff=self.inline_weights,
                                  placement=config.model_placement())
         alone = CompiledModel([bucket])
         if self.swap_weights is not None:

@@ -109,7 +109,11 @@ def replace_weights(neuron_model: CompiledModel, state_dict: dict[str, torch.Ten
     if not is_weight_separated(model):
         raise ConfigError("replace_weights: this model's weights are compiled into its executable; trace it with "
                           "neuron_serve.trace(..., inline_weights_to_neff=False) to replace weights.")
-    check_state_dict(weight_specs(model), state_dict)
+    current = weight_specs(model)
+    check_state_dict(current, state_dict)
+    # One copy of record for every executable (they then share one copy on each core); the caller's tensors may
+    # change afterwards.
+    state_dict = {name: state_dict[name].detach().clone() for name in current}
     with torch.no_grad():
         for _, _, sub in _parts(model):
             if isinstance(sub, CompiledSubgraph):

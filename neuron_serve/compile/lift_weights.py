@@ -47,5 +47,8 @@ def lift_weights(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
         owner, _, attr = name.rpartition(".")
         delattr(gm.get_submodule(owner) if owner else gm, attr)
     gm.graph.lint()
+    # The modules that held only weights are empty now; each copy of the graph (one a core, one a compiled model)
+    # would carry the model's whole module tree for nothing.
+    gm.delete_all_unused_submodules()
     gm.recompile()
     return lifted

@@ -22,6 +22,7 @@ import torch.fx
 from ..config.compiler_args import NONE, CompilerArgs
 from ..targets import xla_state
 from ..targets.pjrt import emulated, use_device, xla
+from . import core_weights
 from . import sharding as spmd
 from .lift_weights import lift_weights
 from .passes.fold_weight_layout import DERIVED, fold_input_layout, fold_weight_layout
@@ -65,9 +66,52 @@ def _copy_to(source: torch.fx.GraphModule, device: Any,
     return place_on_device(gm, device).to(device), transposed
 
 
-def _on_device(weights: list[torch.Tensor], transposed: set[int], device: Any) -> list[torch.Tensor]:
-    """Lifted weights as the compiled graph takes them: transposed once here, never per call."""
-    return [(w.t().contiguous() if i in transposed else w).to(device) for i, w in enumerate(weights)]
+def _zeros(specs: Sequence[tuple]) -> list[torch.Tensor]:
+    """Host tensors of ``specs`` ((shape, dtype) each): a compile's inputs, whose values do not matter."""
+    return [torch.zeros(shape, dtype=dtype) for shape, dtype in specs]
+
+
+def _graphs(gm: torch.fx.GraphModule) -> Iterator[torch.fx.GraphModule]:
+    """``gm``'s graph modules: itself, its submodules, and those the dynamo bridge keeps in the closures of the
+    calls it put in their place (each fused part it compiled)."""
+    seen: set[int] = set()
+    pending = [gm]
+    while pending:
+        module = pending.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        yield module
+        pending.extend(m for m in module.children() if isinstance(m, torch.fx.GraphModule))
+        graph = getattr(module, "graph", None)
+        for node in graph.nodes if isinstance(graph, torch.fx.Graph) else ():
+            cells = getattr(node.target, "__closure__", None) if node.op == "call_function" else None
+            for cell in cells or ():
+                try:
+                    held = cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                if isinstance(held, torch.fx.GraphModule):
+                    pending.append(held)
+
+
+def _compact(gm: torch.fx.GraphModule, keep: tuple[str, ...] = ()) -> None:
+    """Drop what each node of ``gm``'s graphs records of how it was made, but ``keep``: stack traces, module stacks,
+    provenance. A compiled model keeps its graphs for as long as it serves, and that record is most of their size."""
+    for module in _graphs(gm):
+        graph = getattr(module, "graph", None)
+        if isinstance(graph, torch.fx.Graph):
+            for node in graph.nodes:
+                node.meta = {k: v for k, v in node.meta.items() if k in keep}
+
+
+def _release_example_inputs(compiled: torch.fx.GraphModule) -> None:
+    """Let go of the device inputs the dynamo bridge kept from the compile's trace (``xla_args`` of the graph and
+    of each fused part): a generate model's are a copy of the whole KV cache. The bridge sets them afresh before it
+    ever traces again."""
+    for module in _graphs(compiled):
+        if getattr(module, "xla_args", None) is not None:
+            module.xla_args = None
 
 
 def _dense(tensor: torch.Tensor) -> torch.Tensor:
@@ -147,23 +191,23 @@ class CompiledSubgraph(torch.nn.Module):
             lifted = lift_weights(self.source) if weights is None else {}
             self.weights = weights if weights is not None else lifted
         self.device = device if device is not None else torch_xla.device()
-        self.example_args = [a.detach().clone() for a in example_args]
+        # Only the shapes and dtypes: a compile's inputs' values do not matter, and a copy of a generate model's
+        # (its whole KV cache) would be held for every compiled model.
+        self.example_specs = [(tuple(a.shape), a.dtype) for a in example_args]
         self.compiler_workdir = compiler_workdir
         self.compiler_args = compiler_args  # what neuronx-cc gets for this subgraph
+        # One program over a core group: weights and state split as the plan says (SPMD).
+        self.sharding = sharding if sharding is not None else spmd.current()
         use_device(self.device)
         resident, self._transposed = _copy_to(self.source, self.device, list(self.weights.values()))
-        self._weights_on_device = _on_device(list(self.weights.values()), self._transposed, self.device)
+        self._hold_weights()
         xla_args = [a.to(self.device) for a in example_args] + self._weights_on_device
         # State inputs (input_output_aliases) whose buffer the executable may reuse for
         # their new value: torch-xla compiles donated inputs as aliased to an output.
         self.donate = list(donate)
-        # One program over a core group: weights and state split as the plan says (SPMD).
-        self.sharding = sharding if sharding is not None else spmd.current()
         # Under a plan: the layout each input is compiled for, given to a host input as it moves to the group.
         self._layouts: dict[int, Any] = {}
         if self.sharding is not None:
-            if not inline_weights:
-                raise ValueError("a sharded subgraph holds its weights inside the executable (inline_weights)")
             spmd.apply_to_module(resident, self.sharding, resident.meta.get(DERIVED, {}))
             # The plan's state spec is the KV cache's; a state of another rank (LoRA's buffers) stays whole, as does
             # every other input.
@@ -183,6 +227,12 @@ class CompiledSubgraph(torch.nn.Module):
             self._compiled = extract_compiled_graph(resident, xla_args)
             outputs = self._compiled(*xla_args)
         self._replay = direct_replay(self._compiled)
+        _release_example_inputs(self._compiled)
+        # The source is compiled again for another core, whose passes read each value's shape ("val"); the compiled
+        # graph is only ever traced again, which reads no record.
+        _compact(self.source, keep=("val",))
+        _compact(self._compiled)
+        del xla_args, outputs
         self.aliased_buffers = _alias_count() - aliased_before  # inputs XLA aliased to outputs
         _compiles += 1
         self.compile_seconds = time.perf_counter() - started
@@ -190,6 +240,27 @@ class CompiledSubgraph(torch.nn.Module):
         if compiler_workdir:
             self._dump_hlo(compiler_workdir)
         logger.debug("compiled %s on %s in %.3fs", name, self.device, self.compile_seconds)
+
+    @property
+    def example_args(self) -> list[torch.Tensor]:
+        """Inputs of the compiled shapes and dtypes (zeros), as the compile took them."""
+        return _zeros(self.example_specs)
+
+    def _hold_weights(self) -> None:
+        """The lifted weights on this subgraph's device, shared with every executable there that takes the same
+        (core_weights.py): each split as the plan splits its source, transposed with it when it is taken so."""
+        names, host = list(self.weights), list(self.weights.values())
+        specs = None
+        if self.sharding is not None:
+            specs = []
+            for index, name in enumerate(names):
+                spec = self.sharding.spec_of(name)
+                if spec is not None and len(spec) != host[index].dim():
+                    raise ValueError(f"sharding spec {spec} of {name} does not fit its shape {tuple(host[index].shape)}")
+                specs.append(spmd.permuted(spec, "t", ()) if spec is not None and index in self._transposed else spec)
+        self._held = core_weights.hold(host, self._transposed, self.device, specs,
+                                       self.sharding.devices if self.sharding is not None else 1)
+        self._weights_on_device = [h.tensor for h in self._held]
 
     def _donate(self, on_device: list[torch.Tensor]) -> None:
         for index in self.donate:
@@ -223,7 +294,7 @@ class CompiledSubgraph(torch.nn.Module):
             # The compiled module replays its executable; lowering again needs a fresh copy.
             lowered, _ = _copy_to(self.source, self.device, list(self.weights.values()))
             with torch.no_grad():
-                outputs = lowered(*[a.to(self.device) for a in self.example_args], *self._weights_on_device)
+                outputs = lowered(*[a.to(self.device) for a in _zeros(self.example_specs)], *self._weights_on_device)
             return xla()._XLAC._get_xla_tensors_hlo(list(outputs))
 
     def load_to(self, device: Any) -> "CompiledSubgraph":
@@ -231,20 +302,21 @@ class CompiledSubgraph(torch.nn.Module):
 
         Call it from the thread that will run the copy (see :func:`use_device`).
         """
-        copy_ = CompiledSubgraph(self.source, self.example_args, name=self.name, device=device,
+        copy_ = CompiledSubgraph(self.source, _zeros(self.example_specs), name=self.name, device=device,
                                  compiler_args=self.compiler_args, inline_weights=self.inline_weights,
-                                 weights=self.weights, donate=self.donate)
+                                 weights=self.weights, donate=self.donate, sharding=self.sharding)
         copy_._tuple_out = self._tuple_out  # self.source already returns a tuple
         copy_.keep_on_device = set(self.keep_on_device)
         return copy_
 
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Hand the executable other weights (same names, shapes, dtypes); nothing is compiled."""
+        """Hand the executable other weights (same names, shapes, dtypes); nothing is compiled. The host tensors
+        are kept as given: every executable given the same ones shares their copy on the device, so they must not
+        change in place afterwards (replace_weights clones a state dict once for all of a model's executables)."""
         if self.inline_weights:
             raise ValueError(f"{self.name} holds its weights inside the executable")
-        self.weights = {name: weights[name].detach().clone() for name in self.weights}
-        with torch.no_grad(), xla_state.exclusive():
-            self._weights_on_device = _on_device(list(self.weights.values()), self._transposed, self.device)
+        self.weights = {name: weights[name].detach() for name in self.weights}
+        self._hold_weights()
 
     def _to_device(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """``args`` on the device: the ones on the host moved in one transfer call.

@@ -228,7 +228,9 @@ class GenerationBuild:
         """One model, compiled around the cache every model shares (made, on the core, by the first)."""
         module = slot_module(self.lm, self.buckets, shape, self.lora)
         if self._state is None:
-            self._initial = [torch.zeros_like(t) for t in module.states()]  # the cache's host template
+            # The cache's shapes and dtypes as host tensors that hold one element each (a compile reads no value of
+            # them; a whole copy of the cache would be held as long as the build).
+            self._initial = [torch.zeros((), dtype=t.dtype).expand(t.shape) for t in module.states()]
             self._state = shared_state(self._initial)
         try:
             with grouped_for_compile(self.lm), spmd.sharded(self.plan), \
@@ -238,7 +240,7 @@ class GenerationBuild:
                 return trace_bucket_on_state(module, module.aliases(), example_inputs(shape, self.lora is not None),
                                              self._state,
                                              target=self.target, compiler_args=self.compiler_args,
-                                             initial=self._initial)
+                                             initial=self._initial, inline_weights_to_neff=False)
         except InternalCompileError as exc:  # torch-xla's own failure: say which model it was compiling
             raise InternalCompileError(f"{self.name} {shape.label}: {exc}") from None
         except UnsupportedModelError as exc:

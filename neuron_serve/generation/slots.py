@@ -160,9 +160,11 @@ class SlotLM(torch.nn.Module):
         stored = kv_cache.cache_dtype(lm, dtype)
         self.layers = lm.config.num_hidden_layers
         keys = (*shape[:2], shape[3], shape[2])
+        # Zeros of one element each, seen whole: the cache a trace takes (its state inputs, lifted), never written in
+        # place, so each compiled model's trace does not allocate a cache of its own.
         for i in range(self.layers):
-            self.register_buffer(f"k_{i}", torch.zeros(keys, dtype=stored), persistent=False)
-            self.register_buffer(f"v_{i}", torch.zeros(shape, dtype=stored), persistent=False)
+            self.register_buffer(f"k_{i}", torch.zeros((), dtype=stored).expand(keys), persistent=False)
+            self.register_buffer(f"v_{i}", torch.zeros((), dtype=stored).expand(shape), persistent=False)
         # LoRA: the adapter buffers, state beside the cache (read, returned unchanged), and each row's adapter
         # slot as the last input (lora_layers.py).
         self.lora = lora

@@ -1,0 +1,90 @@
+"""Weights on a core, held once whatever the number of executables that take them.
+
+An executable compiled with its weights lifted into inputs (``inline_weights_to_neff=False``;
+every generate and pooling model) is handed its weights on each call. Each compiled model
+of a model (a prefill or decode bucket, a batch size, a sampled variant) takes the same
+weights, so they are placed on a core once and every executable there takes the same device
+tensors: a bucket costs its code, not a copy of the checkpoint (NxD Inference's shared
+weights; torch-neuronx's ``inline_weights_to_neff=False`` with ``replace_weights``).
+
+The store is the process's: a host tensor (by its storage, offset, shape and strides) in a
+layout (as is, or transposed once for the matrix multiplications that read it) on a device,
+split by a sharding spec or whole, is copied there once and shared for as long as an
+executable holds it. New host tensors (another checkpoint swapped in) are placed anew; the
+old device copies go when nothing holds them. :func:`held_bytes` is what the store holds.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Sequence
+
+import torch
+
+from . import sharding as spmd
+from ..targets import xla_state
+
+
+class HeldWeight:
+    """One weight on one device: the host tensor it was copied from (kept, so its storage is not reused while
+    the copy is keyed by it) and the device tensor every executable takes."""
+
+    __slots__ = ("host", "tensor", "device", "key", "__weakref__")
+
+    def __init__(self, host: torch.Tensor, tensor: torch.Tensor, device: str, key: tuple) -> None:
+        self.host = host
+        self.tensor = tensor
+        self.device = device
+        self.key = key
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the device tensor (its whole size; a split one's share is nbytes / the group's cores)."""
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+_HELD: "weakref.WeakValueDictionary[tuple, HeldWeight]" = weakref.WeakValueDictionary()
+_LOCK = threading.Lock()
+
+
+def _key(host: torch.Tensor, transposed: bool, device: Any, spec: spmd.Spec | None) -> tuple:
+    storage = host.untyped_storage()
+    return (storage.data_ptr(), storage.nbytes(), host.storage_offset(), tuple(host.shape), tuple(host.stride()),
+            host.dtype, transposed, str(device), spec)
+
+
+def hold(weights: Sequence[torch.Tensor], transposed: set[int], device: Any,
+         specs: Sequence[spmd.Spec | None] | None = None, devices: int = 1) -> list[HeldWeight]:
+    """``weights`` (host tensors) on ``device`` as an executable takes them: those at ``transposed`` indices
+    transposed, each split by ``specs[i]`` over ``devices`` cores (None: whole). A weight already held there in
+    that layout is shared, not copied again."""
+    held: list[HeldWeight] = []
+    for index, host in enumerate(weights):
+        host = host.detach()
+        flip = index in transposed
+        spec = specs[index] if specs is not None else None
+        key = _key(host, flip, device, spec)
+        with _LOCK:
+            found = _HELD.get(key)
+        if found is None:
+            with torch.no_grad(), xla_state.exclusive():
+                tensor = (host.t().contiguous() if flip else host).to(device)
+                if spec is not None:
+                    spmd.mark(tensor, spec, devices)
+            made = HeldWeight(host, tensor, str(device), key)
+            with _LOCK:  # another thread may have placed it meanwhile: keep the first
+                found = _HELD.setdefault(key, made)
+        held.append(found)
+    return held
+
+
+def held() -> list[HeldWeight]:
+    """Every weight the process holds on a device now."""
+    with _LOCK:
+        return list(_HELD.values())
+
+
+def held_bytes(device: str | None = None) -> int:
+    """Bytes of weights the process holds on ``device`` (every device with None), each weight once."""
+    return sum(w.nbytes for w in held() if device is None or w.device == device)
