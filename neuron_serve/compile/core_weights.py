@@ -30,18 +30,30 @@ class HeldWeight:
     """One weight on one device: the host tensor it was copied from (kept, so its storage is not reused while
     the copy is keyed by it) and the device tensor every executable takes."""
 
-    __slots__ = ("host", "tensor", "device", "key", "__weakref__")
+    __slots__ = ("host", "tensor", "device", "key", "spec", "devices", "__weakref__")
 
-    def __init__(self, host: torch.Tensor, tensor: torch.Tensor, device: str, key: tuple) -> None:
+    def __init__(self, host: torch.Tensor, tensor: torch.Tensor, device: str, key: tuple,
+                 spec: spmd.Spec | None = None, devices: int = 1) -> None:
         self.host = host
         self.tensor = tensor
         self.device = device
         self.key = key
+        self.spec = spec  # how it is split over the group's ``devices`` cores (None: whole on each)
+        self.devices = devices
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the device tensor (its whole size; a split one's share is nbytes / the group's cores)."""
+        """Bytes of the whole tensor."""
         return self.tensor.numel() * self.tensor.element_size()
+
+    @property
+    def share(self) -> int:
+        """Bytes one core of the group holds: its split of the tensor, or all of it."""
+        if self.spec is None or spmd.AXIS not in self.spec:
+            return self.nbytes
+        dim = self.spec.index(spmd.AXIS)
+        size = self.tensor.shape[dim]
+        return self.nbytes // size * -(-size // self.devices)
 
 
 _HELD: "weakref.WeakValueDictionary[tuple, HeldWeight]" = weakref.WeakValueDictionary()
@@ -72,7 +84,7 @@ def hold(weights: Sequence[torch.Tensor], transposed: set[int], device: Any,
                 tensor = (host.t().contiguous() if flip else host).to(device)
                 if spec is not None:
                     spmd.mark(tensor, spec, devices)
-            made = HeldWeight(host, tensor, str(device), key)
+            made = HeldWeight(host, tensor, str(device), key, spec, devices)
             with _LOCK:  # another thread may have placed it meanwhile: keep the first
                 found = _HELD.setdefault(key, made)
         held.append(found)

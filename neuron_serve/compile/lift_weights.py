@@ -7,8 +7,15 @@ can be swapped in by handing it other tensors, without compiling again.
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.fx
+
+
+# torch.export's names for the constants it lifts out of a forward (a ``torch.tensor(...)`` literal, a random
+# stream's seeds): part of the program, not of any checkpoint, so they stay in the graph.
+_CONSTANT = re.compile(r"(^|\.)(lifted_tensor_\d+|_tensor_constant\d+)$")
 
 
 def lift_weights(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
@@ -16,8 +23,10 @@ def lift_weights(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
 
     Modifies ``gm`` in place (the attributes are removed from it) and returns the
     lifted tensors by their state-dict name, in the order the new inputs take them.
+    torch.export's own constants stay in the graph.
     """
-    named = {**dict(gm.named_parameters()), **dict(gm.named_buffers())}
+    named = {name: tensor for name, tensor in [*gm.named_parameters(), *gm.named_buffers()]
+             if not _CONSTANT.search(name)}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     # A partition's inputs can come after nodes that read weights (a state tensor's input
     # is the last); inputs depend on nothing, so gather them first and add the weights after.

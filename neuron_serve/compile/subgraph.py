@@ -242,6 +242,12 @@ class CompiledSubgraph(torch.nn.Module):
         logger.debug("compiled %s on %s in %.3fs", name, self.device, self.compile_seconds)
 
     @property
+    def held_weights(self) -> dict[str, core_weights.HeldWeight]:
+        """The weights this executable takes, by name, as held on its device (shared with every other executable
+        there that takes them); none when they are compiled in."""
+        return dict(zip(self.weights, self._held))
+
+    @property
     def example_args(self) -> list[torch.Tensor]:
         """Inputs of the compiled shapes and dtypes (zeros), as the compile took them."""
         return _zeros(self.example_specs)

@@ -18,7 +18,7 @@ logit bias, a grammar, logprobs, or a sampled choice the core left to it).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.fx
@@ -197,11 +197,22 @@ class GenerationModel:
             for tensor in self.state.tensors[:self.caches]:
                 spmd.mark(tensor, self.sharding.state, self.sharding.devices)
 
+    def held_weights(self) -> dict[str, Any]:
+        """The weights every compiled model takes, by name, as held on this model's core (or group): one device
+        tensor each, shared by all of them (compile/core_weights.py)."""
+        held: dict[str, Any] = {}
+        for bucket in {**self._buckets, **self._retired}.values():
+            held.update(bucket.held_weights())
+        return held
+
     def memory_per_core(self) -> dict[str, int]:
-        """Bytes each core holds: its share of the weights and of the KV cache, and the LoRA buffers."""
+        """Bytes each core holds: its share of the weights (as held, once for every compiled model) and of the KV
+        cache, and the LoRA buffers."""
         split = self.sharding is not None and self.sharding.state is not None
         cache = sum(t.numel() * t.element_size() for t in self.state.tensors[:self.caches])
-        held = {"weights": self.weight_bytes or 0, "kv_cache": cache // self.tensor_parallel_size if split else cache}
+        unique = {id(w): w for w in self.held_weights().values()}
+        weights = sum(w.share for w in unique.values()) if unique else self.weight_bytes or 0
+        held = {"weights": weights, "kv_cache": cache // self.tensor_parallel_size if split else cache}
         if self.lora is not None:
             held["lora"] = sum(t.numel() * t.element_size() for t in self.state.tensors[self.caches:])
         return held

@@ -107,6 +107,14 @@ class Bucket(torch.nn.Module):
     def stateful(self) -> bool:
         return self.state is not None
 
+    def held_weights(self) -> dict[str, Any]:
+        """The weights its executables take as inputs, by name, as held on their device (compile/core_weights.py:
+        one tensor a core, shared by every compiled model that takes it); none when they are compiled in."""
+        held: dict[str, Any] = {}
+        for module in self.graph_module.children():
+            held.update(getattr(module, "held_weights", None) or {})
+        return held
+
     def flatten(self, args: tuple, kwargs: dict) -> list[Any]:
         flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
         if spec != self.in_spec:

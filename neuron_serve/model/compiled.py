@@ -125,6 +125,11 @@ class CompiledModel(torch.nn.Module):
     def report(self) -> dict:
         return self.first.report
 
+    def held_weights(self) -> dict[str, Any]:
+        """The weights every compiled model takes, by name and device, as held on each (Bucket.held_weights)."""
+        return {(name, weight.device): weight for i in range(len(self.buckets)) for b in self.grid(i)
+                for name, weight in b.held_weights().items()}
+
     @property
     def target(self) -> str:
         return self.first.target

@@ -169,3 +169,31 @@ def test_what_the_model_cannot_take_is_refused_naming_the_field_and_the_plane_se
     refused, after = run(pooled, "embedder-one", calls, source="embedder")
     assert refused == message
     assert after.values.shape == (1, 32)
+
+
+def test_every_compiled_model_takes_one_copy_of_the_weights(pooled, pooling_dirs):
+    """Two length buckets at two batch sizes: four compiled models, whose executables take the same device tensors
+    (compile/core_weights.py), one of each of the encoder's weights; the embeddings stay encode's."""
+    from neuron_serve.compile import core_weights  # noqa: PLC0415
+    from neuron_serve.compile.subgraph import CompiledSubgraph  # noqa: PLC0415
+
+    config, model, _, _ = pooled("embedder", batch_sizes=[2, 8])
+    grid = [b for i in range(len(model.buckets)) for b in model.grid(i)]
+    assert len(grid) == 4
+    held = model.held_weights()
+    for bucket in grid:
+        subgraphs = [m for m in bucket.graph_module.children() if isinstance(m, CompiledSubgraph)]
+        assert subgraphs and not any(s.inline_weights for s in subgraphs)
+        for sub in subgraphs:
+            for (name, weight), tensor in zip(sub.held_weights.items(), sub._weights_on_device):
+                assert weight is held[name, weight.device] and tensor is weight.tensor
+    # What the process holds on the core for these host tensors is exactly this one set.
+    storages = {w.key[0] for w in held.values()}
+    on_core = [w for w in core_weights.held() if w.key[0] in storages]
+    assert {id(w) for w in on_core} == {id(w) for w in held.values()}
+    async def calls(plane):
+        return (await pool(plane, PoolingRequest("embed", texts=list(TEXTS)))).values
+
+    served = run(pooled, "embedder", calls, None, batch_sizes=[2, 8])
+    expected = SentenceTransformer(str(pooling_dirs["embedder"]), device="cpu").encode(TEXTS, convert_to_tensor=True)
+    torch.testing.assert_close(served, expected, atol=EMBEDDING_TOLERANCE, rtol=0)
