@@ -25,9 +25,10 @@ MAX_DEFAULT_MODEL_LEN = 2048
 # Top-level fields of an inference model that a generate model cannot honour (when given), and why.
 _TOKENS = "a generate model takes prompt token ids and returns tokens"
 _BUCKETS = "a generate model compiles its own buckets (see generation)"
-_WEIGHTS = "a generate model's weights are compiled in (serve another checkpoint as model.pretrained)"
+_WEIGHTS = ("a generate model's executables always take its weights as inputs, shared by every compiled model "
+            "(another checkpoint: weights, beside model.artifact)")
 INFER_ONLY = {"inputs": _TOKENS, "outputs": _TOKENS, "buckets": _BUCKETS, "batch_sizes": _BUCKETS,
-              "weights": _WEIGHTS, "inline_weights_to_neff": _WEIGHTS,
+              "inline_weights_to_neff": _WEIGHTS,
               "partitioner": "a generate model is compiled with the default partitioner settings"}
 
 
@@ -384,6 +385,10 @@ def check_task(config: Any) -> None:
     for name, reason in INFER_ONLY.items():
         if name in config.model_fields_set:
             raise FieldError(name, f"applies to task: infer; {reason}; remove {name}")
+    if config.weights is not None and source.artifact is None:
+        raise FieldError("weights", "a generate model swaps in another checkpoint of its architecture from an artifact "
+                                    "(model.artifact, written by neuron-serve build), without compiling; to compile "
+                                    "from a checkpoint, name its directory as model.pretrained and remove weights")
     tp = config.generation.tensor_parallel_size if config.generation is not None else 1
     if config.cores_per_replica % tp:
         raise FieldError("generation.tensor_parallel_size",

@@ -301,9 +301,10 @@ class ModelConfig(_Strict):
     )
     weights: str | None = Field(
         default=None, min_length=1,
-        description="a checkpoint of the same architecture (torch.save(model.state_dict(), path); relative to the "
-                    "model.yaml) served instead of the model's own weights, without compiling; needs a model traced "
-                    "with inline_weights_to_neff: false",
+        description="a checkpoint of the same architecture (relative to the model.yaml) served instead of the "
+                    "model's own weights, without compiling. task: infer: torch.save(model.state_dict(), path), "
+                    "into a model traced with inline_weights_to_neff: false; task: generate: a save_pretrained "
+                    "directory (a fine-tune), into the model.artifact built from another checkpoint",
     )
     outputs: list[str] | None = Field(default=None, description="names of the flattened outputs (default: from the model)")
     buckets: BucketSettings | None = None

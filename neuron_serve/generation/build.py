@@ -232,7 +232,29 @@ def _from_artifact(config: ModelConfig, base_dir: str | Path | None) -> tuple[Ge
         from transformers import AutoTokenizer  # noqa: PLC0415
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    if config.weights is not None:
+        _swap_weights(model, config, base_dir, tokenizer)
     return model, eos, tokenizer
+
+
+def _swap_weights(model: GenerationModel, config: ModelConfig, base_dir: str | Path | None, tokenizer: Any) -> None:
+    """The artifact's compiled models handed the ``weights`` checkpoint (a save_pretrained directory of the same
+    architecture), loaded as model.pretrained is, in the model.yaml's dtype and quantization; nothing compiles."""
+    from ..compile.subgraph import compile_count  # noqa: PLC0415
+    from .loading import _prepared, load_pretrained  # noqa: PLC0415
+    from .slots import weights_of  # noqa: PLC0415
+
+    directory = _under(base_dir, config.weights)
+    lm, found = load_pretrained(directory, "weights", dtype=config.dtype)
+    lm = _prepared(lm, config, config.generation or GenerationSettings(), found, tokenizer, directory)
+    before = compile_count()
+    try:
+        replaced = model.replace_weights(weights_of(lm))
+    except ConfigError as exc:
+        raise ConfigError(f"weights: {directory}: {str(exc).removeprefix('replace_weights: ')} Give a checkpoint of "
+                          f"the artifact's architecture, or remove weights to serve the artifact's own.") from None
+    logger.info("model %s: weights from %s (%d tensors) swapped in; %d subgraph(s) compiled for them", config.name,
+                directory, replaced, compile_count() - before)
 
 
 def _kv_name(value: Any) -> Any:

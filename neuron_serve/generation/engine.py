@@ -32,7 +32,7 @@ from . import choice
 from .. import bucket_usage
 from .executor import CoreGroupExecutor, Executor
 from .metrics import EngineMetrics
-from .model import GenerationModel
+from .model import GenerationModel, swap_weights
 from .prefix_cache import PrefixCache
 from .protocol import EngineRequest, Engines, TokenEvent
 from .sampler import GREEDY
@@ -42,6 +42,8 @@ from .speculation import Speculation
 from .stopping import stop_reason
 
 if TYPE_CHECKING:
+    import torch
+
     from .adapters import AdapterPolicy
 
 logger = logging.getLogger("neuron_serve")
@@ -145,6 +147,11 @@ class Engine(Engines):
             if request_id in self._open:
                 self._aborts[request_id] = reason
                 self._wake.notify()
+
+    def replace_weights(self, lm: torch.nn.Module) -> int:
+        """Serve the weights of ``lm`` (a fine-tune: the same architecture, dtype and quantization) from the next
+        call on, without compiling (model.swap_weights). Returns how many weights were replaced."""
+        return swap_weights([self.model], lm, self.model.build)
 
     def load_adapter(self, name: str, path: str) -> None:
         """Serve LoRA adapter ``name`` from PEFT directory ``path`` (read and checked now: AdapterError names the

@@ -11,11 +11,13 @@ from __future__ import annotations
 import functools
 from typing import Any, Sequence as Seq
 
+import torch
+
 from ..assembly.queue import READY, compile_queue
 from ..config.generation import DEFAULT_MAX_WAITING
 from ..targets.pjrt import on_this_thread, use_device, xla
 from .engine import Engine
-from .model import GenerationModel
+from .model import GenerationModel, swap_weights
 from .protocol import Dispatcher
 
 
@@ -87,6 +89,11 @@ class EngineGroup(Dispatcher):
     @property
     def running(self) -> int:
         return sum(e.running for e in self.engines)
+
+    def replace_weights(self, lm: torch.nn.Module) -> int:
+        """Serve the weights of ``lm`` (a fine-tune: the same architecture, dtype and quantization) on every engine
+        from their next call, without compiling (model.swap_weights). Returns how many weights were replaced."""
+        return swap_weights([e.model for e in self.engines], lm, self.build)
 
     def load_adapter(self, name: str, path: str) -> None:
         """Serve LoRA adapter ``name`` (a PEFT directory) on every engine (Engine.load_adapter)."""

@@ -205,6 +205,28 @@ class GenerationModel:
             held.update(bucket.held_weights())
         return held
 
+    def _subgraphs(self) -> list:
+        """Every compiled model's executables that take the weights as inputs."""
+        return [m for b in {**self._buckets, **self._retired}.values() for m in b.graph_module.children()
+                if getattr(m, "held_weights", None)]
+
+    def replace_weights(self, state: dict[str, torch.Tensor]) -> int:
+        """Hand every compiled model the weights of ``state`` (by the names they take them: slots.weights_of of a
+        model of the same architecture, dtype and quantization); nothing is compiled, every compiled model shares
+        the new copy on the core, and the next call runs on it. Refuses (ConfigError naming the weight) a state
+        whose names, shapes or dtypes differ. The tensors are held as given: they must not change afterwards.
+        Returns how many weights were replaced."""
+        from ..assembly.weights import check_state_dict  # noqa: PLC0415
+
+        subgraphs = self._subgraphs()
+        current: dict[str, torch.Tensor] = {}
+        for sub in subgraphs:
+            current.update(sub.weights)
+        check_state_dict(current, {name: state[name] for name in current if name in state})
+        for sub in subgraphs:
+            sub.set_weights(state)
+        return len(current)
+
     def memory_per_core(self) -> dict[str, int]:
         """Bytes each core holds: its share of the weights (as held, once for every compiled model) and of the KV
         cache, and the LoRA buffers."""
@@ -484,6 +506,23 @@ class GenerationModel:
         if sampled and not shape.sampled:
             out = out.with_done(torch.tensor([c.temperature <= 0 for c in _per_row(choices, index, rows + 1)]))
         return out.rows(index), shape
+
+
+def swap_weights(models: Sequence[GenerationModel], lm: torch.nn.Module, build=None) -> int:
+    """Hand the compiled models of every core (``models``) the weights of ``lm`` (a fine-tune of the served model:
+    same architecture, dtype and quantization), without compiling: one copy of record for all of them, placed once
+    on each core; with ``build`` (compiling.GenerationBuild), the models compiled later take them too. Returns how
+    many weights were replaced."""
+    from .slots import weights_of  # noqa: PLC0415
+
+    state = {name: tensor.clone() for name, tensor in weights_of(lm).items()}  # the caller's may change later
+    replaced = 0
+    for model in models:
+        replaced = model.replace_weights(state)
+    if build is not None:  # later compiles trace the build's model: they then take the same tensors
+        build.lm.load_state_dict({name.removeprefix("lm."): t for name, t in state.items()}, strict=False,
+                                 assign=True)
+    return replaced
 
 
 def _per_row(choices: Sequence[RowChoice], index: torch.Tensor, rows: int) -> list[RowChoice]:

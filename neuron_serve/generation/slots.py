@@ -99,6 +99,13 @@ class SlotCache:
         return len(self.keys)
 
 
+def weights_of(lm: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``lm``'s parameters and buffers by the names :class:`SlotLM`'s compiled models take them as inputs (``lm.``
+    and the name in ``lm``; a tied weight under each of its names)."""
+    named = [*lm.named_parameters(remove_duplicate=False), *lm.named_buffers(remove_duplicate=False)]
+    return {f"lm.{name}": tensor.detach() for name, tensor in named}
+
+
 def cache_element_bytes(lm: torch.nn.Module) -> int:
     """Bytes of one element of ``lm``'s slot cache: its compute dtype's, or one in fp8 (kv_cache.py)."""
     return kv_cache.cache_dtype(lm, compute_dtype(lm)).itemsize

@@ -54,12 +54,14 @@ REFUSED = [
     ("generate with batch_sizes", with_(GENERATE, batch_sizes=[1, 4]),
      "batch_sizes: applies to task: infer; a generate model compiles its own buckets (see generation); remove "
      "batch_sizes"),
-    ("generate with weights", with_(GENERATE, weights="other.pt"),
-     "weights: applies to task: infer; a generate model's weights are compiled in (serve another checkpoint as "
-     "model.pretrained); remove weights"),
+    ("generate with weights but no artifact", with_(GENERATE, weights="finetune"),
+     "weights: a generate model swaps in another checkpoint of its architecture from an artifact (model.artifact, "
+     "written by neuron-serve build), without compiling; to compile from a checkpoint, name its directory as "
+     "model.pretrained and remove weights"),
     ("generate with inline_weights_to_neff", with_(GENERATE, inline_weights_to_neff=False),
-     "inline_weights_to_neff: applies to task: infer; a generate model's weights are compiled in (serve another "
-     "checkpoint as model.pretrained); remove inline_weights_to_neff"),
+     "inline_weights_to_neff: applies to task: infer; a generate model's executables always take its weights as "
+     "inputs, shared by every compiled model (another checkpoint: weights, beside model.artifact); remove "
+     "inline_weights_to_neff"),
     ("generate with a pipeline", with_(GENERATE, placement={"mode": "pipeline"}),
      "placement.mode: pipeline applies to task: infer; a generate model runs on one core; remove placement or use "
      "mode: replicate"),

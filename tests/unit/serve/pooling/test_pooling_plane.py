@@ -197,3 +197,4 @@ def test_every_compiled_model_takes_one_copy_of_the_weights(pooled, pooling_dirs
     served = run(pooled, "embedder", calls, None, batch_sizes=[2, 8])
     expected = SentenceTransformer(str(pooling_dirs["embedder"]), device="cpu").encode(TEXTS, convert_to_tensor=True)
     torch.testing.assert_close(served, expected, atol=EMBEDDING_TOLERANCE, rtol=0)
+
