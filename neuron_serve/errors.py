@@ -75,6 +75,14 @@ class ModelNotReady(NeuronServeError):
     http_status = 503
 
 
+class HostMemoryExceeded(NeuronServeError):
+    """A compile was skipped: the host memory it needs (measured on the compiles of its family) was not there
+    for as long as it waited (assembly/host_memory.py). The replica serves on the models it has; a request that
+    waited for this compile may be sent again once memory is free."""
+
+    http_status = 503
+
+
 class PayloadTooLarge(NeuronServeError):
     """The request body passes http.max_request_bytes."""
 

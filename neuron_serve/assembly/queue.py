@@ -25,8 +25,6 @@ The module imports nothing of the compiler: the serving edge and the engines sub
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import heapq
 import itertools
 import logging
@@ -36,29 +34,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from ..errors import HostMemoryExceeded
+from . import host_memory
+
 logger = logging.getLogger("neuron_serve")
 
-_LIBC: Any = None
-
-
-def release_freed_heap() -> None:
-    """Give the memory a compile freed back to the system (glibc's ``malloc_trim``; elsewhere nothing).
-
-    A compile allocates and frees gigabytes (the graph copied and laid out, XLA's and LLVM's passes) on the
-    queue's thread, whose malloc arena keeps what was freed: a SmolLM2 replica's resident memory grew by about
-    2 GB a compiled model, 16.3 GB after five of them, 9.9 GB once trimmed, and Ray's memory monitor killed the
-    replica before its background compile ended."""
-    global _LIBC
-    if _LIBC is None:
-        name = ctypes.util.find_library("c")
-        try:
-            _LIBC = ctypes.CDLL(name) if name else False
-            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t] if _LIBC else None
-        except (OSError, AttributeError):
-            _LIBC = False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
-
+DEFERRED_RECHECK_S = 2.0  # how often a compile put off for want of host memory looks again, at the least
 
 READY = 0  # what a replica needs before it says ready
 NEEDED = 1  # what a request is waiting for
@@ -70,18 +51,24 @@ KINDS = ("compile", "load")
 
 @dataclass(eq=False)
 class CompileJob:
-    """One submitted job: its label, where it stands, its seconds and, when failed, why."""
+    """One submitted job: its label, where it stands, its seconds and, when failed, why; the host memory it took
+    at its peak and kept (host_memory.py)."""
 
     label: str
     group: str
     priority: int
     kind: str
     future: Future
+    family: str = ""  # the compiles alike in the memory they need (a model's prefills, its decodes, a load)
     state: str = PENDING
     seconds: float | None = None  # the job's own run time, once it ended
     error: str | None = None  # "ExceptionType: message", when failed
     submitted: float = field(default_factory=time.monotonic)
+    peak_bytes: int | None = None  # above the resident set it started from, at its peak
+    kept_bytes: int | None = None  # resident set it added, once ended (a compiled model's code and bookkeeping)
+    deferred: float | None = None  # when it was first put off for want of host memory
     _fn: Callable[[], Any] | None = field(default=None, repr=False)
+    _error: BaseException | None = field(default=None, repr=False)  # why it was skipped
     _sequence: int = 0
 
     @property
@@ -118,13 +105,16 @@ class CompileQueue:
         self._listeners: list[Listener] = []
         self._thread: threading.Thread | None = None
         self._closed = False
+        self.budget = host_memory.Budget()  # each family's need, against the room the machine has
+        self._deferred: list[CompileJob] = []  # put off for want of host memory, in submission order
 
     # -- submitting and waiting --------------------------------------------------------
 
     def submit(self, label: str, fn: Callable[[], Any], *, priority: int = BACKGROUND, group: str = "",
-               kind: str = "compile") -> CompileJob:
+               kind: str = "compile", family: str | None = None) -> CompileJob:
         """Queue ``fn`` (called with no arguments on the worker thread); returns its job, whose
-        ``future`` holds what ``fn`` returns or raises. May be called from a job."""
+        ``future`` holds what ``fn`` returns or raises. May be called from a job. ``family`` groups the jobs
+        whose host memory needs are alike (default: the group and kind)."""
         if kind not in KINDS:
             raise ValueError(f"submit: kind must be one of {KINDS}, got {kind!r}")
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -132,7 +122,7 @@ class CompileQueue:
         with self._cond:
             if self._closed:
                 raise RuntimeError(f"{self.name} is closed; no job can be submitted")
-            job = CompileJob(label, group, priority, kind, Future(), _fn=fn)
+            job = CompileJob(label, group, priority, kind, Future(), family=family or f"{group} {kind}", _fn=fn)
             job._sequence = next(self._sequence)
             self._jobs.append(job)
         # Told before the worker can see it: a replica's pending count says so at once, and in order.
@@ -239,41 +229,91 @@ class CompileQueue:
             self._thread.start()
 
     def _next(self) -> CompileJob | None:
-        with self._cond:
-            while True:
-                while self._heap:
-                    priority, _, job = heapq.heappop(self._heap)
-                    if job.state == PENDING and priority == job.priority:  # else cancelled, or promoted
+        """The most urgent job whose host memory fits (host_memory.Budget), or None once closed; a job that does
+        not fit waits beside the queue, and is skipped once it has waited long enough."""
+        while True:
+            skipped: list[CompileJob] = []
+            with self._cond:
+                while not skipped:
+                    self._requeue_deferred(skipped)
+                    while self._heap and not skipped:
+                        priority, _, job = heapq.heappop(self._heap)
+                        if job.state != PENDING or priority != job.priority:  # cancelled, or promoted
+                            continue
+                        if not self._fits(job):
+                            self._deferred.append(job)
+                            continue
                         job.state = RUNNING
                         return job
-                if self._closed:
-                    return None
-                self._cond.wait()
+                    if self._closed:
+                        return None
+                    if not skipped:
+                        # Deferred jobs are looked at again when memory may have been freed: as a job is submitted
+                        # or ends (notify), and every few seconds (another process may have given some back).
+                        self._cond.wait(DEFERRED_RECHECK_S if self._deferred else None)
+            for job in skipped:  # told outside the lock, as a failed job is
+                job.future.set_exception(job._error)
+                self._tell(job)
+
+    def _fits(self, job: CompileJob) -> bool:
+        """Whether ``job`` may start: it fits the host memory left, or nothing says how much it needs."""
+        fits, need, left = self.budget.fits(job.family)
+        if fits:
+            return True
+        if job.deferred is None:
+            job.deferred = time.monotonic()
+            logger.warning("%s deferred: it needs about %s of host memory at its peak (measured on %s) and %s is "
+                           "left (%s); it waits up to %.0f s while the rest run", _what(job),
+                           host_memory.gib(need), job.family, host_memory.gib(left.bytes), left.limit,
+                           host_memory.wait_seconds())
+        return False
+
+    def _requeue_deferred(self, skipped: list[CompileJob]) -> None:
+        """Deferred jobs that fit now go back on the queue; those that waited long enough are skipped (under the
+        lock; their futures are settled by the caller)."""
+        waiting, self._deferred = self._deferred, []
+        for job in waiting:
+            if job.state != PENDING:
+                continue
+            fits, need, left = self.budget.fits(job.family)
+            if fits:
+                logger.info("%s: host memory is free for it now; queued again", _what(job))
+                heapq.heappush(self._heap, (job.priority, job._sequence, job))
+            elif time.monotonic() - job.deferred >= host_memory.wait_seconds():
+                message = (f"{_what(job)} skipped: it needs about {host_memory.gib(need)} of host memory and "
+                           f"{host_memory.gib(left.bytes)} is left ({left.limit}) after "
+                           f"{time.monotonic() - job.deferred:.0f} s")
+                logger.warning("%s; the replica serves on the models it has", message)
+                job.state, job.error = FAILED, f"HostMemoryExceeded: {message}"
+                job._error, job._fn = HostMemoryExceeded(message), None
+                skipped.append(job)
+            else:
+                self._deferred.append(job)
+        if skipped:
+            self._cond.notify_all()
 
     def _work(self) -> None:
         while (job := self._next()) is not None:
             self._tell(job)
             started = time.perf_counter()
-            try:
-                result = job._fn()
-            except BaseException as exc:  # noqa: BLE001 - recorded and told; the worker goes on
+            with self.budget.measure(job.family) as measured:
+                try:
+                    result, error = job._fn(), None
+                except BaseException as exc:  # noqa: BLE001 - recorded and told; the worker goes on
+                    result, error = None, exc
                 job.seconds = time.perf_counter() - started
-                job.error = f"{type(exc).__name__}: {exc}"
-                what = f"compile of {job.label}" if job.kind == "compile" else job.label
-                logger.warning("%s failed after %.1f s: %s%s", what, job.seconds, job.error, _whose(exc, job))
-                with self._cond:
-                    job.state = FAILED
-                    job._fn = None
-                    self._cond.notify_all()
-                job.future.set_exception(exc)
-            else:
-                job.seconds = time.perf_counter() - started
-                with self._cond:
-                    job.state = COMPILED
-                    job._fn = None
-                    self._cond.notify_all()
+            job.peak_bytes, job.kept_bytes = measured.peak, measured.kept
+            if error is not None:
+                job.error = f"{type(error).__name__}: {error}"
+                logger.warning("%s failed after %.1f s: %s%s", _what(job), job.seconds, job.error, _whose(error, job))
+            with self._cond:
+                job.state = COMPILED if error is None else FAILED
+                job._fn = None
+                self._cond.notify_all()
+            if error is None:
                 job.future.set_result(result)
-            release_freed_heap()
+            else:
+                job.future.set_exception(error)
             self._tell(job)
 
     def _tell(self, job: CompileJob) -> None:
@@ -284,6 +324,10 @@ class CompileQueue:
                 listener(job)
             except Exception:  # a listener (metrics, a progress line) must never stop the compiles
                 logger.exception("a compile queue listener failed on %s", job.label)
+
+
+def _what(job: CompileJob) -> str:
+    return f"compile of {job.label}" if job.kind == "compile" else job.label
 
 
 def _whose(exc: BaseException, job: CompileJob) -> str:
@@ -305,9 +349,9 @@ class CompileGroup:
         self.name = name
 
     def submit(self, label: str, fn: Callable[[], Any], *, priority: int = BACKGROUND,
-               kind: str = "compile") -> CompileJob:
+               kind: str = "compile", family: str | None = None) -> CompileJob:
         """:meth:`CompileQueue.submit` in this group."""
-        return self.queue.submit(label, fn, priority=priority, group=self.name, kind=kind)
+        return self.queue.submit(label, fn, priority=priority, group=self.name, kind=kind, family=family)
 
     def wait(self, jobs: Iterable[CompileJob], timeout: float | None = None) -> bool:
         return self.queue.wait(jobs, timeout)

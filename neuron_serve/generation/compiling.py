@@ -186,9 +186,13 @@ class GenerationBuild:
     def weight_bytes(self) -> int:
         return tensor_parallel.bytes_per_core(self.lm, self.plan)
 
+    def family(self, shape: Shape) -> str:
+        """The compiles whose host memory needs are alike (assembly/host_memory.py): this model's of one kind."""
+        return f"{self.name} {shape.kind}"
+
     def _submit(self, shape: Shape, priority: int) -> CompileJob:
         job = self.compiles.submit(f"{self.name} {shape.label}", functools.partial(self._compile, shape),
-                                   priority=priority)
+                                   priority=priority, family=self.family(shape))
         self._jobs[shape] = job
         job.future.add_done_callback(lambda _: self._ended())
         return job
@@ -275,7 +279,7 @@ class GenerationBuild:
             group = self.compiles.queue.group(label)
             why = "for the buckets it switches to"
             jobs = [group.submit(f"{self.name} {s.label}", functools.partial(self._compile_late, s, why),
-                                 priority=BACKGROUND) for s in missing]
+                                 priority=BACKGROUND, family=self.family(s)) for s in missing]
             group.wait(jobs)
             failed = next((j for j in jobs if j.state != COMPILED), None)
             planned = set(wanted) if failed is None else set(shapes_of(self.buckets))
@@ -313,7 +317,7 @@ class GenerationBuild:
             if job is None:
                 self._jobs[shape] = self.compiles.submit(f"{self.name} {shape.label}",
                                                          functools.partial(self._compile_late, shape),
-                                                         priority=NEEDED)
+                                                         priority=NEEDED, family=self.family(shape))
                 return
         self.compiles.queue.promote(job, NEEDED)
 
