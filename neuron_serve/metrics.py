@@ -105,6 +105,13 @@ COMPILE_SECONDS = Gauge(
     "neuron_serve_compile_seconds", "Seconds one compiled model (a shape bucket at a batch size) took to compile",
     ["model", "replica", "bucket"], multiprocess_mode="max",
 )
+# Host memory a model's process holds (assembly/host_memory.report), by kind: resident (the whole process), weights
+# (the copy of record on the host), weights_on_cores and kv_cache (every core's; host memory on emulated cores),
+# compiled_models (what the compiled models kept: code and bookkeeping).
+HOST_MEMORY = Gauge(
+    "neuron_serve_host_memory_bytes", "Host memory a model's process holds, by kind: resident, weights, "
+    "weights_on_cores, kv_cache, compiled_models", ["model", "replica", "kind"], multiprocess_mode="livemax",
+)
 COMPILED_MODELS = Gauge(
     "neuron_serve_compiled_models",
     "A replica's compiled models by state: compiled, pending (queued or compiling) or failed",

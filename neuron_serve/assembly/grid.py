@@ -20,9 +20,10 @@ from typing import Callable
 import torch
 
 from .. import bucket_usage
-from . import progress
+from . import host_memory, progress
 from ..api import dynamic_batch, trace_entry
 from ..buckets.order import compile_order
+from ..compile import core_weights
 from ..buckets.shape import BucketSpec
 from ..config.schema import ModelConfig, build_model
 from ..model import Bucket, CompiledModel
@@ -118,13 +119,14 @@ class GridBuild:
             self._module = build_model(config, self.base_dir)
         batch = entry.batch if self.sizes is not None else None  # None: the example's own batch
         partitioner = self.source.partitioner if self.source is not None else config.partitioner_config(self.base_dir)
-        with progress.current(self.progress):
+        with progress.current(self.progress), host_memory.kept(core_weights.held_bytes) as measured:
             self.progress.at(entry.bucket, batch)
             bucket = trace_entry(self._module, self._example, buckets=self.spec, bucket=entry.bucket, batch_size=batch,
                                  batch_sizes=self.sizes or (), partitioner_config=partitioner,
                                  compiler_args=config.compiler_args, target=config.target,
                                  inline_weights_to_neff=self.inline_weights,
                                  placement=config.model_placement())
+        bucket.host_bytes = measured.kept  # its code and bookkeeping; weights placed on the core counted apart
         alone = CompiledModel([bucket])
         if self.swap_weights is not None:
             self.swap_weights(alone)

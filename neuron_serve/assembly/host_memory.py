@@ -31,7 +31,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 logger = logging.getLogger("neuron_serve")
 
@@ -185,6 +185,11 @@ class Budget:
         self._needs: dict[str, int] = {}
         self._lock = threading.Lock()
 
+    def expect(self, family: str, peak: int) -> None:
+        """A need known before this process measured one (a record of a previous start, :func:`remembered`)."""
+        with self._lock:
+            self._needs.setdefault(family, peak)
+
     def need(self, family: str) -> int | None:
         """Bytes a compile of ``family`` is expected to take at its peak: measured on the family's last compile, or
         the most any family took; None before anything is measured."""
@@ -218,3 +223,85 @@ class Budget:
                     self._needs[family] = measured.peak
             if before:
                 measured.kept = after - before
+
+
+@contextlib.contextmanager
+def kept(placed: Callable[[], int] = lambda: 0) -> Iterator[Measured]:
+    """Measure what the block (one compiled model) keeps of host memory once it ends: the growth of the resident set,
+    less the growth of ``placed()`` (bytes it put on a core that are not its own: the weights and cache the first
+    compile places, which the report counts apart)."""
+    measured = Measured()
+    release_freed_heap()
+    before, placed_before = resident_bytes(), placed()
+    yield measured
+    release_freed_heap()
+    if before:
+        measured.kept = max(0, resident_bytes() - before - (placed() - placed_before))
+
+
+def report(weights: Iterable[Any], cache_bytes: int, compiled: dict[str, int], cores_in_host_memory: bool) -> dict:
+    """What the process holds of host memory, by what for: its resident set; the weights' copy of record on the host
+    (what compiles trace and further cores are loaded from); every core's copy of the weights (``weights``: the
+    held weights of compile/core_weights.py) and the KV cache, host memory when the cores are emulated; and what each
+    compiled model kept (its code and bookkeeping, measured as it compiled)."""
+    unique = {id(w): w for w in weights}.values()
+    hosts = {(w.host.untyped_storage().data_ptr(), w.host.storage_offset(), w.host.numel(), w.host.dtype):
+             w.host.numel() * w.host.element_size() for w in unique}
+    return {"resident_bytes": resident_bytes(), "weights_bytes": sum(hosts.values()),
+            "weights_on_cores_bytes": sum(w.share * w.devices for w in unique), "kv_cache_bytes": cache_bytes,
+            "compiled_models_bytes": dict(compiled), "compiled_models_total_bytes": sum(compiled.values()),
+            "cores_in_host_memory": cores_in_host_memory}
+
+
+def export(model: str, replica: str, described: dict) -> None:
+    """Set ``neuron_serve_host_memory_bytes`` of ``model`` from a :func:`report`."""
+    from .. import metrics  # noqa: PLC0415 - prometheus_client's multiprocess directory is set on import
+
+    for kind, key in (("resident", "resident_bytes"), ("weights", "weights_bytes"),
+                      ("weights_on_cores", "weights_on_cores_bytes"), ("kv_cache", "kv_cache_bytes"),
+                      ("compiled_models", "compiled_models_total_bytes")):
+        metrics.HOST_MEMORY.labels(model=model, replica=replica, kind=kind).set(described.get(key, 0))
+
+
+def summed(reports: Iterable[dict]) -> dict:
+    """Reports of several processes (a replica's tensor-parallel groups) as one: bytes added up, each compiled
+    model's over the processes."""
+    reports = [r for r in reports if r]
+    if not reports:
+        return {}
+    total: dict = {"compiled_models_bytes": {}}
+    for one in reports:
+        for key, value in one.items():
+            if key == "compiled_models_bytes":
+                for label, bytes_ in value.items():
+                    total[key][label] = total[key].get(label, 0) + bytes_
+            elif isinstance(value, bool):
+                total[key] = value
+            elif isinstance(value, int):
+                total[key] = total.get(key, 0) + value
+    return total
+
+
+_RECORDS = "host_memory"
+
+
+def remember(model: str, label: str, **figures: Any) -> None:
+    """Keep what compiling ``model``'s ``label`` took (peak, kept, seconds) in the compile cache, for the next start's
+    budget and for ``neuron-serve analyze``; nothing without a cache."""
+    from ..compile import cache as compile_cache  # noqa: PLC0415 - the cache module imports torch-xla's pieces
+
+    store = compile_cache.current()
+    if store is None:
+        return
+    key = {"model": model}
+    records = store.get(_RECORDS, key) or {}
+    records[label] = {k: v for k, v in figures.items() if v is not None}
+    store.put(_RECORDS, key, records)
+
+
+def remembered(model: str) -> dict[str, dict]:
+    """What compiling each of ``model``'s compiled models took when this machine last compiled it (by label)."""
+    from ..compile import cache as compile_cache  # noqa: PLC0415
+
+    store = compile_cache.current()
+    return (store.get(_RECORDS, {"model": model}) or {}) if store is not None else {}

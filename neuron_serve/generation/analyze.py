@@ -15,10 +15,12 @@ from typing import Any, Iterator, NamedTuple
 import torch
 
 from ..analysis.capture import CapturedGraph, capture
+from ..assembly import host_memory
 from ..analysis.placement import GraphAnalysis, analyze_graph
 from ..config.schema import ModelConfig, _under
 from ..config.generation import GenerationSettings
 from ..targets import get_target
+from ..targets.pjrt import emulated
 from . import tensor_parallel
 from .loading import load_draft, load_lm
 from .attention import grouped_for_compile
@@ -61,11 +63,25 @@ def memory_of(lm: torch.nn.Module, buckets, size: int) -> dict:
     plan = tensor_parallel.plan(lm, size) if size > 1 else None
     cache = kv_cache_bytes(lm.config, buckets.max_num_seqs, buckets.max_model_len, cache_element_bytes(lm))
     split = size > 1 and not tensor_parallel.kv_replicated(lm.config, size)
+    per_core = {"weights": tensor_parallel.bytes_per_core(lm, plan), "kv_cache": cache // size if split else cache}
     return {**precision.describe(lm),
-            "bytes_per_core": {"weights": tensor_parallel.bytes_per_core(lm, plan),
-                               "kv_cache": cache // size if split else cache},
+            "bytes_per_core": per_core,
             "max_num_seqs": buckets.max_num_seqs,
-            "slots_that_fit": slots_that_fit(lm, buckets, tensor_parallel_size=size)}
+            "slots_that_fit": slots_that_fit(lm, buckets, tensor_parallel_size=size),
+            # The engine process's host memory, beside the cores': the weights' copy of record, and (emulated,
+            # where a core's memory is the host's) each core's weights and cache, held once whatever the number of
+            # compiled models; each compiled model's own bytes are added per model (host_bytes.compiled_model).
+            "host_bytes": {"weights": tensor_parallel.bytes_per_core(lm, None),
+                           "weights_on_cores": per_core["weights"] * size, "kv_cache": per_core["kv_cache"] * size,
+                           "cores_in_host_memory": emulated()}}
+
+
+def with_compile_record(memory: dict, record: dict | None) -> dict:
+    """``memory`` with what compiling this model took when this machine last compiled it (host_memory.remember):
+    the bytes it kept (its code and bookkeeping) and its peak; None for each when it has not compiled here."""
+    record = record or {}
+    return {**memory, "host_bytes": {**memory["host_bytes"], "compiled_model": record.get("kept"),
+                                     "compile_peak": record.get("peak"), "compile_seconds": record.get("seconds")}}
 
 
 def lora_of(lm: torch.nn.Module, settings: GenerationSettings) -> tuple[Any, dict] | None:
@@ -99,11 +115,14 @@ def forms(config: ModelConfig, base_dir: str | Path | None = None) -> Iterator[F
     every = [(model, buckets, prefix + shape.label, shape, split, lora)
              for model, buckets, prefix, split, lora in models for shape in shapes_of(buckets)]
     target = get_target(config.target)
+    records = {**host_memory.remembered(config.name),
+               **{f"draft_{k}": v for k, v in host_memory.remembered(f"{config.name} draft").items()}}
     for index, (causal_lm, buckets, label, shape, split, lora) in enumerate(every, 1):
         model = slot_module(causal_lm, buckets, shape, lora=lora[0] if lora else None)
         with grouped_for_compile(causal_lm):  # the attention each model is compiled with (a mixed call needs it)
             captured = capture(model, example_inputs(shape, lora=lora is not None))
         analysis = analyze_graph(captured, target)
         print(f"analyzed {label} ({index}/{len(every)})", file=sys.stderr, flush=True)
+        held = memory if causal_lm is lm else memory_of(causal_lm, buckets, settings.tensor_parallel_size)
         yield Form(label, model, captured, analysis, split, lora[1] if lora else None,
-                   memory if causal_lm is lm else memory_of(causal_lm, buckets, settings.tensor_parallel_size))
+                   with_compile_record(held, records.get(label)))

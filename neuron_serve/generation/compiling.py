@@ -30,11 +30,12 @@ import torch
 
 from .. import bucket_usage
 from ..api import trace_bucket_on_state
-from ..assembly import progress
+from ..assembly import host_memory, progress
 from ..assembly.queue import (BACKGROUND, COMPILED, FAILED, NEEDED, READY, CompileGroup, CompileJob, CompileQueue,
                               compile_queue)
 from ..buckets.generation import GenerationBuckets
 from ..compile import sharding as spmd
+from ..compile import core_weights
 from ..compile.aliases import shared_state
 from ..errors import ConfigError, InternalCompileError, UnsupportedModelError
 from ..model import Bucket
@@ -112,6 +113,14 @@ class GenerationBuild:
         self.order = compile_order(buckets, bucket_usage.shares(self.name, "prefill", buckets.prefill, "prompt lengths")
                                    if name else None)
         self.compiles: CompileGroup = (queue or compile_queue()).group(f"{self.name}#{next(_builds)}")
+        # What this machine measured of each compile before (host_memory.remember): the budget knows the first
+        # compile's need before it starts, and each compile's figures are kept for the next start.
+        for label, record in host_memory.remembered(self.name).items() if name else ():
+            shape = next((s for s in self.order if s.label == label), None)
+            if shape is not None and record.get("peak"):
+                self.compiles.queue.budget.expect(self.family(shape), int(record["peak"]))
+        if name:
+            self.compiles.subscribe(self._remember)
         self.progress = progress.BuildProgress(self.name, len(self.order), labels=[s.label for s in self.order])
         self.model: GenerationModel | None = None
         self._state = None  # the cache every model shares, made by the first compile
@@ -125,6 +134,8 @@ class GenerationBuild:
         self.finished = threading.Event()  # every planned compile has ended (compiled or failed)
         self.started = time.perf_counter()
         self.ready_seconds: float | None = None  # from the build's start to the start-up models compiled
+        # What each compiled model kept of host memory (on every core), as it compiled (assembly/host_memory.py)
+        self.compiled_bytes: dict[str, int | None] = {}
 
     # -- starting ---------------------------------------------------------------------------
 
@@ -218,14 +229,28 @@ class GenerationBuild:
 
     # -- compiling (on the queue's thread) ----------------------------------------------------
 
+    def _remember(self, job: CompileJob) -> None:
+        """A compile that ended: what it took, kept for the next start (host_memory.remember)."""
+        label = job.label.removeprefix(f"{self.name} ")
+        if job.kind == "compile" and job.state == COMPILED:
+            host_memory.remember(self.name, label, peak=job.peak_bytes, kept=self.compiled_bytes.get(label),
+                                 seconds=round(job.seconds, 1) if job.seconds is not None else None)
+
+    def _placed(self) -> int:
+        """Bytes on the cores that are no compiled model's own: the weights held there and the KV cache."""
+        states = ([self._state] if self._state is not None else []) + [c.state for c, _ in self._copies]
+        return core_weights.held_bytes() + sum(t.numel() * t.element_size() for s in states for t in s.tensors)
+
     def _compile(self, shape: Shape) -> Bucket:
-        bucket = self._trace(shape, self.progress)
-        with self._lock:
-            model = self.model
-            if model is None:
-                self._early[shape] = bucket
-        if model is not None:
-            self._join(model, shape, bucket)
+        with host_memory.kept(self._placed) as measured:
+            bucket = self._trace(shape, self.progress)
+            with self._lock:
+                model = self.model
+                if model is None:
+                    self._early[shape] = bucket
+            if model is not None:
+                self._join(model, shape, bucket)
+        self.compiled_bytes[shape.label] = measured.kept
         return bucket
 
     def _trace(self, shape: Shape, reporting: progress.BuildProgress | None) -> Bucket:
@@ -299,9 +324,12 @@ class GenerationBuild:
         up to date with every later compile."""
         def load() -> GenerationModel:
             use_device(device)
-            copy = self.model.load_to(device)
-            with self._lock:
-                self._copies.append((copy, device))
+            with host_memory.kept(self._placed) as measured:
+                copy = self.model.load_to(device)
+                with self._lock:
+                    self._copies.append((copy, device))
+            # the compiled models' code for that core (its weights and cache are counted apart)
+            self.compiled_bytes[f"copy onto {device}"] = measured.kept
             return copy
 
         job = self.compiles.submit(f"load {self.name} onto {device}", functools.partial(on_this_thread, load),
@@ -323,8 +351,10 @@ class GenerationBuild:
 
     def _compile_late(self, shape: Shape, why: str = "asked for by a request") -> Bucket:
         started = time.perf_counter()
-        bucket = self._trace(shape, None)
-        self._join(self.model, shape, bucket)
+        with host_memory.kept(self._placed) as measured:
+            bucket = self._trace(shape, None)
+            self._join(self.model, shape, bucket)
+        self.compiled_bytes[shape.label] = measured.kept
         logger.info("compiled %s %s (%s) in %.1f s", self.name, shape.label, why, time.perf_counter() - started)
         return bucket
 

@@ -13,9 +13,10 @@ from typing import Any, Sequence as Seq
 
 import torch
 
+from ..assembly import host_memory
 from ..assembly.queue import READY, compile_queue
 from ..config.generation import DEFAULT_MAX_WAITING
-from ..targets.pjrt import on_this_thread, use_device, xla
+from ..targets.pjrt import emulated, on_this_thread, use_device, xla
 from .engine import Engine
 from .model import GenerationModel, swap_weights
 from .protocol import Dispatcher
@@ -38,6 +39,17 @@ def copies_on_cores(model: GenerationModel, cores: int) -> list[tuple[Generation
             use_device(d), model.load_to(d))[1]), priority=READY, kind="load")
         placed.append((job.future.result(), device))
     return placed
+
+
+def engines_host_memory(models: Seq[GenerationModel], build: Any = None) -> dict:
+    """assembly/host_memory.report of the compiled ``models`` (one a core or group) and their drafts."""
+    every = [m for model in models for m in (model, model.draft) if m is not None]
+    weights = [w for m in every for w in m.held_weights().values()]
+    cache = sum(m.memory_per_core()["kv_cache"] * m.tensor_parallel_size + m.memory_per_core().get("lora", 0)
+                for m in every)
+    compiled = {label: bytes_ for label, bytes_ in (build.compiled_bytes if build is not None else {}).items()
+                if bytes_ is not None}
+    return host_memory.report(weights, cache, compiled, emulated())
 
 
 def describe(engines: Seq[Engine], max_waiting: int) -> dict[str, Any]:
@@ -89,6 +101,13 @@ class EngineGroup(Dispatcher):
     @property
     def running(self) -> int:
         return sum(e.running for e in self.engines)
+
+    @property
+    def host_memory(self) -> dict:
+        """What the process holds of host memory for these engines (assembly/host_memory.report): every core's
+        weights (held once each, whatever the compiled models) and cache, the weights' host copy, each compiled
+        model's code as it compiled, and the resident set."""
+        return engines_host_memory([e.model for e in self.engines], self.build)
 
     def replace_weights(self, lm: torch.nn.Module) -> int:
         """Serve the weights of ``lm`` (a fine-tune: the same architecture, dtype and quantization) on every engine

@@ -28,9 +28,11 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable, Sequence as Seq
 
 from .. import bucket_usage
+from ..assembly import host_memory
 from ..errors import ModelNotReady
 from ..targets.pjrt import neuron_devices_present
-from .protocol import AdapterReply, CompileState, Dispatcher, EngineRequest, Engines, TokenEvent, UsageState
+from .protocol import (AdapterReply, CompileState, Dispatcher, EngineRequest, Engines, HostMemoryState, TokenEvent,
+                       UsageState)
 
 logger = logging.getLogger("neuron_serve")
 
@@ -69,6 +71,7 @@ class EngineProcess(Engines):
         self.compile_state: dict | None = payload.pop("compile")
         self.padding: dict = {}  # what the engines' buckets padded so far (bucket_usage), as each request ends
         self.rebucketing: dict = {}  # where their auto buckets stand (rebucket.describe), as each request ends
+        self.host_memory: dict = {}  # what the process holds of host memory (host_memory.report), as compiles end
         self._compile_listeners: list[Callable[[Any], None]] = []
         self.info: dict = payload
         self._sinks: dict[str, Callable[[TokenEvent], None]] = {}  # open requests' sinks
@@ -167,6 +170,8 @@ class EngineProcess(Engines):
                         self._compiled(event.state)
                     elif isinstance(event, UsageState):
                         self.padding, self.rebucketing = event.summary, event.rebucketing
+                    elif isinstance(event, HostMemoryState):
+                        self.host_memory = event.report
                     elif isinstance(event, AdapterReply):
                         self._replied(event)
                     else:
@@ -292,6 +297,11 @@ class ProcessGroup(Dispatcher):
     def padding(self) -> dict:
         """What the groups' buckets padded so far, summed."""
         return bucket_usage.merged_summaries([p.padding for p in self.processes])
+
+    @property
+    def host_memory(self) -> dict:
+        """What the groups' processes hold of host memory, summed (each compiled model's bytes over the groups)."""
+        return host_memory.summed([p.host_memory for p in self.processes])
 
     @property
     def rebucketing(self) -> dict:

@@ -54,6 +54,14 @@ class CompileState:
 
 
 @dataclass
+class HostMemoryState:
+    """What the engine process holds of host memory (assembly/host_memory.report), sent once it serves and as each
+    compile ends."""
+
+    report: dict
+
+
+@dataclass
 class UsageState:
     """What the engines' buckets padded so far (bucket_usage.Usage.summary), sent as each request ends, and where
     their auto buckets stand (rebucket.describe)."""

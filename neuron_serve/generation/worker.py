@@ -109,7 +109,7 @@ def serve(conn: Connection) -> int:
     from ..targets.pjrt import start_emulated_cores_on_threads  # noqa: PLC0415
     from .build import build_engines  # noqa: PLC0415
     from .metrics import compile_listener, compile_state  # noqa: PLC0415
-    from .protocol import AdapterReply, CompileState, TokenEvent, UsageState  # noqa: PLC0415
+    from .protocol import AdapterReply, CompileState, HostMemoryState, TokenEvent, UsageState  # noqa: PLC0415
 
     try:
         config = parse_config(config)
@@ -139,9 +139,19 @@ def serve(conn: Connection) -> int:
         outbox.post(event)
         if event.finished:
             outbox.post(UsageState(usage.summary(), describe(engines.engines[0].rebucketings)))
+    from ..assembly import host_memory  # noqa: PLC0415
+
+    def tell_memory(_: object = None) -> None:
+        """The process's host memory now, as a metric here and to the replica (its model metadata)."""
+        report = engines.host_memory
+        host_memory.export(config.name, replica, report)
+        outbox.post(HostMemoryState(report))
+
+    tell_memory()
     if build is not None:  # each later compile that ends: its metrics here, its state to the replica
         build.compiles.subscribe(compile_listener(config.name, replica, build, background,
                                                   lambda now: outbox.post(CompileState(now))))
+        build.compiles.subscribe(lambda job: tell_memory() if job.done else None)
     while True:
         try:
             message = conn.recv()

@@ -102,6 +102,8 @@ class Bucket(torch.nn.Module):
         # updated from the outputs ``aliases`` name after every call (see model/state.py).
         self.state: DeviceState | None = None
         self.aliases: list[Alias] = []
+        # What compiling it kept of host memory (its code and bookkeeping; assembly/host_memory.kept), when measured.
+        self.host_bytes: int | None = None
 
     @property
     def stateful(self) -> bool:

@@ -198,7 +198,22 @@ def _memory(memory: dict) -> str:
     return (f"<p>Precision: <b>{escape(memory['dtype'])}</b>, {escape(quantized)}, KV cache "
             f"<b>{escape(memory['kv_cache_dtype'])}</b>; per core {_kib(held['weights'])} of weights and "
             f"{_kib(held['kv_cache'])} of KV cache for {memory['max_num_seqs']} slots; "
-            f"<b>{memory['slots_that_fit']}</b> slots would fit.</p>")
+            f"<b>{memory['slots_that_fit']}</b> slots would fit.</p>" + _host_bytes(memory.get("host_bytes")))
+
+
+def _host_bytes(host: dict | None) -> str:
+    """The engine process's host memory: the weights' copy, the cores' weights and cache (host memory when emulated),
+    and what this compiled model took when it last compiled here."""
+    if not host:
+        return ""
+    where = "host memory: the cores are emulated" if host.get("cores_in_host_memory") else "the cores' own memory"
+    compiled = (f"; compiling it here last kept {_kib(host['compiled_model'])} (its code and bookkeeping) and "
+                f"peaked {_kib(host['compile_peak'])} above what the process held"
+                if host.get("compiled_model") is not None and host.get("compile_peak") is not None
+                else "; it has not compiled on this machine yet")
+    return (f"<p>Host memory: {_kib(host['weights'])} of weights (their copy of record), and on the cores "
+            f"{_kib(host['weights_on_cores'])} of weights and {_kib(host['kv_cache'])} of KV cache ({where}), held "
+            f"once whatever the number of compiled models{compiled}.</p>")
 
 
 def _tensor_parallel(split: dict) -> str:

@@ -300,6 +300,18 @@ class ModelRunner:
                 for bucket, grid in enumerate(self.pipelines) for size, pipeline in grid.items()
                 for p in pipeline.bucket.partitions if p.is_stage for lead in range(0, self.copies * self.span, self.span)]
 
+    def held_weights(self) -> list:
+        """The weights the loaded models' executables take, as held on each core (compile/core_weights.py): one
+        tensor a core, whatever the number of compiled models; none for weights compiled in."""
+        held = {}
+        for grid in self.pipelines:
+            for pipeline in grid.values():
+                for modules in pipeline.modules:
+                    for module in modules.values():
+                        for weight in (getattr(module, "held_weights", None) or {}).values():
+                            held[id(weight)] = weight
+        return list(held.values())
+
     def close(self) -> None:
         self.cpu_pool.shutdown(wait=False)
         self.cores.shutdown()

@@ -165,6 +165,9 @@ class GenerationPlane:
                 "compile": self.compile_state(),
                 # What the prefill and decode buckets padded, per family (bucket_usage), since the replica started.
                 "padding": dict(getattr(self.frontend.engines, "padding", {})),
+                # What the engines' process holds of host memory: weights (once, whatever the compiled models), cache,
+                # each compiled model's code (assembly/host_memory.report).
+                **({"host_memory": found} if (found := getattr(self.frontend.engines, "host_memory", {})) else {}),
                 # With auto buckets: the lists served now and their switches while serving (generation/rebucket.py).
                 **({"rebucketing": found} if (found := getattr(self.frontend.engines, "rebucketing", {})) else {}),
                 **({"lora": self.lora_card()} if self.lora is not None else {}),

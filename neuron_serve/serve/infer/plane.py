@@ -25,6 +25,7 @@ import time
 import torch
 
 from ... import bucket_usage
+from ...assembly import host_memory
 from ...assembly.queue import CompileGroup, CompileJob
 from ...version import __version__
 from ...config.schema import ModelConfig
@@ -138,6 +139,7 @@ class ModelDataPlane:
         self.observer.loaded(model, self.runner)
         self.outputs = _outputs(model)
         self.observer.compile_counts(self.compile_state())
+        self.host_memory()  # the metric, with the model that joined
 
     def _compile_event(self, job: CompileJob) -> None:
         """A job of the model's compile was queued (on the submitting thread), started or ended (on the compile
@@ -179,11 +181,27 @@ class ModelDataPlane:
                 "batch_sizes": self.runner.model.batch_sizes,
                 "neuron_serve_version": __version__,
                 "compile": self.compile_state(),
+                # What the replica holds of host memory: weights once a core, each compiled model's code
+                # (assembly/host_memory.report)
+                "host_memory": self.host_memory(),
                 **({"padding": self.usage.summary()} if self.usage is not None else {}),
                 **({"rebucketing": self.rebucket.describe()} if self.rebucket is not None else {}),
                 **self.parameters,
             },
         }
+
+    def host_memory(self) -> dict:
+        """assembly/host_memory.report of the loaded models, exported as neuron_serve_host_memory_bytes: every core's
+        weights and state, the weights' host copy, what each compiled model kept as it compiled ("bucket 1 batch
+        8"), the resident set."""
+        model = self.runner.model
+        compiled = {f"bucket {i + 1} batch {b.batch_size}": b.host_bytes for i in range(len(model.buckets))
+                    for b in model.grid(i) if b.host_bytes is not None}
+        states = sum(t.numel() * t.element_size() for t in model.states) if model.stateful else 0
+        report = host_memory.report(self.runner.held_weights(), states * len(self.runner.cores.cores), compiled,
+                                    emulated())
+        host_memory.export(self.name, self.replica, report)
+        return report
 
     def compile_state(self) -> dict:
         """This replica's compiled models by state (``compiled``, ``pending``: queued or compiling,

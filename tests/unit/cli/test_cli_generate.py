@@ -5,9 +5,11 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 
 import generation_models as gm
@@ -111,12 +113,28 @@ def test_a_built_artifact_generates_as_the_model_does(llm_yaml, tmp_path):
         in built.stderr
     assert "Num Partitions" not in built.stderr
     assert sorted(p.name for p in out.iterdir()) == [*(f"bucket_{i}" for i in range(4)), "manifest.json",
-                                                    "manifest.sha256", "model.yaml", "states.pt"]
+                                                    "manifest.sha256", "model.yaml", "states.pt", "weights.pt"]
+    # The weights once, in weights.pt; the compiled models' programs take them as inputs and hold none.
+    lm = tiny_llama.build()
+    stored = torch.load(out / "weights.pt", weights_only=True)
+    assert sum(t.numel() for t in stored.values()) >= sum(p.numel() for p in lm.parameters())
+    for program in out.glob("bucket_*/*.pt2"):
+        with warnings.catch_warnings():  # the archive's bytes are read-only; nothing is written to them
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            held = torch.export.load(str(program)).state_dict
+        assert sum(t.numel() for t in held.values()) < 1000, program  # none of the weights
+    # analyze says what the build took of host memory for each compiled model, beside the weights and cache
+    analyzed = _cli("analyze", llm_yaml)
+    assert analyzed.returncode == 0, analyzed.stderr
+    for label, form in json.loads(analyzed.stdout).items():
+        host = form["memory"]["host_bytes"]
+        assert host["weights"] == form["memory"]["bytes_per_core"]["weights"] == host["weights_on_cores"]
+        assert host["cores_in_host_memory"] is True
+        assert host["compiled_model"] is not None and host["compile_peak"] > 0 and host["compile_seconds"] > 0, label
     config, folder = load_deployment(out)
     assert config.model.artifact == "." and config.generation.max_num_seqs == 4
     engine = build_engine(config, folder)  # compiles the saved programs; no transformers model is built
     try:
-        lm = tiny_llama.build()
         prompts = [[5, 9, 200, 17], list(range(40, 70))]
         done = engine.generate_batch(prompts, SamplingParams(max_tokens=8, temperature=0), timeout=120)
         assert [d.tokens for d in done] == [gm.eager_greedy(lm, p, 8) for p in prompts]

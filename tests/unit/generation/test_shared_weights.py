@@ -81,3 +81,19 @@ def test_answers_are_unchanged_by_sharing(served):
     assert done[1].tokens == gm.eager_greedy(lm, prompts[1], NEW_TOKENS)
     assert done[2].tokens == gm.eager_sampled(lm, prompts[2], NEW_TOKENS, sampled)
     assert done[3].tokens == gm.eager_greedy(peft, prompts[0], NEW_TOKENS)
+
+
+def test_the_engines_say_what_they_hold_of_host_memory(served):
+    """The host memory report (the model metadata's parameters.host_memory, the neuron_serve_host_memory_bytes
+    metric): one copy of the weights on the core beside their host copy, the cache, and each compiled model's own
+    bytes, measured as it compiled."""
+    front, _, _ = served
+    model = front.engines.engines[0].model
+    report = front.engines.host_memory
+    per_core = model.memory_per_core()
+    assert report["weights_on_cores_bytes"] == report["weights_bytes"] == per_core["weights"]
+    assert report["kv_cache_bytes"] == per_core["kv_cache"] + per_core["lora"]
+    assert set(report["compiled_models_bytes"]) == {s.label for s in model.shapes}
+    assert report["compiled_models_total_bytes"] == sum(report["compiled_models_bytes"].values())
+    assert report["cores_in_host_memory"] is True  # emulated: the cores' memory is this process's
+    assert report["resident_bytes"] > report["weights_bytes"] + report["kv_cache_bytes"]
