@@ -60,6 +60,13 @@ def test_the_engines_run_in_their_own_process_and_generate_as_transformers_does(
     done = engines.generate_batch(prompts, GREEDY, timeout=120)
     assert [d.tokens for d in done] == [gm.eager_greedy(lm, p, 6) for p in prompts]
     assert [d.finish_reason for d in done] == ["length"] * 3
+    # What the engine process holds of host memory reaches the replica (its metadata's parameters.host_memory).
+    held = engines.engines.host_memory
+    weights = sum(p.numel() * p.element_size() for p in lm.parameters())
+    assert weights <= held["weights_on_cores_bytes"] == held["weights_bytes"] < weights * 1.01
+    assert {"prefill_64", "decode_2x64"} <= set(held["compiled_models_bytes"]) <= {"prefill_64", "decode_2x64",
+                                                                                   "prefill_16"}
+    assert held["resident_bytes"] > held["weights_bytes"] + held["kv_cache_bytes"] > 0
 
 
 def test_the_async_stream_and_an_abort_cross_the_process(engines):
