@@ -296,3 +296,11 @@ def scrape() -> bytes:
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry, path=multiproc_dir())
     return generate_latest(registry)
+
+
+def set_host_memory(model: str, replica: str, report: dict) -> None:
+    """``neuron_serve_host_memory_bytes`` of ``model`` from an assembly/host_memory.report."""
+    for kind, key in (("resident", "resident_bytes"), ("weights", "weights_bytes"),
+                      ("weights_on_cores", "weights_on_cores_bytes"), ("kv_cache", "kv_cache_bytes"),
+                      ("compiled_models", "compiled_models_total_bytes")):
+        HOST_MEMORY.labels(model=model, replica=replica, kind=kind).set(report.get(key, 0))

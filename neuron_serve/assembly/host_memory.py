@@ -253,16 +253,6 @@ def report(weights: Iterable[Any], cache_bytes: int, compiled: dict[str, int], c
             "cores_in_host_memory": cores_in_host_memory}
 
 
-def export(model: str, replica: str, described: dict) -> None:
-    """Set ``neuron_serve_host_memory_bytes`` of ``model`` from a :func:`report`."""
-    from .. import metrics  # noqa: PLC0415 - prometheus_client's multiprocess directory is set on import
-
-    for kind, key in (("resident", "resident_bytes"), ("weights", "weights_bytes"),
-                      ("weights_on_cores", "weights_on_cores_bytes"), ("kv_cache", "kv_cache_bytes"),
-                      ("compiled_models", "compiled_models_total_bytes")):
-        metrics.HOST_MEMORY.labels(model=model, replica=replica, kind=kind).set(described.get(key, 0))
-
-
 def summed(reports: Iterable[dict]) -> dict:
     """Reports of several processes (a replica's tensor-parallel groups) as one: bytes added up, each compiled
     model's over the processes."""
@@ -281,27 +271,3 @@ def summed(reports: Iterable[dict]) -> dict:
                 total[key] = total.get(key, 0) + value
     return total
 
-
-_RECORDS = "host_memory"
-
-
-def remember(model: str, label: str, **figures: Any) -> None:
-    """Keep what compiling ``model``'s ``label`` took (peak, kept, seconds) in the compile cache, for the next start's
-    budget and for ``neuron-serve analyze``; nothing without a cache."""
-    from ..compile import cache as compile_cache  # noqa: PLC0415 - the cache module imports torch-xla's pieces
-
-    store = compile_cache.current()
-    if store is None:
-        return
-    key = {"model": model}
-    records = store.get(_RECORDS, key) or {}
-    records[label] = {k: v for k, v in figures.items() if v is not None}
-    store.put(_RECORDS, key, records)
-
-
-def remembered(model: str) -> dict[str, dict]:
-    """What compiling each of ``model``'s compiled models took when this machine last compiled it (by label)."""
-    from ..compile import cache as compile_cache  # noqa: PLC0415
-
-    store = compile_cache.current()
-    return (store.get(_RECORDS, {"model": model}) or {}) if store is not None else {}

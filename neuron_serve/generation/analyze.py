@@ -15,7 +15,7 @@ from typing import Any, Iterator, NamedTuple
 import torch
 
 from ..analysis.capture import CapturedGraph, capture
-from ..assembly import host_memory
+from ..compile import records as compile_records
 from ..analysis.placement import GraphAnalysis, analyze_graph
 from ..config.schema import ModelConfig, _under
 from ..config.generation import GenerationSettings
@@ -77,7 +77,7 @@ def memory_of(lm: torch.nn.Module, buckets, size: int) -> dict:
 
 
 def with_compile_record(memory: dict, record: dict | None) -> dict:
-    """``memory`` with what compiling this model took when this machine last compiled it (host_memory.remember):
+    """``memory`` with what compiling this model took when this machine last compiled it (compile/records.py):
     the bytes it kept (its code and bookkeeping) and its peak; None for each when it has not compiled here."""
     record = record or {}
     return {**memory, "host_bytes": {**memory["host_bytes"], "compiled_model": record.get("kept"),
@@ -115,8 +115,8 @@ def forms(config: ModelConfig, base_dir: str | Path | None = None) -> Iterator[F
     every = [(model, buckets, prefix + shape.label, shape, split, lora)
              for model, buckets, prefix, split, lora in models for shape in shapes_of(buckets)]
     target = get_target(config.target)
-    records = {**host_memory.remembered(config.name),
-               **{f"draft_{k}": v for k, v in host_memory.remembered(f"{config.name} draft").items()}}
+    records = {**compile_records.remembered(config.name),
+               **{f"draft_{k}": v for k, v in compile_records.remembered(f"{config.name} draft").items()}}
     for index, (causal_lm, buckets, label, shape, split, lora) in enumerate(every, 1):
         model = slot_module(causal_lm, buckets, shape, lora=lora[0] if lora else None)
         with grouped_for_compile(causal_lm):  # the attention each model is compiled with (a mixed call needs it)

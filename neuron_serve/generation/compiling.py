@@ -36,6 +36,7 @@ from ..assembly.queue import (BACKGROUND, COMPILED, FAILED, NEEDED, READY, Compi
 from ..buckets.generation import GenerationBuckets
 from ..compile import sharding as spmd
 from ..compile import core_weights
+from ..compile import records as compile_records
 from ..compile.aliases import shared_state
 from ..errors import ConfigError, InternalCompileError, UnsupportedModelError
 from ..model import Bucket
@@ -113,9 +114,9 @@ class GenerationBuild:
         self.order = compile_order(buckets, bucket_usage.shares(self.name, "prefill", buckets.prefill, "prompt lengths")
                                    if name else None)
         self.compiles: CompileGroup = (queue or compile_queue()).group(f"{self.name}#{next(_builds)}")
-        # What this machine measured of each compile before (host_memory.remember): the budget knows the first
+        # What this machine measured of each compile before (compile/records.py): the budget knows the first
         # compile's need before it starts, and each compile's figures are kept for the next start.
-        for label, record in host_memory.remembered(self.name).items() if name else ():
+        for label, record in compile_records.remembered(self.name).items() if name else ():
             shape = next((s for s in self.order if s.label == label), None)
             if shape is not None and record.get("peak"):
                 self.compiles.queue.budget.expect(self.family(shape), int(record["peak"]))
@@ -230,10 +231,10 @@ class GenerationBuild:
     # -- compiling (on the queue's thread) ----------------------------------------------------
 
     def _remember(self, job: CompileJob) -> None:
-        """A compile that ended: what it took, kept for the next start (host_memory.remember)."""
+        """A compile that ended: what it took, kept for the next start (compile/records.py)."""
         label = job.label.removeprefix(f"{self.name} ")
         if job.kind == "compile" and job.state == COMPILED:
-            host_memory.remember(self.name, label, peak=job.peak_bytes, kept=self.compiled_bytes.get(label),
+            compile_records.remember(self.name, label, peak=job.peak_bytes, kept=self.compiled_bytes.get(label),
                                  seconds=round(job.seconds, 1) if job.seconds is not None else None)
 
     def _placed(self) -> int:

@@ -139,12 +139,12 @@ def serve(conn: Connection) -> int:
         outbox.post(event)
         if event.finished:
             outbox.post(UsageState(usage.summary(), describe(engines.engines[0].rebucketings)))
-    from ..assembly import host_memory  # noqa: PLC0415
+    from .. import metrics  # noqa: PLC0415
 
     def tell_memory(_: object = None) -> None:
         """The process's host memory now, as a metric here and to the replica (its model metadata)."""
         report = engines.host_memory
-        host_memory.export(config.name, replica, report)
+        metrics.set_host_memory(config.name, replica, report)
         outbox.post(HostMemoryState(report))
 
     tell_memory()

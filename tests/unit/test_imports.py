@@ -46,6 +46,12 @@ RULES = {
                                             "neuron_serve.partition", "neuron_serve.targets", "neuron_serve.runtime",
                                             "neuron_serve.generation", "neuron_serve.serve", "neuron_serve.metrics",
                                             "neuron_serve.cli", "torch"),
+    # Host memory as the compile queue's budget (the queue imports it): it reads /proc, and knows no compiler, model,
+    # metric or torch.
+    "neuron_serve.assembly.host_memory": COMPILER + ("neuron_serve.config", "neuron_serve.model", "neuron_serve.buckets",
+                                                  "neuron_serve.partition", "neuron_serve.targets",
+                                                  "neuron_serve.runtime", "neuron_serve.generation", "neuron_serve.serve",
+                                                  "neuron_serve.metrics", "neuron_serve.cli", "torch"),
     "neuron_serve.generation": ("neuron_serve.serve",),
     "neuron_serve.model": COMPILER + ("neuron_serve.config", "neuron_serve.runtime", "neuron_serve.serve"),
     # The runtime tells one observer of its work (runtime/observer.py); the metrics live at the serving edge.

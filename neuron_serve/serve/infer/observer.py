@@ -116,6 +116,10 @@ class ReplicaMetrics(RuntimeObserver):
         for name in ("compiled", "pending", "failed"):
             metrics.COMPILED_MODELS.labels(**self._labels, state=name).set(state.get(name, 0))
 
+    def host_memory(self, report: dict) -> None:
+        """What the replica holds of host memory (assembly/host_memory.report), as neuron_serve_host_memory_bytes."""
+        metrics.set_host_memory(self.model, self.replica, report)
+
     def executed(self) -> None:
         """A batch ran with at least one request answered (Triton's execution count)."""
         self.deferred.add(self._child(metrics.EXECUTIONS).inc)

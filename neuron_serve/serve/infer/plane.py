@@ -200,7 +200,7 @@ class ModelDataPlane:
         states = sum(t.numel() * t.element_size() for t in model.states) if model.stateful else 0
         report = host_memory.report(self.runner.held_weights(), states * len(self.runner.cores.cores), compiled,
                                     emulated())
-        host_memory.export(self.name, self.replica, report)
+        self.observer.host_memory(report)
         return report
 
     def compile_state(self) -> dict:
