@@ -272,6 +272,10 @@ def _trace_bucket(
                                                 inline_weights, donate)
     for name, indices in keep.items():
         plan.gm.get_submodule(name).keep_on_device = set(indices)
+    # The captured model's module tree stays attached to the top graph after its nodes moved into the partitions:
+    # it would keep every weight of the model alive in each compiled model (a second reference to the checkpoint
+    # nothing reads).
+    plan.gm.delete_all_unused_submodules()
     report = build_report(analysis)
     if cc_args:
         report["compiler_args"] = cc_args.describe()

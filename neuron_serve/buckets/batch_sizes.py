@@ -12,9 +12,10 @@ from __future__ import annotations
 import functools
 from typing import Mapping, Sequence
 
-import torch
+from typing import TYPE_CHECKING
 
-from . import dynamic_batch
+if TYPE_CHECKING:
+    import torch
 
 
 def default_batch_sizes(max_batch_size: int) -> list[int]:
@@ -94,6 +95,10 @@ def plan(rows: int, costs: Mapping[int, float]) -> list[int]:
 
 def split(flat: list, rows: int, chunk_sizes: Sequence[int]) -> list[tuple[int, list, int]]:
     """Per planned chunk: (its compiled size, the flat inputs sliced to it and padded, padded rows)."""
+    import torch  # noqa: PLC0415 - the choice of sizes above is arithmetic, read where no tensor is (model.yaml's checks)
+
+    from . import dynamic_batch  # noqa: PLC0415
+
     chunks, start = [], 0
     for size in chunk_sizes:
         take = max(0, min(size, rows - start))
@@ -105,4 +110,6 @@ def split(flat: list, rows: int, chunk_sizes: Sequence[int]) -> list[tuple[int, 
 
 def resize_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     """An example input cut or grown (repeating its last row) to ``rows`` along dim 0."""
+    from . import dynamic_batch  # noqa: PLC0415
+
     return t[:rows] if t.shape[0] >= rows else dynamic_batch.pad_rows(t, rows)

@@ -12,13 +12,18 @@ layout (as is, or transposed once for the matrix multiplications that read it) o
 split by a sharding spec or whole, is copied there once and shared for as long as an
 executable holds it. New host tensors (another checkpoint swapped in) are placed anew; the
 old device copies go when nothing holds them. :func:`held_bytes` is what the store holds.
+
+Emulated, a core's memory is this process's own, so the host copy of a weight that one core
+holds whole can be that core's copy itself: :func:`share_with_host` makes each such host tensor
+a view of the core's buffer (DLPack, no copy), and the model's copy of record can then go, so the
+process holds each weight once, not twice.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -89,6 +94,43 @@ def hold(weights: Sequence[torch.Tensor], transposed: set[int], device: Any,
                 found = _HELD.setdefault(key, made)
         held.append(found)
     return held
+
+
+def identity(tensor: torch.Tensor) -> tuple:
+    """What makes two host tensors the same weight: their storage, offset, shape, strides and dtype."""
+    return _key(tensor, False, None, None)[:6]
+
+
+def share_with_host(weights: Iterable[HeldWeight]) -> dict[tuple, torch.Tensor]:
+    """Emulated cores: make the host tensor of each of ``weights`` that its core holds whole a view of that core's
+    buffer, in the weight's own layout (transposed back where the core holds it transposed), so host and core hold
+    one copy. Returns each old host tensor's :func:`identity` -> its view, for the caller to hand to whatever held
+    the old one (the model's modules, the compiled models' records of their weights): once nothing does, the
+    old copy is freed. Weights split over a group of cores (a sharding spec), and real NeuronCores, keep theirs."""
+    from ..targets.pjrt import emulated  # noqa: PLC0415
+
+    if not emulated():
+        return {}
+    from torch_xla.utils import dlpack  # noqa: PLC0415
+
+    views: dict[tuple, torch.Tensor] = {}
+    for weight in {id(w): w for w in weights}.values():
+        if weight.spec is not None or weight.devices != 1:
+            continue
+        old = identity(weight.host)
+        if old not in views:
+            with xla_state.exclusive():
+                core = torch.from_dlpack(dlpack.to_dlpack(weight.tensor))
+            transposed = weight.key[6]
+            views[old] = core.t() if transposed else core
+        view = views[old]
+        key = _key(view, weight.key[6], weight.device, weight.spec)
+        with _LOCK:
+            if _HELD.get(weight.key) is weight:
+                del _HELD[weight.key]
+            weight.key, weight.host = key, view
+            _HELD.setdefault(key, weight)
+    return views
 
 
 def held() -> list[HeldWeight]:

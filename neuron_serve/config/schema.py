@@ -9,9 +9,8 @@ from __future__ import annotations
 import importlib
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
@@ -25,14 +24,18 @@ from ..buckets.batch_sizes import check_batch_sizes, default_batch_sizes
 from ..partition.config import DEFAULT_SUPPORT_THRESHOLD, NO_LIMIT, PartitionerConfig
 from ..partition.placement import ModelPlacement
 
-DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "bool": torch.bool,
-}
+if TYPE_CHECKING:
+    import torch
+
+# model.yaml's input dtypes, by torch's names (torch is imported where a tensor is made: the serving edge reads
+# model.yaml without it).
+DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "bool")
+
+
+def torch_dtype(name: str) -> "torch.dtype":
+    import torch  # noqa: PLC0415
+
+    return getattr(torch, name)
 DEFAULT_TARGET = "neuron"
 DEFAULT_MAX_BATCH_SIZE = 32
 DEFAULT_MAX_QUEUE_DELAY_MS = 2.0
@@ -94,10 +97,12 @@ class InputSpec(_Strict):
         return shape
 
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return torch_dtype(self.dtype)
 
     def example(self) -> torch.Tensor:
-        dtype = DTYPES[self.dtype]
+        import torch  # noqa: PLC0415
+
+        dtype = torch_dtype(self.dtype)
         if dtype.is_floating_point:
             return torch.rand(self.shape, dtype=dtype)
         return torch.randint(0, self.high or 2, self.shape, dtype=dtype)
@@ -398,7 +403,7 @@ class ModelConfig(_Strict):
     def torch_dtype(self, checkpoint: torch.dtype) -> torch.dtype:
         """The dtype a generate or pooling model computes in: ``dtype``, or with auto ``checkpoint`` (the dtype its
         checkpoint was saved in)."""
-        return checkpoint if self.dtype == "auto" else DTYPES[self.dtype]
+        return checkpoint if self.dtype == "auto" else torch_dtype(self.dtype)
 
     def model_placement(self) -> ModelPlacement:
         """The placement ``trace`` takes."""
@@ -486,6 +491,8 @@ def build_model(config: ModelConfig, base_dir: str | Path | None = None) -> torc
             f"from the model.yaml's folder or the Python path."
         ) from None
     model = factory(**config.model.kwargs)
+    import torch  # noqa: PLC0415
+
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model.factory: {config.model.factory!r} returned {type(model).__name__}, not a torch.nn.Module.")
     return model.eval()

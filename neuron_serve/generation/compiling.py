@@ -160,6 +160,7 @@ class GenerationBuild:
             self.model.precision = precision.describe(self.lm)
             self.ready_seconds = time.perf_counter() - self.started
             waiting = self._open
+        self._share_host_memory()
         logger.info("model %s built in %.1fs%s", self.name, self.ready_seconds,
                     f"; ready on {len(self._early)} of {len(self.order)} compiled models, the other {waiting} compile "
                     f"in the background" if waiting else "")
@@ -182,6 +183,25 @@ class GenerationBuild:
                                 compiled={shape: bucket}, lora=self.lora)
         model.precision = precision.describe(self.lm)
         return model
+
+    def _share_host_memory(self) -> None:
+        """Emulated: the model's weights on the host become views of the core's copy (core_weights.share_with_host),
+        for the modules later compiles trace and for the compiled models' records of their weights; the checkpoint's
+        own copy is then freed. Before the background compiles start, so each of them finds the weights it lifts
+        already held."""
+        views = core_weights.share_with_host(self.model.held_weights().values())
+        if not views:
+            return
+        with torch.no_grad():
+            for module in self.lm.modules():
+                for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+                    view = views.get(core_weights.identity(tensor))
+                    if view is not None:
+                        tensor.data = view
+        for bucket in self._early.values():
+            for sub in bucket.graph_module.children():
+                if getattr(sub, "held_weights", None):
+                    sub.weights = {n: views.get(core_weights.identity(t), t) for n, t in sub.weights.items()}
 
     def resume(self) -> None:
         """Queue the background compiles (once the engine that runs the start-up models has started)."""

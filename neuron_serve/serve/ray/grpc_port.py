@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.experimental import internal_kv
 
-from ...config.schema import ModelConfig
+if TYPE_CHECKING:  # Serve's HAProxy manager imports this module: the schema would bring torch into it
+    from ...config.schema import ModelConfig
 
 NAMESPACE = "neuron-serve"  # the deployment's Ray namespace (deployment.SERVER_APP)
 LISTENING_KEY = "grpc-server-app-listening"
