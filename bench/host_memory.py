@@ -17,7 +17,8 @@ monitor ("killed due to memory pressure").
 - ``llama-1b``: a Llama-3.2-1B-shaped model (its config, random weights, bfloat16; nothing downloaded) with
   ``tensor_parallel_size: 2`` over two emulated cores, max_num_seqs 8, max_model_len 1024, every default bucket.
 
-The issue's targets are printed beside each figure: the compiling process at most 1.5 x (weights + KV cache) +
+Ray's dashboard is left out (``--no-ray-dashboard``: about 1.3 GiB of its own processes, whatever is served). The
+targets are printed beside each figure: the compiling process at most 1.5 x (weights + KV cache) +
 1 GiB, the whole deployment at most 4 GiB, each further compiled model at most 10% of the weights' bytes.
 """
 
@@ -189,7 +190,9 @@ def _check_answer(deploy: Deploy, config: Path) -> str:
 def measure(case: str, work: Path, logs: Path) -> dict:
     config = config_path(case, work)
     cache = work / f"cache-{case}"
-    deploy = Deploy(config, cache, logs)
+    # Without Ray's dashboard (deploy's --no-ray-dashboard): its dozen processes take about 1.3 GiB whatever is
+    # served; the figures are the deployment's own.
+    deploy = Deploy(config, cache, logs, extra=("--no-ray-dashboard",))
     sampler = Sampler(deploy.server.proc.pid)
     sampler.start()
     name = deploy.name
@@ -216,8 +219,11 @@ def measure(case: str, work: Path, logs: Path) -> dict:
         deploy.stop()
     host = meta["parameters"].get("host_memory", {})
     compiled = host.get("compiled_models_bytes", {})
-    each = sorted(v for k, v in compiled.items() if not k.startswith("copy onto"))
-    first = compiled.get(next(iter(compiled), ""), 0)
+    # The first compiled model also starts the runtime and touches what every later one shares: the further ones
+    # are what a compiled model joining costs.
+    ordered = [v for k, v in compiled.items() if not k.startswith("copy onto")]
+    first = ordered[0] if ordered else 0
+    each = sorted(ordered[1:])
     compiling = "engine process" if "engine process" in now else "replica"
     weights = host.get("weights_bytes", 0)
     cache_bytes = host.get("kv_cache_bytes", 0)
@@ -228,14 +234,13 @@ def measure(case: str, work: Path, logs: Path) -> dict:
         "total_peak_bytes": sampler.peak_total, "compiling_process": compiling, "host_memory": host,
         "weights_bytes": weights, "kv_cache_bytes": cache_bytes,
         "further_model_median_bytes": each[len(each) // 2] if each else None,
-        "further_model_max_bytes": max(each[1:]) if len(each) > 1 else None, "first_model_bytes": first,
+        "further_model_max_bytes": max(each) if each else None, "first_model_bytes": first,
         "compile_seconds": seconds, "answer": answer, "killed_by_memory_monitor": killed,
         "targets": {
             "compiling process <= 1.5 x (weights + KV) + 1 GiB":
                 now.get(compiling, 0) <= 1.5 * (weights + cache_bytes) + GIB,
             "deployment <= 4 GiB": sum(now.values()) <= 4 * GIB,
-            "each further compiled model <= 10% of the weights":
-                bool(each) and max(each[1:] or each) <= 0.1 * weights,
+            "each further compiled model <= 10% of the weights": bool(each) and max(each) <= 0.1 * weights,
         },
     }
 

@@ -61,14 +61,14 @@ def _variant(model: str, work: Path, **changes) -> Path:
 class Deploy:
     """``neuron-serve deploy config`` on free ports, with its compile cache in ``cache``."""
 
-    def __init__(self, config: Path, cache: Path, log_dir: Path) -> None:
+    def __init__(self, config: Path, cache: Path, log_dir: Path, extra: tuple[str, ...] = ()) -> None:
         self.port, self.grpc_port = free_port("127.0.0.1"), None
         self.grpc_port = free_port("127.0.0.1", avoid=(self.port,))
         cli = str(Path(sys.executable).with_name("neuron-serve"))
         self.name = load_deployment(config)[0].name
         spec = servers.ServerSpec(f"startup-{config.parent.name}-{config.stem}", self.name,
                                   [cli, "deploy", str(config), "--port", str(self.port), "--grpc-port",
-                                   str(self.grpc_port)], self.port, replica_marker="ray::ServeReplica:",
+                                   str(self.grpc_port), *extra], self.port, replica_marker="ray::ServeReplica:",
                                   env={"NEURON_SERVE_CACHE_DIR": str(cache)}, ready_line=servers.READY_LINE)
         self.server = servers.Server(spec, log_dir)
 

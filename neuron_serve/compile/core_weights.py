@@ -119,8 +119,11 @@ def share_with_host(weights: Iterable[HeldWeight]) -> dict[tuple, torch.Tensor]:
             continue
         old = identity(weight.host)
         if old not in views:
-            with xla_state.exclusive():
-                core = torch.from_dlpack(dlpack.to_dlpack(weight.tensor))
+            try:
+                with xla_state.exclusive():
+                    core = torch.from_dlpack(dlpack.to_dlpack(weight.tensor))
+            except RuntimeError:  # a dtype DLPack cannot express (float8): this weight keeps its host copy
+                continue
             transposed = weight.key[6]
             views[old] = core.t() if transposed else core
         view = views[old]
