@@ -36,7 +36,9 @@ sentence-transformers on Ray Serve, one server at a time, then bench/embed_place
 tokenization and pooling run) adds embeddings.md, embeddings.json, embed_placement.md and
 embed_placement.json; start-up (bench/startup.py: from deploy's launch to the first correct
 answer, ready on the first compiled models against after the whole compile, and an autoscaling
-step from one replica to two) adds startup.md and startup.json.
+step from one replica to two) adds startup.md and startup.json; host memory (bench/host_memory.py: SmolLM2 with every
+default bucket, in int8, the embedder and a Llama-3.2-1B-shaped model at tensor_parallel_size 2, each deployed alone and
+measured once fully compiled) adds host_memory.md and host_memory.json.
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-tensor-parallel", action="store_true",
                         help="skip tensor parallelism (bench/tensor_parallel.py)")
     parser.add_argument("--no-guidellm", action="store_true", help="skip guidellm (bench/guidellm.py)")
+    parser.add_argument("--no-host-memory", action="store_true",
+                        help="skip host memory as compiled models grow in number (bench/host_memory.py)")
     parser.add_argument("--no-embeddings", action="store_true",
                         help="skip embeddings over HTTP and their placement (bench/embeddings.py, embed_placement.py)")
     parser.add_argument("--out", type=Path, help="results directory (default bench/results/<timestamp>)")
@@ -204,6 +208,13 @@ def run_startup(quick: bool, out: Path, log) -> str | None:
     models against after the whole compile, and an autoscaling step (it starts each deploy itself)."""
     return _run_module("startup", quick, out, log, "start-up from deploy's launch and an autoscaling step (one "
                        "deploy at a time)", 3600)
+
+
+def run_host_memory(quick: bool, out: Path, log) -> str | None:
+    """bench/host_memory.py: each case deployed alone, measured once fully compiled (it starts each deploy)."""
+    return _run_module("host_memory", quick, out, log, "host memory as compiled models grow in number (SmolLM2 "
+                       "with every default bucket, in int8, the embedder, a 1B-class model at TP 2; one deploy at a "
+                       "time)", 6 * 3600)
 
 
 def run_generate(quick: bool, out: Path, log) -> str | None:
@@ -355,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     prefill = None if args.no_generate else run_prefill(args.quick, out, log)
     guidellm = None if args.no_guidellm else run_guidellm(args.quick, out, log)
     embedding = None if args.no_embeddings else run_embeddings(args.quick, out, log)
+    host = None if args.no_host_memory else run_host_memory(args.quick, out, log)
 
     targets = report.target_rows(rows)
     sections = [
@@ -376,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
         sections += ["", "## Cold and warm start", "", cold_warm.strip()]
     if startup:
         sections += ["", startup.strip()]
+    if host:
+        sections += ["", host.strip()]
     if generation:
         sections += ["", "## Generation (in process, bench/generate.py)", "", generation.strip()]
     if generation_http:
