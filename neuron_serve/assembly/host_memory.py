@@ -191,19 +191,20 @@ class Budget:
             self._needs.setdefault(family, peak)
 
     def need(self, family: str) -> int | None:
-        """Bytes a compile of ``family`` is expected to take at its peak: measured on the family's last compile, or
-        the most any family took; None before anything is measured."""
+        """Bytes a compile of ``family`` is expected to take at its peak: the most a compile of the family took in
+        this process, or the most any family took; None before anything is measured."""
         with self._lock:
             if family in self._needs:
                 return self._needs[family]
             return max(self._needs.values(), default=None)
 
     def fits(self, family: str) -> tuple[bool, int | None, Room]:
-        """(fits, need, room): whether a compile of ``family`` fits now; one with nothing measured always does."""
+        """(fits, need, room): whether a compile of ``family`` fits now; one with nothing measured always does, and
+        none does once no room is left (a need is an estimate)."""
         need, left = self.need(family), room()
         if need is None or left.bytes is None:
             return True, need, left
-        return need <= left.bytes, need, left
+        return 0 < left.bytes and need <= left.bytes, need, left
 
     @contextlib.contextmanager
     def measure(self, family: str) -> Iterator[Measured]:
@@ -219,8 +220,8 @@ class Budget:
             peak = peak_resident_bytes() if peaked else None
             if before and peak is not None:
                 measured.peak = max(0, peak - before)
-                with self._lock:
-                    self._needs[family] = measured.peak
+                with self._lock:  # a graph XLA had compiled already costs nothing: it does not lower the need
+                    self._needs[family] = max(measured.peak, self._needs.get(family, 0))
             if before:
                 measured.kept = after - before
 

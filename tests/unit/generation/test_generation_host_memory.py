@@ -27,9 +27,10 @@ def test_compiles_the_budget_cannot_hold_are_skipped_and_the_engine_serves_on(mo
     build = GenerationBuild(lm, BUCKETS, name="budgeted")
     model = build.start(background=True)  # the start-up models, measured as they compile
     started = [job for job in build.compiles.jobs() if job.kind == "compile"]
-    assert len(started) == 2 and all(job.peak_bytes > 0 and job.kept_bytes is not None for job in started)
-    # From now on the process may hold only 1 MiB more than it does: no compile fits.
-    monkeypatch.setenv(host_memory.BUDGET_ENV, str(host_memory.resident_bytes() + (1 << 20)))
+    # (A graph this process's XLA compiled before, in another test, peaks at nothing: measured all the same.)
+    assert len(started) == 2 and all(job.peak_bytes is not None and job.kept_bytes is not None for job in started)
+    # From now on the process may hold less than it does: no compile fits.
+    monkeypatch.setenv(host_memory.BUDGET_ENV, str(host_memory.resident_bytes() - (1 << 20)))
     monkeypatch.setenv(host_memory.WAIT_ENV, "1")
     engine = Engine(model, name="budgeted")  # queues the background compiles
     front = Frontend(engine, describe([engine], 8))
