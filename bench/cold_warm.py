@@ -41,7 +41,8 @@ import asyncio, json, sys, time
 started = time.perf_counter()
 import torch
 import torch.utils._pytree as pytree
-from neuron_serve.config.schema import build_model, load_deployment
+from neuron_serve.config.factory import build_model
+from neuron_serve.config.schema import load_deployment
 from neuron_serve.assembly.from_config import StagedBuild
 from neuron_serve.runtime.runner import ModelRunner
 from neuron_serve.targets.pjrt import xla

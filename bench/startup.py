@@ -31,7 +31,8 @@ import torch
 import torch.utils._pytree as pytree
 import yaml
 
-from neuron_serve.config.schema import build_model, load_deployment
+from neuron_serve.config.factory import build_model
+from neuron_serve.config.schema import load_deployment
 from neuron_serve.serve.ports import free_port
 
 from . import servers

@@ -18,7 +18,8 @@ from .analysis.report import build_report, log_support, write_report
 from .compile import cache as compile_cache
 from .config.compiler_args import parse_compiler_args
 from .config.pooling import POOLING_TASKS
-from .config.schema import build_model, load_config, load_deployment, parse_config
+from .config.factory import build_model
+from .config.schema import load_config, load_deployment, parse_config
 from . import logs
 from .errors import NeuronServeError
 from .partition.config import PartitionerConfig

@@ -25,7 +25,8 @@ from ..api import dynamic_batch, trace_entry
 from ..buckets.order import compile_order
 from ..compile import core_weights
 from ..buckets.shape import BucketSpec
-from ..config.schema import ModelConfig, build_model
+from ..config.factory import build_model
+from ..config.schema import ModelConfig
 from ..model import Bucket, CompiledModel
 from ..partition.config import PartitionerConfig
 

@@ -6,8 +6,6 @@ dotted path, e.g. ``inputs.0.dtype``) and says how to fix it.
 
 from __future__ import annotations
 
-import importlib
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -36,6 +34,8 @@ def torch_dtype(name: str) -> "torch.dtype":
     import torch  # noqa: PLC0415
 
     return getattr(torch, name)
+
+
 DEFAULT_TARGET = "neuron"
 DEFAULT_MAX_BATCH_SIZE = 32
 DEFAULT_MAX_QUEUE_DELAY_MS = 2.0
@@ -473,29 +473,6 @@ def load_deployment(path: str | Path) -> tuple[ModelConfig, str]:
                               "(it holds a model.yaml); pass a model.yaml or such a directory.")
         path = path / "model.yaml"
     return load_config(path), str(path.resolve().parent)
-
-
-def build_model(config: ModelConfig, base_dir: str | Path | None = None) -> torch.nn.Module:
-    """Import and call the factory; import paths resolve against ``base_dir`` first."""
-    if config.model.factory is None:
-        raise ConfigError("model: this model.yaml names no factory (an artifact or a pretrained directory), so "
-                          "there is no Python model to build.")
-    module_name, _, attr = config.model.factory.partition(":")
-    if base_dir is not None and str(base_dir) not in sys.path:
-        sys.path.insert(0, str(base_dir))
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(
-            f"model.factory: cannot import {config.model.factory!r} ({exc}); the module must be importable "
-            f"from the model.yaml's folder or the Python path."
-        ) from None
-    model = factory(**config.model.kwargs)
-    import torch  # noqa: PLC0415
-
-    if not isinstance(model, torch.nn.Module):
-        raise ConfigError(f"model.factory: {config.model.factory!r} returned {type(model).__name__}, not a torch.nn.Module.")
-    return model.eval()
 
 
 def json_schema() -> dict:

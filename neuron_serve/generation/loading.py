@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from ..config.generation import GenerationSettings
-from ..config.schema import ModelConfig, _under, build_model
+from ..config.factory import build_model
+from ..config.schema import ModelConfig, _under
 from ..errors import ConfigError
 from . import checkpoint, kv_cache, precision
 from .quantization import compute_dtype_of

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from .base import Target
 
 _TARGETS = {"neuron": (".neuron", "NeuronTarget"), "xla": (".xla", "XlaTarget")}
 TARGET_NAMES = tuple(_TARGETS)
@@ -18,7 +21,7 @@ _LAZY = {"Decision": ".base", "Target": ".base"}
 
 
 @functools.cache
-def get_target(name: str) -> Any:
+def get_target(name: str) -> Target:
     """The target called ``name``; unknown names are refused with the valid ones."""
     try:
         module, cls = _TARGETS[name]

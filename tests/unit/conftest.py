@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from neuron_serve.assembly.from_config import build
-from neuron_serve.config.schema import build_model, parse_config
+from neuron_serve.config.factory import build_model
+from neuron_serve.config.schema import parse_config
 
 HERE = Path(__file__).resolve().parent / "models"  # the factories model.yaml names
 TRACE_BATCH = 4

@@ -170,7 +170,7 @@ def test_model_yaml_compiler_args_reach_the_build_and_the_partition_report():
     from neuron_serve.analysis.capture import capture  # noqa: PLC0415
     from neuron_serve.analysis.placement import analyze_graph  # noqa: PLC0415
     from neuron_serve.assembly.from_config import build  # noqa: PLC0415
-    from neuron_serve.config.schema import build_model  # noqa: PLC0415
+    from neuron_serve.config.factory import build_model  # noqa: PLC0415
     from neuron_serve.report import partition_report  # noqa: PLC0415
     from neuron_serve.report.html import render  # noqa: PLC0415
     from neuron_serve.targets import get_target  # noqa: PLC0415

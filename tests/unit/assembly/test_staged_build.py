@@ -13,7 +13,8 @@ import torch
 from neuron_serve import metrics
 from neuron_serve.assembly.from_config import StagedBuild
 from neuron_serve.assembly.queue import CompileQueue
-from neuron_serve.config.schema import build_model, parse_config
+from neuron_serve.config.factory import build_model
+from neuron_serve.config.schema import parse_config
 from neuron_serve.errors import ConfigError
 from neuron_serve.serve.infer.http import infer as rest_infer
 from neuron_serve.serve.infer.plane import ModelDataPlane

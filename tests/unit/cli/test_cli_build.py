@@ -11,7 +11,8 @@ import torch
 import yaml
 
 from neuron_serve.assembly.from_config import build
-from neuron_serve.config.schema import build_model, load_config, load_deployment
+from neuron_serve.config.factory import build_model
+from neuron_serve.config.schema import load_config, load_deployment
 from neuron_serve.errors import ArtifactError, ConfigError
 from neuron_serve.runtime.runner import ModelRunner
 

@@ -208,7 +208,8 @@ def test_the_report_says_what_the_recorded_traffic_padded_and_what_would_pad_lea
     """A task: infer model's two families, from the sizes its replicas kept in the compile cache: today's buckets and
     their padding, the proposal and its (recomputed here by hand), in the data and on the page."""
     from neuron_serve import bucket_usage
-    from neuron_serve.config.schema import build_model, parse_config
+    from neuron_serve.config.factory import build_model
+    from neuron_serve.config.schema import parse_config
     from neuron_serve.report import partition_report
 
     config = parse_config({"name": "row-sums-report", "model": {"factory": "two_stage_model:row_sums"},
