@@ -11,11 +11,12 @@ When every slot is used by running sequences, the request waits (it is not admit
 one ends: nothing fails.
 
 An unloaded adapter first *retires*: refused to new requests, still known to the ones an engine
-already took (running or waiting for a slot), and removed when the last of them ends
-(``Engine.unload_adapter``).
+already took (running or waiting for a slot), and removed when the last of them ends: requests
+are counted from their submission (:meth:`take`) to their end (:meth:`done`), so the adapter's
+whole life is here (:meth:`unload`).
 
 ``acquire`` and ``release`` run on the engine's thread (the buffers are written between its
-calls); ``add``, ``retire`` and ``remove`` may come from any thread (a load route): an adapter is read
+calls); ``add``, ``take``, ``done`` and ``unload`` may come from any thread (a load route): an adapter is read
 and checked on the caller's thread, then known under the lock.
 """
 
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Hashable
 
-from ..errors import AdapterError
+from ..errors import AdapterError, AdapterNotLoaded
 from . import lora_layers
 from .lora import LoraAdapter, LoraBase, read_adapter
 
@@ -75,6 +76,7 @@ class Adapters:
         self._idle: OrderedDict[int, str] = OrderedDict()  # resident and unused: slot -> name, least recent first
         self._dropped: set[int] = set()  # slots of adapters removed while in use: freed when the last user ends
         self.retiring: set[str] = set()  # unloaded, kept for the requests taken before: refused to new ones
+        self._requests: Counter[str] = Counter()  # name -> requests taken and not ended (waiting or running)
         self.writes = 0  # adapters written into a slot (each a load onto the core, no compile)
 
     # -- known adapters ----------------------------------------------------------------------
@@ -91,16 +93,35 @@ class Adapters:
             self._keep(adapter)
         return adapter
 
-    def retire(self, name: str) -> None:
-        """Refuse adapter ``name`` to new requests; the ones taken before still start and run on it."""
+    def take(self, name: str) -> Hashable:
+        """A request names adapter ``name``: counted until it is :meth:`done`; what its prefix is cached under.
+        AdapterNotLoaded if the adapter is not known or is retiring."""
         with self._lock:
-            if name in self.paths:
-                self.retiring.add(name)
+            if name not in self.paths or name in self.retiring:
+                raise AdapterNotLoaded(f"adapter {name!r} is not loaded.")
+            self._requests[name] += 1
+            return self._keys[name]
 
-    def remove(self, name: str) -> None:
-        """Forget adapter ``name``: requests already running with it finish on it; new ones are refused."""
+    def done(self, name: str) -> None:
+        """A request taken on adapter ``name`` ended: the last one of a retiring adapter removes it."""
         with self._lock:
-            self._remove(name)
+            self._requests[name] -= 1
+            if self._requests[name] <= 0:
+                del self._requests[name]
+                if name in self.retiring:
+                    self._remove(name)
+
+    def unload(self, name: str) -> None:
+        """Stop serving adapter ``name`` to new requests: retired while requests taken on it have not ended,
+        else removed now. KeyError if it is not loaded."""
+        with self._lock:
+            if name not in self.paths or name in self.retiring:
+                raise KeyError(name)
+            if self._requests[name]:
+                self.retiring.add(name)
+            else:
+                self._requests.pop(name, None)
+                self._remove(name)
 
     def _remove(self, name: str) -> None:
         self.retiring.discard(name)

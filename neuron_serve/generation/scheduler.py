@@ -1,7 +1,7 @@
 """Iteration-level scheduling over KV-cache slots (continuous batching, as in Orca and vLLM).
 
-Every engine step asks :meth:`Scheduler.schedule` for one :class:`StepPlan`, everything the step
-holds, and executes it (``engine.py``). The policy, in one place:
+Every engine step asks :meth:`Scheduler.schedule` for one :class:`~.plan.StepPlan`, everything the
+step holds as data (``plan.py``), and executes it (``engine.py``). The policy, in one place:
 
 1. **Decode rows first.** Every running sequence whose prompt is in its slot decodes one token
    in a single compiled call (``decode_steps`` when nothing else waits). Each row costs one
@@ -32,94 +32,26 @@ holds, and executes it (``engine.py``). The policy, in one place:
 
 The default budget, a quarter of ``max_model_len`` (at least 32 tokens), admits about one prompt
 per step when prompts are long; with chunked prefill it is that (the chunk) plus a token for every
-slot. The scheduler is bookkeeping over :class:`Sequence` objects; the engine runs the calls.
+slot.
+
+The scheduler owns the slots, the waiting queue and the prefix cache (its only writer: what a slot
+holds is recorded as a prompt is placed, written and ended) and takes and gives back adapters'
+buffer slots; states.py tells it when a request's prompt is written (:meth:`wrote`) or it ends
+(:meth:`release`).
 """
 
 from __future__ import annotations
 
 import heapq
-import time
-from dataclasses import dataclass, field
 from collections import deque
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from .sampling import SamplingParams
+from .plan import Admit, Chunk, Decode, Mixed, Move, Prefill, StepPlan
+from .request import Sequence, Status
 
-
-@dataclass
-class Sequence:
-    """One generate request from submission to its end."""
-
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    sink: Callable[[Any], None]  # receives each TokenEvent (from the engine's thread)
-    arrival: float = field(default_factory=time.perf_counter)
-    output: list[int] = field(default_factory=list)
-    slot: int | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    prompt_logprobs: list | None = None  # with params.prompt_logprobs: handed out on the first event
-    constraint: Any = None  # with params.structured: its structured.RowConstraint
-    cached: int = 0  # prompt tokens whose keys and values its slot holds already (prefix caching)
-    computed: int = 0  # prompt tokens written into its slot so far (a chunked prompt's grow chunk by chunk)
-    copy_from: int | None = None  # the slot to copy into its own before its prefill (a running sequence's)
-    adapter: str | None = None  # the LoRA adapter it runs with (None: the base model)
-    adapter_key: Any = None  # what its prefix is cached under (adapters.Adapters.key)
-    adapter_slot: int | None = None  # the buffer slot holding its adapter, once it holds one (it then counts as a user)
-
-    @property
-    def length(self) -> int:
-        """Tokens the sequence holds: prompt and output."""
-        return len(self.prompt) + len(self.output)
-
-    @property
-    def position(self) -> int:
-        """Where its last token goes when it is fed back: the next cache position to write."""
-        return self.length - 1
-
-    @property
-    def prefilling(self) -> bool:
-        """Holding a slot with part of its prompt still to write (a chunked prompt between its chunks)."""
-        return self.slot is not None and not self.output and self.computed < len(self.prompt)
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """The next ``length`` prompt tokens of ``seq`` from ``start``, in the step's mixed call."""
-
-    seq: Sequence
-    start: int
-    length: int
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.seq.prompt[self.start:self.start + self.length]
-
-    @property
-    def last(self) -> bool:
-        """Whether it ends its prompt (its last token's logits give the first output token)."""
-        return self.start + self.length == len(self.seq.prompt)
-
-
-@dataclass
-class StepPlan:
-    """Everything one engine step holds, as :meth:`Scheduler.schedule` decided it."""
-
-    failed: list[tuple[Sequence, str]] = field(default_factory=list)  # end with this error, never started
-    admitted: list[Sequence] = field(default_factory=list)  # given a slot this step (copies, adapters to place)
-    prefills: list[Sequence] = field(default_factory=list)  # prompts prefilled whole, each in a call of its own
-    chunk: Chunk | None = None  # a prompt's next chunk, in one mixed call with the decode rows
-    decode: list[Sequence] = field(default_factory=list)  # rows decoding this step, in slot order
-    moves: list[tuple[Sequence, int]] = field(default_factory=list)  # compaction: (sequence, free slot below)
-
-    @property
-    def prompt_tokens(self) -> int:
-        """Prompt tokens this step computes (a prefix cached already costs none)."""
-        whole = sum(len(s.prompt) - s.cached for s in self.prefills)
-        return whole + (self.chunk.length if self.chunk is not None else 0)
+if TYPE_CHECKING:
+    from .adapters import Adapters
+    from .prefix_cache import PrefixCache
 
 
 class Models(Protocol):
@@ -147,9 +79,9 @@ class Scheduler:
     ``models`` answers what is compiled (the executor); ``adapters`` holds LoRA adapters in buffer slots
     (adapters.Adapters; None: the base model only); ``prefix`` is the prefix cache (None: off)."""
 
-    def __init__(self, slots: int, max_num_batched_tokens: int, prefix: Any = None, *, models: Models | None = None,
-                 adapters: Any = None, chunked: bool = False, long_prefill_token_threshold: int = 0,
-                 max_num_partial_prefills: int = 1) -> None:
+    def __init__(self, slots: int, max_num_batched_tokens: int, prefix: PrefixCache | None = None, *,
+                 models: Models | None = None, adapters: Adapters | None = None, chunked: bool = False,
+                 long_prefill_token_threshold: int = 0, max_num_partial_prefills: int = 1) -> None:
         # A heap: the lowest free slot is handed out first, so running sequences stay in the
         # low slots and a decode call (which covers slots 0 to the highest running) stays small.
         self.free = list(range(slots))
@@ -157,7 +89,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}
-        self.prefix = prefix  # a PrefixCache, with prefix caching
+        self.prefix = prefix
         self.models = models
         self.adapters = adapters
         self.chunked = chunked
@@ -171,22 +103,38 @@ class Scheduler:
     # -- the plan -------------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
-        """This step's plan (see the module docstring)."""
+        """This step's plan (see the module docstring); the slots it hands out and moves are taken now."""
         plan = StepPlan()
         decoding = self.decoding()
         budget = self.max_num_batched_tokens - len(decoding)
         partial = [s for s in self.running.values() if s.prefilling]
-        plan.admitted = self._admit(plan, budget, len(partial))
+        admitted = self._admit(plan, budget, len(partial))
+        chunk = None
         if not self.chunked:
-            plan.prefills = plan.admitted
+            whole = admitted
         else:
-            self._fill(plan, decoding, budget, partial)
-        # The rows of the step's decode call: the running ones, and the prompts prefilled whole before it (each then
+            whole, chunk = self._fill(admitted, decoding, budget, partial)
+        # Each admitted prompt is placed after the prompts admitted before it are prefilled: its cached prefix may
+        # be one of theirs, copied from their slot once written.
+        plan.calls = [self._prefill(seq) for seq in whole if seq not in admitted]
+        for seq in admitted:
+            plan.calls.append(Admit(seq.request_id, seq.slot, seq.copy_from, seq.adapter_slot or 0))
+            if seq in whole:
+                plan.calls.append(self._prefill(seq))
+        if not whole and chunk is None:
+            plan.calls += [self._move(seq, slot) for seq, slot in self._compaction()]
+        # The rows of the step's batch call: the running ones, and the prompts prefilled whole before it (each then
         # has its first token; one that ended with it is left out when the call is made).
-        plan.decode = sorted([*decoding, *plan.prefills], key=lambda s: s.slot)
-        if not plan.prefills and plan.chunk is None:
-            plan.moves = self._compaction()
+        rows = tuple(s.request_id for s in sorted([*decoding, *whole], key=lambda s: s.slot))
+        if chunk is not None:
+            plan.calls.append(Mixed(rows, chunk))
+        elif rows:
+            plan.calls.append(Decode(rows))
         return plan
+
+    @staticmethod
+    def _prefill(seq: Sequence) -> Prefill:
+        return Prefill(seq.request_id, seq.slot, len(seq.prompt), seq.cached, seq.params.prompt_logprobs is not None)
 
     def _admit(self, plan: StepPlan, budget: int, partial: int) -> list[Sequence]:
         """Waiting sequences given a slot this step; one not startable yet keeps its place, the ones behind go
@@ -199,7 +147,7 @@ class Scheduler:
                 break
             seq = self.waiting.popleft()
             if not self._startable(seq, plan):
-                if seq.finish_reason is None and all(s is not seq for s, _ in plan.failed):
+                if not seq.finished and all(rid != seq.request_id for rid, _ in plan.failed):
                     skipped.append(seq)
                 continue
             src, cached = None, 0
@@ -221,10 +169,11 @@ class Scheduler:
             try:
                 seq.adapter_slot = self.adapters.acquire(seq.adapter)
             except KeyError:  # unloaded while it waited
-                plan.failed.append((seq, f"adapter {seq.adapter!r} was unloaded before the request started."))
+                plan.failed.append((seq.request_id, f"adapter {seq.adapter!r} was unloaded before the request "
+                                                    f"started."))
                 return False
             except Exception as exc:  # noqa: BLE001 - its files changed since it was loaded: this request fails
-                plan.failed.append((seq, str(exc)))
+                plan.failed.append((seq.request_id, str(exc)))
                 return False
             if seq.adapter_slot is None:
                 return False  # every buffer slot holds an adapter that running sequences use
@@ -234,7 +183,7 @@ class Scheduler:
             return self.models.can_score(len(seq.prompt))
         except Exception as exc:  # noqa: BLE001 - InvalidInput: this engine can never score it
             self._give_back(seq)
-            plan.failed.append((seq, str(exc)))
+            plan.failed.append((seq.request_id, str(exc)))
             return False
 
     def _give_back(self, seq: Sequence) -> None:
@@ -254,29 +203,32 @@ class Scheduler:
             # It holds what is written: the cached prefix now, each chunk as it is written (a copy of it taken
             # meanwhile would copy keys not written yet).
             self.prefix.hold(seq.slot, seq.prompt[:cached] if self.chunked else seq.prompt, seq.adapter_key)
-        seq.computed = seq.cached
+        seq.wrote(seq.cached)
         self.running[seq.slot] = seq
 
-    def _fill(self, plan: StepPlan, decoding: list[Sequence], budget: int, partial: list[Sequence]) -> None:
+    def _fill(self, admitted: list[Sequence], decoding: list[Sequence], budget: int,
+              partial: list[Sequence]) -> tuple[list[Sequence], Chunk | None]:
         """Chunked prefill: whole prompts where nothing decodes and they fit, else one chunk in the mixed call."""
-        pending = [*partial, *plan.admitted]
+        pending = [*partial, *admitted]
+        whole = []
         rest = budget
         for seq in list(pending):
             left = len(seq.prompt) - seq.computed
-            whole = seq.params.prompt_logprobs is not None or (not decoding and left <= rest) \
+            go = seq.params.prompt_logprobs is not None or (not decoding and left <= rest) \
                 or self._chunk_room(decoding) == 0
-            if whole and seq.computed == seq.cached:  # not part way: it may still go whole
-                plan.prefills.append(seq)
+            if go and seq.computed == seq.cached:  # not part way: it may still go whole
+                whole.append(seq)
                 pending.remove(seq)
                 rest -= left
         if not pending or rest <= 0:
-            return
+            return whole, None
         seq = min(pending, key=lambda s: len(s.prompt) - s.computed)
         length = min(len(seq.prompt) - seq.computed, rest, self._chunk_room(decoding))
         if self.long_prefill_token_threshold > 0:
             length = min(length, self.long_prefill_token_threshold)
-        if length > 0:
-            plan.chunk = Chunk(seq, seq.computed, length)
+        if length <= 0:
+            return whole, None
+        return whole, Chunk(seq.request_id, seq.slot, seq.computed, length, seq.computed + length == len(seq.prompt))
 
     def _chunk_room(self, decoding: list[Sequence]) -> int:
         """The longest chunk a compiled mixed model takes beside these decode rows (0: none yet)."""
@@ -285,24 +237,46 @@ class Scheduler:
         rows = max((s.slot for s in decoding), default=0) + 1
         return self.models.chunk_capacity(rows)
 
+    def decode_steps(self, rows: list[Sequence], most: int, max_model_len: int, arriving: bool) -> int:
+        """Steps of a decode call over ``rows``: ``most`` (decode_steps) when no row needs the host for its next
+        token, each has room for them, and no prompt could be prefilled meanwhile (none waiting nor
+        ``arriving``); else 1."""
+        if most == 1 or (self.free and (self.waiting or arriving)):
+            return 1  # a prompt that could start now would wait for the whole call
+        if any(s.prefilling for s in self.running.values()):
+            return 1  # a prompt part way through its chunks goes on next step
+        if max(s.position for s in rows) + most > max_model_len:
+            return 1
+        if any(s.params.on_host(len(s.output)) for s in rows):
+            return 1  # penalties, logprobs, grammars are applied on the host, token by token
+        return most
+
+    # -- what a step did ------------------------------------------------------------------------
+
     def wrote(self, seq: Sequence, end: int) -> None:
         """``seq``'s prompt is in its slot up to ``end`` (a chunk, or the whole prompt): held by the prefix cache."""
-        seq.computed = end
+        seq.wrote(end)
         if self.prefix is not None:
             self.prefix.hold(seq.slot, seq.prompt[:end], seq.adapter_key)
 
-    # -- slots ----------------------------------------------------------------------------------
-
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: Sequence, intact: bool = True) -> None:
         """Give ``seq``'s slot and its adapter's buffer slot back (it ended or was aborted), or take it off the
-        waiting queue."""
+        waiting queue. With prefix caching its slot keeps what was written (every token but the last), unless
+        it is not ``intact`` (a failed call may have left it half written)."""
         if seq.slot is not None and self.running.get(seq.slot) is seq:
+            if self.prefix is not None and intact:
+                written = seq.prompt + seq.output[:-1] if seq.output else seq.prompt[:seq.computed]
+                self.prefix.hold(seq.slot, written, seq.adapter_key)
+            elif self.prefix is not None:
+                self.prefix.forget(seq.slot)
             del self.running[seq.slot]
             heapq.heappush(self.free, seq.slot)
             seq.slot = None
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._give_back(seq)
+
+    # -- slots ----------------------------------------------------------------------------------
 
     def _compaction(self) -> list[tuple[Sequence, int]]:
         """Moves (sequence, free slot) that bring the running sequences into the smallest decode bucket their
@@ -318,18 +292,23 @@ class Scheduler:
         below = sorted(slot for slot in self.free if slot < target)
         return [(self.running[src], dst) for src, dst in zip(above, below)]
 
-    def move(self, seq: Sequence, slot: int) -> None:
-        """Record that ``seq`` now holds free slot ``slot`` (its cache was copied there) and its old slot is free."""
+    def _move(self, seq: Sequence, slot: int) -> Move:
+        """``seq`` takes free slot ``slot`` (the runner copies its cache there before the step's batch call) and
+        its old slot is free."""
+        move = Move(seq.request_id, seq.slot, slot)
+        if self.prefix is not None:
+            self.prefix.copy(seq.slot, slot)
         self.free.remove(slot)
         heapq.heapify(self.free)
         del self.running[seq.slot]
         heapq.heappush(self.free, seq.slot)
         seq.slot = slot
         self.running[slot] = seq
+        return move
 
     def decoding(self) -> list[Sequence]:
         """The running sequences past their prompt, in slot order (one row each in the decode call)."""
-        return [self.running[slot] for slot in sorted(self.running) if not self.running[slot].prefilling]
+        return [self.running[slot] for slot in sorted(self.running) if self.running[slot].status is Status.RUNNING]
 
     @property
     def idle(self) -> bool:

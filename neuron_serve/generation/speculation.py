@@ -1,4 +1,5 @@
-"""Speculative decoding: proposals for each running sequence, one verify call, and what each takes.
+"""Speculative decoding: proposals for each running sequence; the verify call (runner.py) and what
+each sequence takes (states.py) follow the rule below.
 
 Each round, a sequence gets up to k proposed tokens; one verify call runs its last token
 and the proposals through the model at once, and the core chooses the model's token at
@@ -24,13 +25,17 @@ extraction, summaries quoting their input) is proposed for free. A draft model
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from ..errors import InvalidInput
-from . import choice
-from .sampling import Sampled, SamplingParams
+from .sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from ..config.generation import SpeculativeConfig
+    from .executor import Executor
+    from .request import Sequence as Seq
 
 
 def ngram_proposals(tokens: Sequence[int], k: int, lookup_min: int, lookup_max: int) -> list[int]:
@@ -57,20 +62,18 @@ def speculable(params: SamplingParams, generated: int) -> bool:
     return not params.on_host(generated)
 
 
-class Speculation:
-    """One engine's rounds: proposals (n-gram or draft) and the verify call that takes them."""
+class Proposer:
+    """One engine's proposals each round (n-gram or draft); the runner's verify call takes them (runner.py)."""
 
-    def __init__(self, config: Any, executor: Any, metrics: Any, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, config: SpeculativeConfig, executor: Executor) -> None:
         if executor.speculative_tokens != config.num_speculative_tokens:
             raise InvalidInput(f"speculative_config.num_speculative_tokens is {config.num_speculative_tokens} "
                                f"but the model's verify calls take {executor.speculative_tokens} proposals; compile "
                                f"it with the same generation.speculative_config.")
         self.config = config
         self.executor = executor
-        self.metrics = metrics
-        self.eos_token_ids = eos_token_ids
 
-    def propose(self, running: list[Any]) -> list[list[int]]:
+    def propose(self, running: list[Seq]) -> list[list[int]]:
         """Each running sequence's proposals this round (none for one that cannot take them, or has no room)."""
         config, executor, limit = self.config, self.executor, self.executor.max_model_len
         k = config.num_speculative_tokens
@@ -100,29 +103,3 @@ class Speculation:
         """Whether this round verifies: some sequence has proposals, or a draft fed every sequence's last token
         (only a round that takes what the draft fed keeps the draft's cache whole)."""
         return any(proposals) or self.executor.has_draft
-
-    def verify(self, running: list[Any], proposals: list[list[int]],
-               meanwhile: Callable[[], None]) -> tuple[list[list[Sampled]], Any] | None:
-        """One verify call for every running sequence; the tokens each takes (see the module docstring), and
-        the bucket run (None while no verify model that holds them is compiled). ``meanwhile`` runs while the
-        call computes."""
-        called = self.executor.verify([[s.output[-1], *p] for s, p in zip(running, proposals)],
-                                      [s.position for s in running], [s.slot for s in running],
-                                      choice.for_call(running))
-        if called is None:
-            return None
-        out, shape = called
-        meanwhile()
-        taken = choice.Taken(running, out, self.eos_token_ids)
-        every = []
-        for i, proposed in enumerate(proposals):
-            tokens = []
-            for j, proposal in enumerate([*proposed, None]):
-                model = taken.at(i, j, ahead=j)
-                tokens.append(model)
-                if model.token != proposal:  # the model's own choice ends the round (after the last proposal too)
-                    break
-            if proposed:
-                self.metrics.speculated(proposed, [t.token for t in tokens])
-            every.append(tokens)
-        return every, shape

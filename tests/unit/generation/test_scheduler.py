@@ -1,5 +1,5 @@
-"""The scheduler's policy (generation/scheduler.py), step by step, with no model: what each plan holds under the
-token budget, without and with chunked prefill. ``Compiled`` says what the engine's compiled models take, as the
+"""The scheduler's policy (generation/scheduler.py), step by step, with no model: what each plan (data: request ids
+and slots) holds under the token budget, without and with chunked prefill. ``Compiled`` says what the engine's compiled models take, as the
 executor does (its chunk_capacity, can_score, rows_bucket), so the plans are the ones an engine would get."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from neuron_serve.generation.sampling import SamplingParams
-from neuron_serve.generation.scheduler import Scheduler, Sequence
+from neuron_serve.generation.request import Sequence
+from neuron_serve.generation.scheduler import Scheduler
 
 
 @dataclass
@@ -30,18 +31,25 @@ def _seq(name: str, length: int, **params) -> Sequence:
     return Sequence(name, list(range(1, length + 1)), SamplingParams(**params), lambda event: None)
 
 
+def _seqs(scheduler: Scheduler) -> dict[str, Sequence]:
+    return {s.request_id: s for s in [*scheduler.running.values(), *scheduler.waiting]}
+
+
 def _run(scheduler: Scheduler, plan) -> None:
     """What the engine does with a plan, as far as the scheduler sees it: prompts written, a token each."""
-    for seq in plan.prefills:
+    seqs = _seqs(scheduler)
+    for call in plan.prefills:
+        seq = seqs[call.request_id]
         scheduler.wrote(seq, len(seq.prompt))
         seq.output.append(0)
     if plan.chunk is not None:
-        scheduler.wrote(plan.chunk.seq, plan.chunk.start + plan.chunk.length)
+        seq = seqs[plan.chunk.request_id]
+        scheduler.wrote(seq, plan.chunk.start + plan.chunk.length)
         if plan.chunk.last:
-            plan.chunk.seq.output.append(0)
-    for seq in plan.decode:
-        if seq.output:
             seq.output.append(0)
+    for rid in plan.decode:
+        if seqs[rid].output:
+            seqs[rid].output.append(0)
 
 
 def test_without_chunking_prompts_are_prefilled_whole_under_the_budget_in_the_lowest_slots():
@@ -50,16 +58,16 @@ def test_without_chunking_prompts_are_prefilled_whole_under_the_budget_in_the_lo
         scheduler.add(_seq(name, length))
     # The first waiting prompt always goes, even past the budget; then nothing more this step.
     plan = scheduler.schedule()
-    assert [(s.request_id, s.slot) for s in plan.prefills] == [("a", 0)] and plan.chunk is None
+    assert [(p.request_id, p.slot) for p in plan.prefills] == [("a", 0)] and plan.chunk is None
     _run(scheduler, plan)
     plan = scheduler.schedule()
-    assert [(s.request_id, s.slot) for s in plan.prefills] == [("b", 1), ("c", 2)]  # 70 of 100 tokens
-    assert [s.request_id for s in plan.decode] == ["a", "b", "c"]  # the ones just prefilled decode too
+    assert [(p.request_id, p.slot) for p in plan.prefills] == [("b", 1), ("c", 2)]  # 70 of 100 tokens
+    assert list(plan.decode) == ["a", "b", "c"]  # the ones just prefilled decode too
     _run(scheduler, plan)
     scheduler.release(scheduler.running[0])
     plan = scheduler.schedule()
-    assert [(s.request_id, s.slot) for s in plan.prefills] == [("d", 0)]  # the freed low slot
-    assert [s.request_id for s in plan.decode] == ["d", "b", "c"]
+    assert [(p.request_id, p.slot) for p in plan.prefills] == [("d", 0)]  # the freed low slot
+    assert list(plan.decode) == ["d", "b", "c"]
 
 
 def test_with_chunking_decode_rows_go_first_and_one_chunk_fills_the_rest_of_the_budget():
@@ -67,17 +75,17 @@ def test_with_chunking_decode_rows_go_first_and_one_chunk_fills_the_rest_of_the_
     for name in ("a", "b"):
         scheduler.add(_seq(name, 3))
     plan = scheduler.schedule()  # nothing decodes yet: short prompts that fit go whole, as without chunking
-    assert [s.request_id for s in plan.prefills] == ["a"] and plan.chunk is None  # one part way at a time
+    assert [p.request_id for p in plan.prefills] == ["a"] and plan.chunk is None  # one part way at a time
     _run(scheduler, plan)
     plan = scheduler.schedule()
-    assert plan.prefills == [] and (plan.chunk.seq.request_id, plan.chunk.start, plan.chunk.length) == ("b", 0, 3)
+    assert plan.prefills == [] and (plan.chunk.request_id, plan.chunk.start, plan.chunk.length) == ("b", 0, 3)
     _run(scheduler, plan)
     scheduler.add(_seq("long", 40))
     seen = []
     while any(s.prefilling for s in scheduler.running.values()) or scheduler.waiting:
         plan = scheduler.schedule()
         assert plan.prompt_tokens + len(plan.decode) <= 20  # the budget, every step
-        seen.append((plan.chunk.start, plan.chunk.length, [s.request_id for s in plan.decode]))
+        seen.append((plan.chunk.start, plan.chunk.length, list(plan.decode)))
         _run(scheduler, plan)
     # 2 decode rows leave 18 tokens, and the largest compiled chunk takes 16.
     assert seen == [(0, 16, ["a", "b"]), (16, 16, ["a", "b"]), (32, 8, ["a", "b"])]
@@ -92,14 +100,14 @@ def test_long_prefill_token_threshold_caps_a_chunk_and_the_shortest_prompt_part_
     scheduler.add(_seq("long", 50))
     scheduler.add(_seq("short", 12))
     plan = scheduler.schedule()  # both admitted (two may be part way); the one with fewest tokens left goes
-    assert sorted(s.request_id for s in plan.admitted) == ["long", "short"]
-    assert (plan.chunk.seq.request_id, plan.chunk.length) == ("short", 10)
+    assert sorted(a.request_id for a in plan.admitted) == ["long", "short"]
+    assert (plan.chunk.request_id, plan.chunk.length) == ("short", 10)
     _run(scheduler, plan)
     plan = scheduler.schedule()
-    assert (plan.chunk.seq.request_id, plan.chunk.start, plan.chunk.length) == ("short", 10, 2)
+    assert (plan.chunk.request_id, plan.chunk.start, plan.chunk.length) == ("short", 10, 2)
     _run(scheduler, plan)
     plan = scheduler.schedule()
-    assert (plan.chunk.seq.request_id, plan.chunk.start, plan.chunk.length) == ("long", 0, 10)
+    assert (plan.chunk.request_id, plan.chunk.start, plan.chunk.length) == ("long", 0, 10)
 
 
 def test_a_prompt_asking_for_its_logprobs_and_any_prompt_before_a_mixed_model_compiles_go_whole():
@@ -109,14 +117,14 @@ def test_a_prompt_asking_for_its_logprobs_and_any_prompt_before_a_mixed_model_co
     _run(scheduler, scheduler.schedule())
     scheduler.add(_seq("scored", 30, prompt_logprobs=0))
     plan = scheduler.schedule()
-    assert [s.request_id for s in plan.prefills] == ["scored"] and plan.chunk is None
+    assert [p.request_id for p in plan.prefills] == ["scored"] and plan.chunk is None
     _run(scheduler, plan)
     compiling = Scheduler(slots=4, max_num_batched_tokens=16, models=Compiled(chunk=0), chunked=True)
     compiling.add(_seq("running", 2))
     _run(compiling, compiling.schedule())
     compiling.add(_seq("long", 30))
     plan = compiling.schedule()
-    assert [s.request_id for s in plan.prefills] == ["long"] and plan.chunk is None
+    assert [p.request_id for p in plan.prefills] == ["long"] and plan.chunk is None
 
 
 def test_sequences_move_down_to_a_smaller_decode_bucket_only_when_no_prompt_is_part_way():
@@ -136,4 +144,4 @@ def test_sequences_move_down_to_a_smaller_decode_bucket_only_when_no_prompt_is_p
     assert plan.moves == []  # "long" in slot 0 and "c" in slot 2: two rows, but slot 2 needs the 4-row bucket
     scheduler.release(scheduler.running[0])
     plan = scheduler.schedule()
-    assert [(s.request_id, slot) for s, slot in plan.moves] == [("c", 0)]
+    assert [(m.request_id, m.dst) for m in plan.moves] == [("c", 0)]
