@@ -46,15 +46,27 @@ def fresh_cache(tmp_path):
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects: tests/unit/test_collection.py sees every collected file
 def pytest_collection_modifyitems(config, items):
-    """The documentation's examples last.
+    """The documentation's examples last, and just before them the other tests of their servers.
 
     They run in this process, as a reader runs them (a page's blocks share one
     namespace): they initialise XLA, whose environment variables a page's clean-up then
     removes, and they compile graphs that other tests expect to compile first (torch-xla
     keeps compiled graphs per process). Run last, they change nothing another test sees.
+    The serial tests that share their session servers (tests/integration/conftest.py's
+    examples_server, then examples_llm_server) come right before them, so that neither
+    server is started twice or left idle beside the timed tests of the serial run.
     """
     config.stash[COLLECTED] = {Path(str(item.path)).resolve() for item in items}
-    items.sort(key=lambda item: "test_doc_examples.py" in item.nodeid)  # stable: the rest keep their order
+    items.sort(key=_late)  # stable: the rest keep their order
+
+
+def _late(item) -> int:
+    if "test_doc_examples.py" in item.nodeid:
+        return 3
+    for rank, name in enumerate(("examples_server", "examples_llm_server"), 1):
+        if name in item.fixturenames:
+            return rank
+    return 0
 
 
 @pytest.fixture(scope="session")

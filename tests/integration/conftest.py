@@ -313,6 +313,19 @@ def examples_llm_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def examples_server(tmp_path_factory):
+    """`neuron-serve deploy deployments/mlp.yaml deployments/encoder.yaml`, as the README serves them, for the serial
+    run: the documentation's examples, and the calls made the moment it is ready (see `first_calls`). Not the
+    shared ``server``: that one serves the parallel tests and stops after its own. Returned on the ready line, as a
+    reader's client starts (the rest compile behind); kept to the session's end."""
+    calls = first_calls(["mlp", "encoder"], ("mlp", "x", [1, 784]))
+    srv = Server(["deployments/mlp.yaml", "deployments/encoder.yaml"], tmp_path_factory.mktemp("examples"),
+                 at_ready=calls, at_first_200=calls, compiled=False)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
 def server_factory():
     """Start another real server: ``server_factory([model.yaml or artifact dir, ...], tmp_dir)``."""
     return Server

@@ -154,16 +154,6 @@ def llm_example() -> Path:
 
 
 @pytest.fixture(scope="session")
-def examples_server(tmp_path_factory, server_factory):
-    """`neuron-serve deploy deployments/mlp.yaml deployments/encoder.yaml`. Not the shared
-    server of conftest.py: that one stops after its own tests, long before these run."""
-    srv = server_factory(["deployments/mlp.yaml", "deployments/encoder.yaml"], tmp_path_factory.mktemp("examples"),
-                         compiled=False)  # as a reader's client starts: on the ready line
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="session")
 def llm_server(examples_llm_server):
     """`neuron-serve deploy deployments/llm.yaml deployments/embedder.yaml` (OpenAI's routes), the real-model tests'."""
     return examples_llm_server

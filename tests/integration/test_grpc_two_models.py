@@ -68,12 +68,14 @@ def on_a_new_connection(server, calls: dict[str, pb.ModelInferRequest]) -> dict[
 
 
 # Apart: the first 200 of a server started beside another server's compiles and the unit tests once came
-# before HAProxy counted the server app's gRPC listener up (server-level calls got UNAVAILABLE).
+# before HAProxy counted the server app's gRPC listener up (server-level calls got UNAVAILABLE). The serial run's
+# mlp and encoder server (conftest.examples_server), which the documentation's examples then use.
 @pytest.mark.serial
-def test_every_port_answers_for_both_models_at_the_ready_line_and_at_the_first_ready_200(server):
+def test_every_port_answers_for_both_models_at_the_ready_line_and_at_the_first_ready_200(examples_server):
     """The calls made, once each, the moment deploy printed its ready line and the moment
     /v2/health/ready first answered 200 (conftest.first_calls): HAProxy's gRPC front already
     routes the server app and both models, and HTTP agrees."""
+    server = examples_server
     first = {"grpc server live": True, "grpc server ready": True, "grpc mlp ready": True, "grpc encoder ready": True,
              "grpc nope ready": "StatusCode.NOT_FOUND: model 'nope' not found", "grpc mlp infer": [1, 10],
              "http /v2/health/ready": 200, "http /v2/models/mlp": 200, "http /metrics": 200}
