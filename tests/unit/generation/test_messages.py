@@ -3,6 +3,7 @@ than the tagged tuple it replaced, and a side refuses a message it has no handle
 
 import dataclasses
 import pickle
+from multiprocessing import Pipe
 from multiprocessing.reduction import ForkingPickler
 
 import pytest
@@ -13,6 +14,7 @@ from neuron_serve.generation.messages import (Abort, AdapterReply, Batch, Close,
                                               UnloadAdapter, Usage)
 from neuron_serve.generation.protocol import EngineRequest, TokenEvent
 from neuron_serve.generation.sampling import SamplingParams
+from neuron_serve.generation.worker import Outbox, _adapter_call
 
 PADDING = {"prefill": {"padded_fraction": 0.25, "buckets": {"16": {"calls": 2, "real": 24, "padded": 8}}}}
 REBUCKETING = {"generation.prefill_buckets": {"buckets": [5, 64], "every": 2, "switches": 1, "state": "serving"}}
@@ -83,3 +85,47 @@ def test_dispatch_hands_a_message_to_its_class_handler_and_refuses_any_other_wit
                                              r"it takes abort, close, submit$"):
         handle(Closed())  # the other direction's
     assert issubclass(UnknownMessage, TypeError) and seen == []
+
+
+def test_the_outbox_sends_a_batch_with_one_usage_however_many_requests_it_ends():
+    ours, theirs = Pipe()
+    taken = []
+
+    def usage() -> Usage:
+        taken.append(1)
+        return Usage(PADDING, REBUCKETING)
+
+    outbox = Outbox(theirs, usage)
+    ended = [dataclasses.replace(e, finish_reason="length") for e in EVENTS[:2]]
+    with outbox._ready:  # a step's events, all posted before the outbox's thread takes any
+        for event in (ended[0], EVENTS[5], ended[1]):
+            outbox.post(event)
+        outbox.tell(Compiled({"compiled": 1, "pending": 0, "failed": 0, "background": True}))
+    assert ours.poll(10)
+    with outbox._ready:  # a step that ends no request
+        outbox.post(EVENTS[6])
+    outbox.close()
+    got = [ours.recv()]
+    while not isinstance(got[-1], Closed):
+        got.append(ours.recv())
+    assert [type(m) for m in got] == [Compiled, Batch, Batch, Closed]
+    assert got[1] == Batch([ended[0], EVENTS[5], ended[1]], Usage(PADDING, REBUCKETING)) and len(taken) == 1
+    assert got[2] == Batch([EVENTS[6]])
+
+
+def test_an_adapter_call_is_answered_with_its_call_and_the_error_it_raised():
+    class Engines:
+        def load_adapter(self, name, path):
+            self.loaded = (name, path)
+
+        def unload_adapter(self, name):
+            raise KeyError(name)
+
+    ours, theirs = Pipe()
+    engines, outbox = Engines(), Outbox(theirs)
+    _adapter_call(engines, outbox, LoadAdapter(1, "qv", "/adapters/qv"))
+    _adapter_call(engines, outbox, UnloadAdapter(2, "gone"))
+    outbox.close()
+    loaded, unloaded, closed = ours.recv(), ours.recv(), ours.recv()
+    assert engines.loaded == ("qv", "/adapters/qv") and loaded == AdapterReply(1) and isinstance(closed, Closed)
+    assert unloaded.call == 2 and repr(pickle.loads(unloaded.error)) == "KeyError('gone')"
