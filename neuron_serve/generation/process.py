@@ -5,7 +5,8 @@ streams the loop holds it about 60 µs a token (the chunk's way through Serve, S
 and uvicorn, the OpenAI encoder), about 2 ms a step, and every time the engine thread
 gives it up (each call into torch-xla) it may wait for the loop to give it back, so the
 step that every stream waits for grows by the loop's work. Apart, the two run on their
-own cores and the GIL of each is its own; what crosses is one message a step.
+own cores and the GIL of each is its own; what crosses is one message a step (``messages.py``
+holds every message either way).
 
 :class:`EngineProcess` is the replica's side: engines (:class:`~.protocol.Engines`) that
 take the requests the replica's front end admitted and send them on; the worker
@@ -31,8 +32,9 @@ from .. import bucket_usage
 from ..assembly import host_memory
 from ..errors import ModelNotReady
 from ..targets.pjrt import neuron_devices_present
-from .protocol import (AdapterReply, CompileState, Dispatcher, EngineRequest, Engines, HostMemoryState, TokenEvent,
-                       UsageState)
+from .messages import (Abort, AdapterReply, Batch, Close, Closed, Compiled, Dispatch, Failed, HostMemory, LoadAdapter,
+                       Ready, Start, Submit, UnknownMessage, UnloadAdapter)
+from .protocol import Dispatcher, EngineRequest, Engines, TokenEvent
 
 logger = logging.getLogger("neuron_serve")
 
@@ -53,27 +55,36 @@ class EngineProcess(Engines):
                                         pass_fds=[theirs.fileno()], env=group_env(group))
         theirs.close()
         self._conn = Connection(ours.detach())
-        self._conn.send((config, base_dir, replica, list(sys.path), group))
+        self._conn.send(Start(config, base_dir, replica, list(sys.path), group))
         try:
-            kind, payload = self._conn.recv()
+            reply = self._conn.recv()
         except (EOFError, OSError):
             code = self.process.wait()
             self._conn.close()
             raise RuntimeError(f"the engine process exited with code {code} while building the model; its log says "
                                f"why") from None
-        if kind == "failed":
-            self.process.wait()
-            self._conn.close()
-            raise pickle.loads(payload)
-        self.tokenizer: Any = payload.pop("tokenizer")
+        match reply:
+            case Ready():
+                pass
+            case Failed(error=error):
+                self.process.wait()
+                self._conn.close()
+                raise pickle.loads(error)
+            case _:
+                self.process.kill()
+                self.process.wait()
+                self._conn.close()
+                raise UnknownMessage(f"the replica got a message it does not take in answer to its Start: "
+                                     f"{reply!r:.80}")
+        self.tokenizer: Any = reply.tokenizer
         # Where the engines' compiles stand (None: nothing compiles after start, an artifact), kept up to date
         # by the worker; listeners hear of each change (serve/ray/compile_state.py records it for status).
-        self.compile_state: dict | None = payload.pop("compile")
-        self.padding: dict = {}  # what the engines' buckets padded so far (bucket_usage), as each request ends
-        self.rebucketing: dict = {}  # where their auto buckets stand (rebucket.describe), as each request ends
+        self.compile_state: dict | None = reply.compile
+        self.padding: dict = {}  # what the engines' buckets padded so far (bucket_usage), as requests end
+        self.rebucketing: dict = {}  # where their auto buckets stand (rebucket.describe), as requests end
         self.host_memory: dict = {}  # what the process holds of host memory (host_memory.report), as compiles end
         self._compile_listeners: list[Callable[[Any], None]] = []
-        self.info: dict = payload
+        self.info: dict = reply.info
         self._sinks: dict[str, Callable[[TokenEvent], None]] = {}  # open requests' sinks
         self._lock = threading.Lock()  # orders every send, and the sinks' records
         self._ended: str | None = None  # why the worker is gone, once it is
@@ -93,7 +104,7 @@ class EngineProcess(Engines):
             # without this lock) before send returns here.
             self._sinks[request.request_id] = sink
             try:
-                self._conn.send(("submit", request))
+                self._conn.send(Submit(request))
             except OSError as exc:
                 self._sinks.pop(request.request_id, None)
                 raise ModelNotReady(f"the generation engine process is not reachable ({exc}); retry shortly.") from None
@@ -102,7 +113,7 @@ class EngineProcess(Engines):
         with self._lock:
             if request_id in self._sinks and self._ended is None:
                 try:
-                    self._conn.send(("abort", request_id, reason))
+                    self._conn.send(Abort(request_id, reason))
                 except OSError:  # gone: the reader ends the request
                     pass
 
@@ -121,7 +132,7 @@ class EngineProcess(Engines):
             self._next_call += 1
             call = self._next_call
             self._calls[call] = done
-            self._conn.send(("adapter", call, op, name, path))
+            self._conn.send(LoadAdapter(call, name, path) if op == "load" else UnloadAdapter(call, name))
         if not done[0].wait(ADAPTER_WAIT_S):
             with self._lock:
                 self._calls.pop(call, None)
@@ -143,7 +154,7 @@ class EngineProcess(Engines):
         with self._lock:
             if self._ended is None:
                 try:
-                    self._conn.send(("close",))
+                    self._conn.send(Close())
                 except OSError:
                     pass
         self._reader.join(timeout=CLOSE_WAIT_S)
@@ -158,24 +169,20 @@ class EngineProcess(Engines):
     # -- the worker's events ----------------------------------------------------------------
 
     def _read(self) -> None:
+        # Each handler returns whether the worker is done (its last message).
+        handle: Dispatch[bool | None] = Dispatch("the replica", {
+            Batch: self._batch, Compiled: lambda message: self._compiled(message.state),
+            HostMemory: self._held, AdapterReply: self._replied, Closed: lambda _: True})
         closing = False
         try:
             while True:
-                kind, payload = self._conn.recv()
-                if kind == "closed":
-                    closing = True
-                    break
-                for event in payload:
-                    if isinstance(event, CompileState):
-                        self._compiled(event.state)
-                    elif isinstance(event, UsageState):
-                        self.padding, self.rebucketing = event.summary, event.rebucketing
-                    elif isinstance(event, HostMemoryState):
-                        self.host_memory = event.report
-                    elif isinstance(event, AdapterReply):
-                        self._replied(event)
-                    else:
-                        self._deliver(event)
+                message = self._conn.recv()
+                try:
+                    if handle(message):
+                        closing = True
+                        break
+                except UnknownMessage:  # the worker's mistake: said, and the requests go on
+                    logger.exception("a message from the generation engine process was not understood")
         except (EOFError, OSError):
             pass
         code = self.process.wait()
@@ -193,6 +200,16 @@ class EngineProcess(Engines):
         for rid, sink in left.items():
             self._safely(sink, TokenEvent(rid, None, finish_reason="error",
                                           error=f"the generation engine process ended ({ended})"))
+
+    def _batch(self, batch: Batch) -> None:
+        """A step's events; the usage first, so a request's end finds its own counts in the metadata."""
+        if batch.usage is not None:
+            self.padding, self.rebucketing = batch.usage.padding, batch.usage.rebucketing
+        for event in batch.events:
+            self._deliver(event)
+
+    def _held(self, message: HostMemory) -> None:
+        self.host_memory = message.report
 
     def _replied(self, reply: AdapterReply) -> None:
         with self._lock:

@@ -46,39 +46,6 @@ class TokenEvent:
 
 
 @dataclass
-class CompileState:
-    """Where the engines' compiles stand (the engine process sends it as each ends): compiled, pending and failed
-    model counts, each failure's reason, and whether the rest compile in the background."""
-
-    state: dict
-
-
-@dataclass
-class HostMemoryState:
-    """What the engine process holds of host memory (assembly/host_memory.report), sent once it serves and as each
-    compile ends."""
-
-    report: dict
-
-
-@dataclass
-class UsageState:
-    """What the engines' buckets padded so far (bucket_usage.Usage.summary), sent as each request ends, and where
-    their auto buckets stand (rebucket.describe)."""
-
-    summary: dict
-    rebucketing: dict = field(default_factory=dict)
-
-
-@dataclass
-class AdapterReply:
-    """The engine process's answer to a LoRA adapter load or unload: the error it raised, pickled (None: done)."""
-
-    call: int
-    error: bytes | None = None
-
-
-@dataclass
 class EngineRequest:
     """A request as the front end admitted it: the engine checks nothing of it again."""
 
