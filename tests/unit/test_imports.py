@@ -67,6 +67,7 @@ RULES = {
     "neuron_serve.serve.http.disconnect": (INFER, GENERATE, POOLING, GRPC, RAY),
     "neuron_serve.serve.http.openai_routes": (INFER, GENERATE, POOLING, GRPC, RAY),
     "neuron_serve.serve.http.pooling_routes": (INFER, GENERATE, POOLING, GRPC, RAY),
+    "neuron_serve.serve.http.model_lookup": (INFER, GENERATE, POOLING, GRPC, RAY),
     # The codecs know no transport, plane nor orchestration.
     "neuron_serve.serve.protocols": ("neuron_serve.serve.http", INFER, GENERATE, POOLING, GRPC, RAY),
     "neuron_serve.serve.grpc": COMPILER + (POOLING, RAY, SERVER_APP),
