@@ -67,6 +67,7 @@ RULES = {
     "neuron_serve.serve.http.disconnect": (INFER, GENERATE, POOLING, GRPC, RAY),
     "neuron_serve.serve.http.openai_routes": (INFER, GENERATE, POOLING, GRPC, RAY),
     "neuron_serve.serve.http.pooling_routes": (INFER, GENERATE, POOLING, GRPC, RAY),
+    "neuron_serve.serve.http.model_lookup": (INFER, GENERATE, POOLING, GRPC, RAY),
     # The codecs know no transport, plane nor orchestration.
     "neuron_serve.serve.protocols": ("neuron_serve.serve.http", INFER, GENERATE, POOLING, GRPC, RAY),
     "neuron_serve.serve.grpc": COMPILER + (POOLING, RAY, SERVER_APP),
@@ -100,6 +101,8 @@ RULES = {
     # The sampler is plain torch: compiled into the models, and run on the host for the rows left to it.
     "neuron_serve.generation.sampler": COMPILER + ("neuron_serve.generation.engine", "neuron_serve.generation.model",
                                                    "neuron_serve.serve", "neuron_serve.config"),
+    # What every model replica shares, a generate replica's too: none of the infer and gRPC serving it does not do.
+    f"{RAY}.replica_base": COMPILER + (INFER, GRPC, POOLING, SERVER_APP),
     "neuron_serve.serve.generate": COMPILER + LORA + ("neuron_serve.generation.engine",
                                                       "neuron_serve.generation.executor",
                                                       "neuron_serve.generation.model", INFER, GRPC, RAY, SERVER_APP),

@@ -19,10 +19,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from .base import read_body
 from .disconnect import ClientGone, unless_disconnected
+from .model_lookup import States, check_ready, error_response, unavailable
 from ..protocols import openai
-
-States = Callable[[], Awaitable[dict[str, str]]]
-
 
 class AdapterControl(Protocol):
     """The server's LoRA adapters (serve/ray/applications.py keeps them in Ray's key-value store)."""
@@ -36,12 +34,6 @@ class AdapterControl(Protocol):
     async def load(self, base: str, name: str, path: str | None) -> None:
         """A replica of ``base`` loads adapter ``name`` from ``path`` (None: drops it), raising what it refused
         with; the entry is recorded (or removed) after it."""
-
-
-def _error(exc: openai.OpenAIError) -> JSONResponse:
-    status, body = openai.error_of(exc)
-    headers = {"retry-after": "1"} if status in (429, 503) else None
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def requested_model(data: dict) -> str:
@@ -99,7 +91,7 @@ def install(app: FastAPI, model_states: States, generate_states: States,
             return JSONResponse(openai.model_card(model_id, cards[model_id]))
         if states.get(model_id) != "ready":
             served = sorted(n for n, s in states.items() if s == "ready") + list(cards)
-            return _error(openai.unknown_model(model_id, served))
+            return error_response(openai.unknown_model(model_id, served))
         return JSONResponse(openai.model_card(model_id, await describe(model_id) if describe else None))
 
     async def answer(request: Request, kind: str) -> Response:
@@ -112,21 +104,15 @@ def install(app: FastAPI, model_states: States, generate_states: States,
                 entry = await adapters.entry(name)
                 if entry is not None and entry["base"] in states:
                     adapter, name = name, entry["base"]
-            if name not in states:
-                error = openai.unknown_model(name, sorted(states) + sorted(await adapter_cards(states)))
-                if pooling_states is not None and name in await pooling_states():
-                    error = openai.OpenAIError(f"{error} ({name!r} is a pooling model, task embed, score or classify: "
-                                               f"POST /v1/embeddings, /v1/rerank, /v1/score or /classify)", 404,
-                                               "model", "model_not_found")
-                elif name in await model_states():
-                    error = openai.OpenAIError(f"{error} ({name!r} is a task: infer model: POST "
-                                               f"/v2/models/{name}/infer)", 404, "model", "model_not_found")
-                raise error
-            if states[name] != "ready":
-                raise openai.OpenAIError(f"model {name!r} is not ready ({states[name]})", 503)
+            # The names a 404 lists (the adapters read from Ray's key-value store) only for that 404.
+            served = [] if name in states else sorted(states) + sorted(await adapter_cards(states))
+            await check_ready(name, states, served, (
+                (pooling_states, f"{name!r} is a pooling model, task embed, score or classify: "
+                                 f"POST /v1/embeddings, /v1/rerank, /v1/score or /classify"),
+                (model_states, f"{name!r} is a task: infer model: POST /v2/models/{name}/infer")))
             decoded = openai.validate(kind, data)
         except openai.OpenAIError as exc:
-            return _error(exc)
+            return error_response(exc)
         except Exception as exc:  # noqa: BLE001 - 413 and the like, as OpenAI error objects
             status, error = openai.error_of(exc)
             return JSONResponse(error, status_code=status)
@@ -140,8 +126,7 @@ def install(app: FastAPI, model_states: States, generate_states: States,
             call.cancel()
             return Response(status_code=499)
         except Exception as exc:  # noqa: BLE001 - the replica went away mid-call (stopped, crashed)
-            return _error(openai.OpenAIError(f"model {name!r} is not available: {type(exc).__name__}: {exc}; retry",
-                                             503))
+            return unavailable(name, exc)
         return StreamingResponse(_relay(call), status_code=status, headers=headers)
 
     async def completions(request: Request) -> Response:
@@ -204,7 +189,7 @@ def install(app: FastAPI, model_states: States, generate_states: States,
                                          f"replaces it)", 400, "lora_name")
             await adapters.load(base, name, path)
         except openai.OpenAIError as exc:
-            return _error(exc)
+            return error_response(exc)
         except Exception as exc:  # noqa: BLE001 - the adapter's own refusal (AdapterError: file and reason), ...
             status, error = openai.error_of(exc)
             return JSONResponse(error, status_code=status)
@@ -222,7 +207,7 @@ def install(app: FastAPI, model_states: States, generate_states: States,
                                          "model_not_found")
             await adapters.load(base, name, None)
         except openai.OpenAIError as exc:
-            return _error(exc)
+            return error_response(exc)
         except Exception as exc:  # noqa: BLE001
             status, error = openai.error_of(exc)
             return JSONResponse(error, status_code=status)

@@ -13,19 +13,14 @@ from __future__ import annotations
 from typing import Awaitable, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from .base import read_body
+from .model_lookup import States, check_ready, error_response, unavailable
 from ..protocols import openai
 from ..protocols.openai_pooling import ROUTES
 
-States = Callable[[], Awaitable[dict[str, str]]]
 Forward = Callable[[str, str, bytes], Awaitable[tuple[int, dict, bytes]]]
-
-
-def _error(exc: Exception) -> JSONResponse:
-    status, body = openai.error_of(exc)
-    return JSONResponse(body, status_code=status, headers={"retry-after": "1"} if status in (429, 503) else None)
 
 
 def _model(body: bytes, route: str, served: list[str]) -> str:
@@ -51,21 +46,14 @@ def install(app: FastAPI, model_states: States, pooling_states: States, forward:
                 body = await read_body(request)
                 states = await pooling_states()
                 name = _model(body, route, sorted(n for n, s in states.items() if s == "ready"))
-                if name not in states:
-                    error = openai.unknown_model(name, sorted(states))
-                    if name in await model_states():
-                        error = openai.OpenAIError(f"{error} ({name!r} is not a pooling model: task embed, score or "
-                                                   f"classify)", 404, "model", "model_not_found")
-                    raise error
-                if states[name] != "ready":
-                    raise openai.OpenAIError(f"model {name!r} is not ready ({states[name]})", 503)
+                await check_ready(name, states, sorted(states), (
+                    (model_states, f"{name!r} is not a pooling model: task embed, score or classify"),))
             except Exception as exc:  # noqa: BLE001 - 400, 404, 413 and the like, as OpenAI error objects
-                return _error(exc)
+                return error_response(exc)
             try:
                 status, headers, content = await forward(name, route, body)
             except Exception as exc:  # noqa: BLE001 - the replica went away mid-call (stopped, crashed)
-                return _error(openai.OpenAIError(f"model {name!r} is not available: {type(exc).__name__}: {exc}; "
-                                                 f"retry", 503))
+                return unavailable(name, exc)
             return Response(content, status_code=status, headers=headers)
         return endpoint
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import sys
 
 import ray
 from ray import serve
@@ -21,7 +20,7 @@ from ray import serve
 from ... import logs, metrics
 from ...compile.cache import CACHE_ENV
 from ...config.pooling import POOLING_TASKS
-from ...config.schema import ModelConfig, parse_config
+from ...config.schema import ModelConfig
 from ...targets.pjrt import neuron_devices_present
 from ...errors import ConfigError
 from ..infer.plane import ModelDataPlane
@@ -32,7 +31,9 @@ from .applications import (Adapters, call_model, forward_pooling, generate_state
                            pooling_states, statuses)
 from ..grpc import service as grpc_service
 from . import grpc_port
-from . import cluster, compile_state, padding_state, readiness
+from . import cluster, readiness
+from .oip_replica import OipReplica
+from .replica_base import stop_grpc
 from ..http.app import server_app
 from ..infer.http import model_app
 
@@ -57,7 +58,7 @@ _MODEL_API = model_app()
 @serve.deployment(name="model", graceful_shutdown_timeout_s=DRAIN_S, health_check_period_s=5,
                   max_constructor_retry_count=1)
 @serve.ingress(_MODEL_API)
-class ModelServer:
+class ModelServer(OipReplica):
     """One replica of one model: builds it on construction, then serves OIP v2.
 
     This is the serving edge, the one place that builds: the data plane and the
@@ -65,56 +66,12 @@ class ModelServer:
     """
 
     async def __init__(self, config: dict, base_dir: str | None, grpc_options: dict | None = None) -> None:
-        # The process's own stderr, which Ray prints on deploy's output: under HAProxy Ray Serve
-        # points a replica's sys.stderr at its log file only, and the build's progress belongs there.
-        logs.configure(stream=sys.__stderr__ or sys.stderr)
-        parsed = parse_config(config)
-        auth.configure(auth.resolve_token(parsed))  # before anything can be served
-        replica = serve.get_replica_context().replica_id.unique_id
-        loop = asyncio.get_running_loop()
-        # Building compiles for seconds to minutes; run it off the event loop. The replica is ready
-        # (this returns) once its start-up models are compiled; with background_compile the rest
-        # compile on the process's compile queue while it serves.
-        self.plane = await loop.run_in_executor(None, _build_plane, parsed, base_dir, replica)
-        self.plane.start()
-        dataplane.set_current(self.plane)
-        self._untrack = compile_state.track(self.plane, replica)
-        self._unpublish = padding_state.track(self.plane, replica)
-        self._grpc = self._relay = self._grpc_key = None
-        if grpc_options:
-            self._grpc, self._relay, self._grpc_key = await grpc_port.start_for_replica(
-                grpc_options, model_states, self._call_model, parsed.name, replica)
+        parsed, replica = await self._build(config, base_dir, _build_plane)
+        self._serve(self.plane, replica)
+        await self._serve_grpc(grpc_options, parsed.name, replica)
 
-    async def _call_model(self, name: str, method: str, payload) -> tuple:
-        if name == self.plane.name:
-            return await grpc_service.replica_call(self.plane, method, payload)
-        return await call_model(name, method, payload)
-
-    async def grpc_call(self, method: str, payload: bytes = b"") -> tuple:
-        """A gRPC call forwarded by another replica's gRPC server (see grpc_service)."""
-        answer = await grpc_service.replica_call(dataplane.current(), method, payload)
-        if answer[0] == "ok" and hasattr(answer[1], "SerializeToString"):
-            return ("ok", answer[1].SerializeToString())
-        return answer
-
-    async def __del__(self) -> None:
-        if getattr(self, "_untrack", None) is not None:
-            self._untrack()
-        if getattr(self, "_unpublish", None) is not None:
-            self._unpublish()
-        if getattr(self, "_grpc_key", None) is not None:
-            try:  # no replica relays here once its list is read again (RELAY_TTL_S)
-                await grpc_port.unregister(self._grpc_key)
-            except Exception as exc:  # Ray going down: the key goes with it
-                logger.debug("gRPC address not unregistered: %s", exc)
-        if getattr(self, "_grpc", None) is not None:
-            await self._grpc.stop(grace=5)  # calls in flight finish; new connections go elsewhere
-        if getattr(self, "_relay", None) is not None:
-            await self._relay.close()
-        dataplane.set_current(None)
-        plane = getattr(self, "plane", None)  # absent when building failed
-        if plane is not None:
-            await plane.stop()
+    def _set_current(self, plane: ModelDataPlane | None) -> None:
+        dataplane.set_current(plane)
 
 
 def _build_plane(config: ModelConfig, base_dir: str | None, replica: str) -> ModelDataPlane:
@@ -206,13 +163,7 @@ class Server:
     async def __del__(self) -> None:
         if getattr(self, "_watch", None) is not None:
             self._watch.cancel()
-        if getattr(self, "_grpc_key", None) is not None:
-            try:
-                await grpc_port.unregister(self._grpc_key)
-            except Exception as exc:  # Ray going down: the key goes with it
-                logger.debug("gRPC address not unregistered: %s", exc)
-        if getattr(self, "_grpc", None) is not None:
-            await self._grpc.stop(grace=5)
+        await stop_grpc(self)
 
 
 def replica_env(config: ModelConfig) -> dict[str, str]:

@@ -14,22 +14,20 @@ as Ray Serve LLM's router does.
 from __future__ import annotations
 
 import asyncio
-import sys
 from typing import Any, AsyncIterator
 
 from ray import serve
 
-from ... import logs
-from ...config.schema import ModelConfig, parse_config
+from ...config.schema import ModelConfig
 from ...config.generation import GenerationSettings
 from ...errors import ModelNotReady, NeuronServeError
 from ...generation.frontend import Frontend
-from ..http import auth
-from . import adapter_registry, compile_state, padding_state
+from . import adapter_registry
 from ..generate import plane as generate_plane
 from ..generate.answers import openai_answer, openai_error
 from ..generate.http import generate_app
 from ..generate.plane import GenerationPlane, UnknownModel
+from .replica_base import Replica
 
 DEPLOYMENT = "generate"  # the deployment name tells the server app which applications generate
 DRAIN_S = 30
@@ -42,23 +40,19 @@ _GENERATE_API = generate_app()
 @serve.deployment(name=DEPLOYMENT, graceful_shutdown_timeout_s=DRAIN_S, health_check_period_s=5,
                   max_constructor_retry_count=1)
 @serve.ingress(_GENERATE_API)
-class GenerateServer:
+class GenerateServer(Replica):
     """One replica of one generate model: builds its engines (one per core), then serves text."""
 
     async def __init__(self, config: dict, base_dir: str | None) -> None:
-        logs.configure(stream=sys.__stderr__ or sys.stderr)  # as ModelServer's: on deploy's output
-        parsed = parse_config(config)
-        auth.configure(auth.resolve_token(parsed))
-        replica = serve.get_replica_context().replica_id.unique_id
+        parsed, replica = await self._build(config, base_dir, build_plane)
         loop = asyncio.get_running_loop()
-        self.plane = await loop.run_in_executor(None, build_plane, parsed, base_dir, replica)
         # The model.yaml's adapters, for the server app's routes (and every replica: each records the same).
         for name, path in self.plane.adapters.items():
             await loop.run_in_executor(None, adapter_registry.put, name, parsed.name, path, 0)
-        self.plane.start()
-        generate_plane.set_current(self.plane)
-        self._untrack = compile_state.track(self.plane, replica)
-        self._unpublish = padding_state.track(self.plane, replica)
+        self._serve(self.plane, replica)
+
+    def _set_current(self, plane: GenerationPlane | None) -> None:
+        generate_plane.set_current(plane)
 
     async def openai(self, kind: str, request: Any) -> AsyncIterator:
         """An OpenAI request the server app decoded and forwarded: (status, headers, streamed), then the
@@ -113,6 +107,7 @@ class GenerateServer:
         if plane is not None and not plane.alive():
             raise RuntimeError(f"model {plane.name!r}: the generation engine process has ended")
 
+    # Not OipReplica's: a generate model answers no OIP v2 inference, so gRPC serves its metadata only.
     async def grpc_call(self, method: str, payload: bytes = b"") -> tuple:
         """A gRPC call forwarded from another replica: metadata is served, inference refused with the routes to use."""
         plane = generate_plane.current()
@@ -122,16 +117,6 @@ class GenerateServer:
             return ("ok", plane.metadata())
         return ("error", 400, f"model {plane.name!r} is a task: generate model; gRPC serves task: infer models. Send "
                               f"text over HTTP: POST /v2/models/{plane.name}/generate or the OpenAI routes under /v1.")
-
-    async def __del__(self) -> None:
-        for stop in (getattr(self, "_untrack", None), getattr(self, "_unpublish", None)):
-            if stop is not None:
-                stop()
-        generate_plane.set_current(None)
-        plane = getattr(self, "plane", None)
-        if plane is not None:
-            await plane.stop()
-
 
 def build_plane(config: ModelConfig, base_dir: str | None, replica: str) -> GenerationPlane:
     """The replica's plane over its front end and engines, which run in a process of their own

@@ -9,29 +9,20 @@ the others as they compile, loads it on its cores through the infer data plane, 
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import sys
-
 from ray import serve
 
-from ... import logs
 from ...assembly.queue import READY, compile_queue
 from ...config.pooling import AUTO_LEARN_AFTER
-from ...config.schema import ModelConfig, parse_config
+from ...config.schema import ModelConfig
 from ...pooling.tokens import Tokens
-from ..grpc import service as grpc_service
-from ..http import auth
 from ..infer import plane as dataplane
 from ..infer.plane import ModelDataPlane
 from ..pooling import plane as pooling_plane
 from ..pooling.answers import answer
 from ..pooling.http import pooling_app
 from ..pooling.plane import PoolingPlane
-from . import compile_state, grpc_port, padding_state
-from .applications import POOLING, call_model, model_states
-
-logger = logging.getLogger("neuron_serve")
+from .applications import POOLING
+from .oip_replica import OipReplica
 
 DRAIN_S = 30  # as an infer replica's
 _POOLING_API = pooling_app()
@@ -40,64 +31,28 @@ _POOLING_API = pooling_app()
 @serve.deployment(name=POOLING, graceful_shutdown_timeout_s=DRAIN_S, health_check_period_s=5,
                   max_constructor_retry_count=1)
 @serve.ingress(_POOLING_API)
-class PoolingServer:
+class PoolingServer(OipReplica):
     """One replica of one pooling model: builds it on construction, then serves its routes and OIP v2."""
 
     async def __init__(self, config: dict, base_dir: str | None, grpc_options: dict | None = None) -> None:
-        logs.configure(stream=sys.__stderr__ or sys.stderr)  # as ModelServer's: on deploy's output
-        parsed = parse_config(config)
-        auth.configure(auth.resolve_token(parsed))
-        replica = serve.get_replica_context().replica_id.unique_id
-        loop = asyncio.get_running_loop()
-        self.plane = await loop.run_in_executor(None, build_plane, parsed, base_dir, replica)
-        self.plane.start()
-        dataplane.set_current(self.plane.data)  # OIP v2 over HTTP and gRPC, on the same queue and cores
-        pooling_plane.set_current(self.plane)
+        parsed, replica = await self._build(config, base_dir, build_plane)
         # neuron-serve status: its compiled models (the data plane's) and what its length buckets padded.
-        self._untrack = compile_state.track(self.plane.data, replica)
-        self._unpublish = padding_state.track(self.plane, replica)
-        self._grpc = self._relay = self._grpc_key = None
-        if grpc_options:
-            self._grpc, self._relay, self._grpc_key = await grpc_port.start_for_replica(
-                grpc_options, model_states, self._call_model, parsed.name, replica)
+        self._serve(self.plane.data, replica)
+        await self._serve_grpc(grpc_options, parsed.name, replica)
 
-    async def _call_model(self, name: str, method: str, payload) -> tuple:
-        if name == self.plane.name:
-            return await grpc_service.replica_call(self.plane.data, method, payload)
-        return await call_model(name, method, payload)
+    def _data(self) -> ModelDataPlane:
+        return self.plane.data
+
+    def _set_current(self, plane: PoolingPlane | None) -> None:
+        # OIP v2 over HTTP and gRPC, on the same queue and cores
+        dataplane.set_current(plane.data if plane is not None else None)
+        pooling_plane.set_current(plane)
 
     async def pooling(self, route: str, body: bytes) -> tuple[int, dict[str, str], bytes]:
         """A pooling route's request forwarded by the server app: (status, headers, body)."""
         plane = pooling_plane.current()
         found = await answer(plane, route, body)
         return found.status, found.headers, found.body
-
-    async def grpc_call(self, method: str, payload: bytes = b"") -> tuple:
-        """A gRPC call forwarded by another replica's gRPC server (see grpc_service)."""
-        found = await grpc_service.replica_call(dataplane.current(), method, payload)
-        if found[0] == "ok" and hasattr(found[1], "SerializeToString"):
-            return ("ok", found[1].SerializeToString())
-        return found
-
-    async def __del__(self) -> None:
-        for stop in (getattr(self, "_untrack", None), getattr(self, "_unpublish", None)):
-            if stop is not None:
-                stop()
-        if getattr(self, "_grpc_key", None) is not None:
-            try:
-                await grpc_port.unregister(self._grpc_key)
-            except Exception as exc:  # Ray going down: the key goes with it
-                logger.debug("gRPC address not unregistered: %s", exc)
-        if getattr(self, "_grpc", None) is not None:
-            await self._grpc.stop(grace=5)
-        if getattr(self, "_relay", None) is not None:
-            await self._relay.close()
-        dataplane.set_current(None)
-        pooling_plane.set_current(None)
-        plane = getattr(self, "plane", None)  # absent when building failed
-        if plane is not None:
-            await plane.stop()
-
 
 def build_plane(config: ModelConfig, base_dir: str | None, replica: str) -> PoolingPlane:
     """The replica's pooling plane over its data plane, as an infer model's: ready once the longest length bucket
