@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence as Seq
 
-from .model import StepOutput
+from .output import StepOutput
 from .sampler import GREEDY, RowChoice, choose_on_host, sample_on_host
 from .sampling import Sampled, sample_row
 

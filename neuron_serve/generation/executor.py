@@ -8,7 +8,7 @@ slots, copy a slot over another. :class:`CoreGroupExecutor` runs them on one cor
 and cache are split by the model's tensor-parallel plan (``tensor_parallel.py``). The
 engine never sees which: outputs are the same tokens and logits either way.
 
-A call returns as soon as the core has it: its :class:`~.model.StepOutput` holds the
+A call returns as soon as the core has it: its :class:`~.output.StepOutput` holds the
 outputs on the core, and reading its tokens waits for them. What the engine does
 between the two (handing the last step's events to their requests) overlaps the
 computation, with no side channel.
@@ -20,7 +20,8 @@ import abc
 from typing import Any, Sequence
 
 from ..targets.pjrt import use_device
-from .model import GenerationModel, StepOutput
+from .model import GenerationModel
+from .output import StepOutput
 from .shapes import Shape
 from .sampler import GREEDY, RowChoice
 
