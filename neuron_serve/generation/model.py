@@ -29,7 +29,6 @@ from ..errors import InvalidInput
 from ..model import Bucket, CompiledModel
 from ..model.state import DeviceState
 from ..targets import xla_state
-from ..targets.pjrt import xla
 from . import lora_layers
 from .sampler import GREEDY, RowChoice, row_parameters
 from .output import StepOutput
