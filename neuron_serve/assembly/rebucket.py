@@ -39,7 +39,7 @@ MIN_SAVING = 0.05  # the least share of the recorded calls' work a switch must s
 
 class Rebucketing:
     """When and to what one replica changes a family of its sizes (see the module's docstring). A variant says
-    which: ``family`` (bucket_usage's), ``what`` and ``unit`` (as its log lines name them) and the hooks below."""
+    which: ``family`` (buckets/usage's), ``what`` and ``unit`` (as its log lines name them) and the hooks below."""
 
     family = ""
     what = ""  # "length buckets", "batch sizes"
@@ -47,7 +47,7 @@ class Rebucketing:
 
     def __init__(self, name: str, replica: str, usage: Any, every: int, ready: Callable[[], bool]) -> None:
         self.name = name  # the model's
-        self.usage = usage  # bucket_usage.Usage: what this replica recorded, and the others' in the cache
+        self.usage = usage  # buckets/usage.Usage: what this replica recorded, and the others' in the cache
         self.every = every
         self.ready = ready  # whether the replica's own compile has ended (a switch never runs beside it)
         self.switches = 0

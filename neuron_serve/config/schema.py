@@ -421,7 +421,7 @@ class ModelConfig(_Strict):
 
     def compiled_batch_sizes(self) -> list[int] | None:
         """The batch sizes to compile: as given, else derived from batching.max_batch_size (None: the trace batch).
-        With auto, the defaults: a build starts from :func:`bucket_usage.learned_batch_sizes`' copy instead."""
+        With auto, the defaults: a build starts from :func:`buckets.usage.learned_batch_sizes`' copy instead."""
         if not self.dynamic_batch:
             return None
         if self.batch_sizes is None or self.batch_sizes == "auto":

@@ -104,12 +104,12 @@ def check_cache_fits(lm: torch.nn.Module, buckets: GenerationBuckets, field_pref
 def learned(settings: GenerationSettings, name: str | None, buckets: GenerationBuckets,
             field_prefix: str = "generation.") -> GenerationSettings:
     """``settings`` with each ``auto`` bucket list chosen from the calls the model's replicas recorded in the compile
-    cache (bucket_usage.py), once ``learn_buckets_after`` of a family are: as many buckets as its defaults
+    cache (buckets/usage.py), once ``learn_buckets_after`` of a family are: as many buckets as its defaults
     (``buckets``), the largest kept, those that pad the recorded calls least; the defaults until then."""
     auto = [entry for entry in LEARNED if getattr(settings, entry[1]) == "auto"]
     if not auto:
         return settings
-    from .. import bucket_usage  # noqa: PLC0415
+    from ..buckets import usage as bucket_usage  # noqa: PLC0415
     from ..config.generation import AUTO_LEARN_AFTER  # noqa: PLC0415
 
     wanted = settings.learn_buckets_after or AUTO_LEARN_AFTER

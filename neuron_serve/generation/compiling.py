@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .. import bucket_usage
+from ..buckets import usage as bucket_usage
 from ..api import trace_bucket_on_state
 from ..assembly import host_memory, progress
 from ..assembly.queue import (BACKGROUND, COMPILED, FAILED, NEEDED, READY, CompileGroup, CompileJob, CompileQueue,
@@ -110,7 +110,7 @@ class GenerationBuild:
             spmd.start_spmd(tensor_parallel_size)
             self.plan = tensor_parallel.plan(lm, tensor_parallel_size)
         self.name = name or type(lm).__name__
-        # With prompt lengths recorded for this model (bucket_usage.py), the prefills they use most compile first.
+        # With prompt lengths recorded for this model (buckets/usage.py), the prefills they use most compile first.
         self.order = compile_order(buckets, bucket_usage.shares(self.name, "prefill", buckets.prefill, "prompt lengths")
                                    if name else None)
         self.compiles: CompileGroup = (queue or compile_queue()).group(f"{self.name}#{next(_builds)}")

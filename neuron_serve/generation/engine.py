@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import AdapterNotLoaded, InvalidInput
 from . import choice
-from .. import bucket_usage
+from ..buckets import usage as bucket_usage
 from .executor import CoreGroupExecutor, Executor
 from .metrics import EngineMetrics
 from .model import GenerationModel, swap_weights

@@ -63,7 +63,7 @@ class HostMemoryState:
 
 @dataclass
 class UsageState:
-    """What the engines' buckets padded so far (bucket_usage.Usage.summary), sent as each request ends, and where
+    """What the engines' buckets padded so far (buckets/usage.Usage.summary), sent as each request ends, and where
     their auto buckets stand (rebucket.describe)."""
 
     summary: dict
