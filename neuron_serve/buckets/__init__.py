@@ -4,6 +4,7 @@
 - dynamic_batch.py: any batch run as padded chunks of a compiled batch size, along dim 0.
 - batch_sizes.py: which batch sizes are compiled, and the cheapest mix of them covering n rows.
 - generation.py: a generate model's prefill and decode buckets and their defaults.
+- auto.py: what every ``auto`` bucket list shares, whatever the model's kind (AUTO_LEARN_AFTER).
 - traffic.py: the sizes a model was asked for, the padding a bucket list costs them, the list that costs least.
 
 Above the arithmetic, what a model's traffic is recorded and proposed from:

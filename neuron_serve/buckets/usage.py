@@ -220,7 +220,7 @@ def learned_batch_sizes(config):
     ``learn_buckets_after`` are; any other config as it is."""
     if config.batch_sizes != "auto" or not config.dynamic_batch:
         return config
-    from ..config.generation import AUTO_LEARN_AFTER  # noqa: PLC0415
+    from .auto import AUTO_LEARN_AFTER  # noqa: PLC0415
 
     defaults = config.compiled_batch_sizes()
     chosen, _ = learn(config.name, "rows", "batch sizes", defaults, config.learn_buckets_after or AUTO_LEARN_AFTER,

@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 
 from .compiler_args import parse_compiler_args
 from ..errors import ConfigError
-from .generation import AUTO_LEARN_AFTER, FieldError, GenerationSettings, check_task
+from ..buckets.auto import AUTO_LEARN_AFTER
+from .generation import FieldError, GenerationSettings, check_task
 from .messages import format_errors
 from .names import NAME_PATTERN
 from .pooling import POOLING_TASKS, PoolingSettings, check_pooling_task

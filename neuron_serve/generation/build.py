@@ -110,7 +110,7 @@ def learned(settings: GenerationSettings, name: str | None, buckets: GenerationB
     if not auto:
         return settings
     from ..buckets import usage as bucket_usage  # noqa: PLC0415
-    from ..config.generation import AUTO_LEARN_AFTER  # noqa: PLC0415
+    from ..buckets.auto import AUTO_LEARN_AFTER  # noqa: PLC0415
 
     wanted = settings.learn_buckets_after or AUTO_LEARN_AFTER
     update = {}

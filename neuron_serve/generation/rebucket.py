@@ -47,7 +47,7 @@ def auto(build: Any, name: str, settings: Any, replica: str, usage: Any) -> list
     (an artifact's models compile nowhere)."""
     if build is None:
         return []
-    from ..config.generation import AUTO_LEARN_AFTER  # noqa: PLC0415
+    from ..buckets.auto import AUTO_LEARN_AFTER  # noqa: PLC0415
 
     every = settings.learn_buckets_after or AUTO_LEARN_AFTER
     return [BucketRebucketing(build, name, replica, usage, learned, every)

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from ..config.pooling import AUTO_LEARN_AFTER, MAX_DEFAULT_MODEL_LEN, PoolingSettings
+from ..buckets.auto import AUTO_LEARN_AFTER
+from ..config.pooling import MAX_DEFAULT_MODEL_LEN, PoolingSettings
 from ..config.schema import ModelConfig
 from ..errors import ConfigError
 from .graph import PoolingGraph

@@ -134,7 +134,7 @@ def _build_plane(config: ModelConfig, base_dir: str | None, replica: str) -> Mod
     plane = build.start(load, grow=lambda model: planes[0].grow(model))
     if config.batch_sizes == "auto" and build.grid is not None and config.dynamic_batch:
         from ...assembly.rebucket import BatchSizeRebucketing  # noqa: PLC0415 - as the build
-        from ...config.generation import AUTO_LEARN_AFTER  # noqa: PLC0415
+        from ...buckets.auto import AUTO_LEARN_AFTER  # noqa: PLC0415
 
         plane.rebucket = BatchSizeRebucketing(plane, build.grid, config.learn_buckets_after or AUTO_LEARN_AFTER,
                                               build.finished.is_set)

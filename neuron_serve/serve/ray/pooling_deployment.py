@@ -17,7 +17,7 @@ from ray import serve
 
 from ... import logs
 from ...assembly.queue import READY, compile_queue
-from ...config.pooling import AUTO_LEARN_AFTER
+from ...buckets.auto import AUTO_LEARN_AFTER
 from ...config.schema import ModelConfig, parse_config
 from ...pooling.tokens import Tokens
 from ..grpc import service as grpc_service
