@@ -285,11 +285,11 @@ def build_engines(config: ModelConfig, base_dir: str | Path | None = None, *, re
     group = EngineGroup.on_cores(model, cores or config.cores_per_replica, eos_token_ids=eos,
                                  tokenizer=tokenizer, max_waiting=settings.max_waiting, name=config.name,
                                  replica=replica, adapters=model.adapter_policy, **engine_options(settings))
-    from .rebucket import auto  # noqa: PLC0415
+    from ..buckets.learn import attach  # noqa: PLC0415
+    from .rebucket import families  # noqa: PLC0415
 
-    rebucketings = auto(model.build, config.name, settings, replica, group.engines[0].usage)  # none for an artifact
-    for engine in group.engines:
-        engine.rebucketings = rebucketings
+    # none for an artifact (model.build is None): its models compile nowhere
+    attach(group.engines, settings, model.build, families(model.build, config.name, replica, group.engines[0].usage))
     for name, path in (settings.lora.lora_modules if settings.lora is not None else {}).items():
         try:
             group.load_adapter(name, _under(base_dir, path))

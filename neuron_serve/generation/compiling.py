@@ -313,9 +313,9 @@ class GenerationBuild:
         GenerationBuckets' ``prefill`` or ``decode_rows``) from now on: the models they need and the engines
         lack compile on the compile queue behind any other compile (each joins the engines as it is compiled: a
         call fits it or a larger one, answers alike); then every engine's model drops those the new buckets no
-        longer plan, in one step. (compiled, kept); raises assembly/rebucket.Abandoned
+        longer plan, in one step. (compiled, kept); raises buckets/learn.Abandoned
         when a compile fails: the new models that did join are dropped again, and the old buckets serve on."""
-        from ..assembly.rebucket import Abandoned  # noqa: PLC0415
+        from ..buckets.learn import Abandoned  # noqa: PLC0415
 
         with self._switching:  # the buckets changed are those of the switch before, if one ran meanwhile
             buckets = dataclasses.replace(self.buckets, **changes)

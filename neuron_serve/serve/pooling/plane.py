@@ -41,7 +41,7 @@ class PoolingPlane:
         # The lengths asked for and what the length buckets pad of them (buckets/usage.py): counted, kept in the
         # compile cache for `neuron-serve buckets`, and summed up in the metadata.
         self.usage = bucket_usage.for_model(self.name, data.replica)
-        self.rebucket = None  # a Rebucketing (rebucket.py) when pooling.length_buckets is auto
+        self.rebucket = None  # a pooling/rebucket.LengthRebucketing when pooling.length_buckets is auto
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")  # requests of much text
 
     # -- lifecycle ------------------------------------------------------------------
