@@ -214,7 +214,7 @@ def variant_spec(found: dict, key: str, label: str, yaml_path: Path, env: dict |
 def recorded_sizes(since: float) -> dict:
     """The lengths the embedder's replicas kept in the compile cache during this run (files written since
     ``since``), merged: {family: {size: requests}}."""
-    from neuron_serve import bucket_usage  # noqa: PLC0415
+    from neuron_serve.buckets import usage as bucket_usage  # noqa: PLC0415
     from neuron_serve.buckets.traffic import Sizes  # noqa: PLC0415
     from neuron_serve.compile import cache as compile_cache  # noqa: PLC0415
 

@@ -285,7 +285,7 @@ def write_neuron_serve_yaml(model_dir: Path, path: Path, prefill: list[int] | No
 def recorded_sizes(model: str, since: float) -> dict:
     """The sizes the model's replicas kept in the compile cache during this run (files written since ``since``),
     merged: {family: {size: calls}}."""
-    from neuron_serve import bucket_usage  # noqa: PLC0415
+    from neuron_serve.buckets import usage as bucket_usage  # noqa: PLC0415
     from neuron_serve.buckets.traffic import Sizes  # noqa: PLC0415
     from neuron_serve.compile import cache as compile_cache  # noqa: PLC0415
 

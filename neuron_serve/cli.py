@@ -258,7 +258,7 @@ def _status(args: argparse.Namespace) -> int:
     if not args.buckets:
         print(json.dumps(found, indent=2))
         return 0
-    from .bucket_usage import describe  # noqa: PLC0415
+    from .buckets.usage import describe  # noqa: PLC0415
 
     models = {name: state for name, state in found.items() if "padding" in state or "compile" in state}
     if not models:
@@ -269,7 +269,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _buckets(args: argparse.Namespace) -> int:
-    from . import bucket_proposal as proposal, bucket_usage as usage  # noqa: PLC0415
+    from .buckets import proposal, usage  # noqa: PLC0415
 
     config = load_config(args.config)
     if args.sizes:

@@ -117,7 +117,7 @@ COMPILED_MODELS = Gauge(
     "A replica's compiled models by state: compiled, pending (queued or compiling) or failed",
     ["model", "replica", "state"], multiprocess_mode="livemax",
 )
-# Padding (bucket_usage.py): the real units a bucket's calls computed and the units they padded (a generate
+# Padding (buckets/usage.py): the real units a bucket's calls computed and the units they padded (a generate
 # model's prompt tokens, decode rows, chunk tokens), so padded / (real + padded) is the work done for nothing.
 BUCKET_WORK = Counter(
     "neuron_serve_bucket_work",

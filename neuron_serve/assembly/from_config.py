@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 from . import artifact, progress
-from .. import bucket_usage
+from ..buckets import usage as bucket_usage
 from .grid import Entry, GridBuild, Source
 from .queue import BACKGROUND, COMPILED, FAILED, READY, CompileGroup, CompileJob, CompileQueue, compile_queue
 from ..api import dynamic_batch

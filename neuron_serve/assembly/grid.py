@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from .. import bucket_usage
+from ..buckets import usage as bucket_usage
 from . import host_memory, progress
 from ..api import dynamic_batch, trace_entry
 from ..buckets.order import compile_order
@@ -78,7 +78,7 @@ class GridBuild:
         if staged:  # what a replica needs to be ready first, then the most padding saved first
             weights = source.weights if source is not None else None
             if source is None and self.spec is not None and all(len(s) == 1 for s in shapes):
-                # A model.yaml's one bucketed dim: weighted by the sizes its replicas recorded (bucket_usage.py).
+                # A model.yaml's one bucketed dim: weighted by the sizes its replicas recorded (buckets/usage.py).
                 weights = bucket_usage.shares(config.name, "shape", [s[0] for s in shapes], "request sizes")
             self.order = [Entry(b, n) for b, n in compile_order(shapes, batches, max(batches), ready, weights)]
         else:  # everything before ready: bucket by bucket, smallest batch first, as trace_buckets

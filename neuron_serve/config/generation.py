@@ -13,12 +13,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
+from ..buckets.auto import AUTO_LEARN_AFTER
 from ..buckets.generation import GenerationBuckets
 from ..errors import ConfigError
 from .names import NAME_PATTERN, NAME_RULE
 
 DEFAULT_MAX_NUM_SEQS = 8
-AUTO_LEARN_AFTER = 1000  # recorded calls before a family's buckets: auto start on the buckets they call for
 DEFAULT_MAX_WAITING = 256
 MAX_DEFAULT_MODEL_LEN = 2048
 

@@ -14,7 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
-from .generation import AUTO_LEARN_AFTER, FieldError
+from ..buckets.auto import AUTO_LEARN_AFTER
+from .generation import FieldError
 
 POOLING_TASKS = ("embed", "score", "classify")
 MAX_DEFAULT_MODEL_LEN = 512

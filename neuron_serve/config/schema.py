@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 
 from .compiler_args import parse_compiler_args
 from ..errors import ConfigError
-from .generation import AUTO_LEARN_AFTER, FieldError, GenerationSettings, check_task
+from ..buckets.auto import AUTO_LEARN_AFTER
+from .generation import FieldError, GenerationSettings, check_task
 from .messages import format_errors
 from .names import NAME_PATTERN
 from .pooling import POOLING_TASKS, PoolingSettings, check_pooling_task
@@ -421,7 +422,7 @@ class ModelConfig(_Strict):
 
     def compiled_batch_sizes(self) -> list[int] | None:
         """The batch sizes to compile: as given, else derived from batching.max_batch_size (None: the trace batch).
-        With auto, the defaults: a build starts from :func:`bucket_usage.learned_batch_sizes`' copy instead."""
+        With auto, the defaults: a build starts from :func:`buckets.usage.learned_batch_sizes`' copy instead."""
         if not self.dynamic_batch:
             return None
         if self.batch_sizes is None or self.batch_sizes == "auto":

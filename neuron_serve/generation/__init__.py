@@ -59,13 +59,14 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
     process then gets N XLA:CPU devices), or serve the model, where each group of cores
     runs in a process of its own. LoRA adapters, quantization: ``build.build_engine`` of a model.yaml (or
     ``precision.prepare`` of ``lm`` first)."""
+    from ..buckets.learn import attach  # noqa: PLC0415
     from ..config.generation import GenerationSettings  # noqa: PLC0415
     from .build import check_draft, checked_buckets, engine_options  # noqa: PLC0415
     from .compiling import compile_generation  # noqa: PLC0415
     from .engine import Engine  # noqa: PLC0415
     from .frontend import Frontend  # noqa: PLC0415
     from .group import describe  # noqa: PLC0415
-    from .rebucket import auto  # noqa: PLC0415
+    from .rebucket import families  # noqa: PLC0415
 
     given = {"max_num_seqs": max_num_seqs, "max_model_len": max_model_len, "prefill_buckets": prefill_buckets,
              "decode_batch_buckets": decode_batch_buckets, "decode_context_buckets": decode_context_buckets,
@@ -91,5 +92,5 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
                                          tensor_parallel_size=tensor_parallel_size)
     engine = Engine(model, eos_token_ids=eos_token_ids(lm), tokenizer=tokenizer, name=name,
                     **engine_options(settings))
-    engine.rebucketings = auto(model.build, name, settings, "0", engine.usage)
+    attach([engine], settings, model.build, families(model.build, name, "0", engine.usage))
     return Frontend(engine, describe([engine], max_waiting), tokenizer)

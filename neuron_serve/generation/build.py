@@ -104,13 +104,13 @@ def check_cache_fits(lm: torch.nn.Module, buckets: GenerationBuckets, field_pref
 def learned(settings: GenerationSettings, name: str | None, buckets: GenerationBuckets,
             field_prefix: str = "generation.") -> GenerationSettings:
     """``settings`` with each ``auto`` bucket list chosen from the calls the model's replicas recorded in the compile
-    cache (bucket_usage.py), once ``learn_buckets_after`` of a family are: as many buckets as its defaults
+    cache (buckets/usage.py), once ``learn_buckets_after`` of a family are: as many buckets as its defaults
     (``buckets``), the largest kept, those that pad the recorded calls least; the defaults until then."""
     auto = [entry for entry in LEARNED if getattr(settings, entry[1]) == "auto"]
     if not auto:
         return settings
-    from .. import bucket_usage  # noqa: PLC0415
-    from ..config.generation import AUTO_LEARN_AFTER  # noqa: PLC0415
+    from ..buckets import usage as bucket_usage  # noqa: PLC0415
+    from ..buckets.auto import AUTO_LEARN_AFTER  # noqa: PLC0415
 
     wanted = settings.learn_buckets_after or AUTO_LEARN_AFTER
     update = {}
@@ -285,11 +285,11 @@ def build_engines(config: ModelConfig, base_dir: str | Path | None = None, *, re
     group = EngineGroup.on_cores(model, cores or config.cores_per_replica, eos_token_ids=eos,
                                  tokenizer=tokenizer, max_waiting=settings.max_waiting, name=config.name,
                                  replica=replica, adapters=model.adapter_policy, **engine_options(settings))
-    from .rebucket import auto  # noqa: PLC0415
+    from ..buckets.learn import attach  # noqa: PLC0415
+    from .rebucket import families  # noqa: PLC0415
 
-    rebucketings = auto(model.build, config.name, settings, replica, group.engines[0].usage)  # none for an artifact
-    for engine in group.engines:
-        engine.rebucketings = rebucketings
+    # none for an artifact (model.build is None): its models compile nowhere
+    attach(group.engines, settings, model.build, families(model.build, config.name, replica, group.engines[0].usage))
     for name, path in (settings.lora.lora_modules if settings.lora is not None else {}).items():
         try:
             group.load_adapter(name, _under(base_dir, path))

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .. import bucket_usage
+from ..buckets import usage as bucket_usage
 from ..api import trace_bucket_on_state
 from ..assembly import host_memory, progress
 from ..assembly.queue import (BACKGROUND, COMPILED, FAILED, NEEDED, READY, CompileGroup, CompileJob, CompileQueue,
@@ -110,7 +110,7 @@ class GenerationBuild:
             spmd.start_spmd(tensor_parallel_size)
             self.plan = tensor_parallel.plan(lm, tensor_parallel_size)
         self.name = name or type(lm).__name__
-        # With prompt lengths recorded for this model (bucket_usage.py), the prefills they use most compile first.
+        # With prompt lengths recorded for this model (buckets/usage.py), the prefills they use most compile first.
         self.order = compile_order(buckets, bucket_usage.shares(self.name, "prefill", buckets.prefill, "prompt lengths")
                                    if name else None)
         self.compiles: CompileGroup = (queue or compile_queue()).group(f"{self.name}#{next(_builds)}")
@@ -313,9 +313,9 @@ class GenerationBuild:
         GenerationBuckets' ``prefill`` or ``decode_rows``) from now on: the models they need and the engines
         lack compile on the compile queue behind any other compile (each joins the engines as it is compiled: a
         call fits it or a larger one, answers alike); then every engine's model drops those the new buckets no
-        longer plan, in one step. (compiled, kept); raises assembly/rebucket.Abandoned
+        longer plan, in one step. (compiled, kept); raises buckets/learn.Abandoned
         when a compile fails: the new models that did join are dropped again, and the old buckets serve on."""
-        from ..assembly.rebucket import Abandoned  # noqa: PLC0415
+        from ..buckets.learn import Abandoned  # noqa: PLC0415
 
         with self._switching:  # the buckets changed are those of the switch before, if one ran meanwhile
             buckets = dataclasses.replace(self.buckets, **changes)

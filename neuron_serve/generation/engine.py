@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from .. import bucket_usage
+from ..buckets import usage as bucket_usage
 from ..errors import AdapterNotLoaded, InvalidInput
 from .executor import CoreGroupExecutor, Executor
 from .metrics import EngineMetrics
@@ -117,7 +117,7 @@ class Engine(Engines):
         self.step_log: deque[tuple[int, int, int]] = deque(maxlen=STEP_LOG)
         self.request_timeout_s = request_timeout_s
         self.metrics = EngineMetrics(name, replica)
-        # The sizes asked for and the padding their buckets cost (bucket_usage.py), shared by the replica's engines.
+        # The sizes asked for and the padding their buckets cost (buckets/usage.py), shared by the replica's engines.
         self.usage = bucket_usage.for_model(name, replica)
         # With auto buckets, what looks at those sizes and switches the buckets while serving (rebucket.py).
         self.rebucketings: list = []

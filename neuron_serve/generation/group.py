@@ -87,7 +87,7 @@ class EngineGroup(Dispatcher):
 
     @property
     def padding(self) -> dict:
-        """What the engines' buckets padded so far (they share one bucket_usage.Usage)."""
+        """What the engines' buckets padded so far (they share one buckets/usage.Usage)."""
         return self.engines[0].usage.summary()
 
     def choose(self) -> Engine:

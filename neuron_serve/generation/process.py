@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Sequence as Seq
 
-from .. import bucket_usage
+from ..buckets import usage as bucket_usage
 from ..assembly import host_memory
 from ..errors import ModelNotReady
 from ..targets.pjrt import neuron_devices_present
@@ -80,7 +80,7 @@ class EngineProcess(Engines):
         # Where the engines' compiles stand (None: nothing compiles after start, an artifact), kept up to date
         # by the worker; listeners hear of each change (serve/ray/compile_state.py records it for status).
         self.compile_state: dict | None = reply.compile
-        self.padding: dict = {}  # what the engines' buckets padded so far (bucket_usage), as requests end
+        self.padding: dict = {}  # what the engines' buckets padded so far (buckets/usage.py), as requests end
         self.rebucketing: dict = {}  # where their auto buckets stand (rebucket.describe), as requests end
         self.host_memory: dict = {}  # what the process holds of host memory (host_memory.report), as compiles end
         self._compile_listeners: list[Callable[[Any], None]] = []

@@ -2,7 +2,7 @@
 
 With ``generation.prefill_buckets: auto`` (or ``decode_batch_buckets: auto``) a replica starts on the buckets
 learned from what the model's replicas recorded (build.learned), and keeps looking while it serves
-(assembly/rebucket.py: when it looks and what it proposes). A switch compiles the models the new list needs (for
+(buckets/learn.py: when it looks and what it proposes). A switch compiles the models the new list needs (for
 prefill, a model per new prompt length, and its extends with prefix caching; for decode rows, every decode, mixed
 and verify model of a new row count) on the compile queue behind any other compile, each joining the engines as it
 is compiled, then drops the ones no longer planned from every engine in one step (compiling.GenerationBuild.switch):
@@ -12,9 +12,10 @@ model that holds it, so answers are the same tokens whichever bucket runs them.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable
 
-from ..assembly.rebucket import Rebucketing
+from ..buckets.learn import Rebucketing
 from ..buckets.generation import LEARNED
 
 
@@ -42,16 +43,11 @@ class BucketRebucketing(Rebucketing):
                                                                  f"{self.switches + 1}")
 
 
-def auto(build: Any, name: str, settings: Any, replica: str, usage: Any) -> list[BucketRebucketing]:
-    """A rebucketing for each list ``settings`` (GenerationSettings) leaves to the traffic; none without a ``build``
-    (an artifact's models compile nowhere)."""
-    if build is None:
-        return []
-    from ..config.generation import AUTO_LEARN_AFTER  # noqa: PLC0415
-
-    every = settings.learn_buckets_after or AUTO_LEARN_AFTER
-    return [BucketRebucketing(build, name, replica, usage, learned, every)
-            for learned in LEARNED if getattr(settings, learned[1]) == "auto"]
+def families(build: Any, name: str, replica: str, usage: Any) -> dict[str, Callable[[int], BucketRebucketing]]:
+    """A generate model's lists that may be auto (LEARNED), by their GenerationSettings field, for
+    buckets/learn.attach: ``build`` is its compiling.GenerationBuild, ``usage`` what its engines record."""
+    return {learned[1]: functools.partial(BucketRebucketing, build, name, replica, usage, learned)
+            for learned in LEARNED}
 
 
 def describe(rebucketings: list[BucketRebucketing]) -> dict:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .. import bucket_usage
+from ..buckets import usage as bucket_usage
 from ..assembly.from_config import StagedBuild
 from ..assembly.grid import Source
 from ..assembly.queue import READY, compile_queue

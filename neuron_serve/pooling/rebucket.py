@@ -1,9 +1,9 @@
 """A serving pooling replica that changes its own length buckets for those its traffic pads least.
 
-With ``pooling.length_buckets: auto`` a replica starts on the buckets learned from the lengths the model's
-replicas recorded (or the defaults), and keeps looking while it serves (assembly/rebucket.py: when it looks, what
-it proposes, how it compiles beside serving and switches). A request padded for the old buckets as the switch lands
-runs on the new bucket that holds it, padded further: answers are the same whichever bucket runs them.
+With ``pooling.length_buckets: auto`` a replica starts on the buckets learned from the lengths the model's replicas
+recorded (or the defaults), and keeps looking while it serves (buckets/learn.py: when it looks, what it proposes;
+assembly/rebucket.py: how a grid compiles beside serving and switches). A request padded for the old buckets as the
+switch lands runs on the new bucket that holds it, padded further: answers are the same whichever bucket runs them.
 
 What a person reads: a log line per decision, ``neuron_serve_bucket_switches_total{family="length", outcome}``, and
 the model's metadata (``parameters.length_buckets``, ``length_buckets_from``, ``rebucketing``).
@@ -59,3 +59,11 @@ class LengthRebucketing(GridRebucketing):
 
     def _spec(self, sizes: list[int], source: str) -> PoolingSpec:
         return dataclasses.replace(self.plane.spec, length_buckets=tuple(sizes), buckets_from=source)
+
+
+def families(plane: Any, config: ModelConfig, base_dir: str | Path | None,
+             build: Any) -> dict[str, Callable[[int], LengthRebucketing]]:
+    """A pooling model's one list that may be auto, ``length_buckets``, for buckets/learn.attach: ``plane`` is the
+    replica's serve/pooling/plane.PoolingPlane, ``build`` its pooling build (the graph its buckets compile from)."""
+    return {"length_buckets": lambda every: LengthRebucketing(plane, config, base_dir, build.source.module, every,
+                                                              build.finished.is_set)}

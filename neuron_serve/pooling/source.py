@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from ..config.pooling import AUTO_LEARN_AFTER, MAX_DEFAULT_MODEL_LEN, PoolingSettings
+from ..buckets.auto import AUTO_LEARN_AFTER
+from ..config.pooling import MAX_DEFAULT_MODEL_LEN, PoolingSettings
 from ..config.schema import ModelConfig
 from ..errors import ConfigError
 from .graph import PoolingGraph
@@ -260,7 +261,7 @@ def length_buckets(config: ModelConfig, settings: PoolingSettings, max_len: int)
     defaults = settings.default_buckets(max_len)
     if settings.length_buckets != "auto":
         return defaults, "model.yaml" if settings.length_buckets is not None else "defaults"
-    from .. import bucket_usage  # noqa: PLC0415 - only auto reads the recorded lengths
+    from ..buckets import usage as bucket_usage  # noqa: PLC0415 - only auto reads the recorded lengths
 
     chosen, calls = bucket_usage.learn(config.name, "length", "length buckets", defaults,
                                        settings.learn_buckets_after or AUTO_LEARN_AFTER, "inputs")

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .. import bucket_proposal
+from ..buckets import proposal as bucket_proposal
 from ..config.compiler_args import parse_compiler_args
 from ..config.schema import ModelConfig
 from ..partition.config import PartitionerConfig

@@ -218,7 +218,7 @@ class ModelRunner:
             groups[bucket].append(i)
         if self.observer is not None and model.spec is not None and len(model.spec.sizes[0]) == 1:
             # One bucketed dim (the usual: a sequence length): each request's size against its bucket's, for the
-            # model's padding counts (bucket_usage.py). Several dims have no one size to propose buckets from.
+            # model's padding counts (buckets/usage.py). Several dims have no one size to propose buckets from.
             for bucket, members in groups.items():
                 for i in members:
                     self.observer.shape(model.spec.request_sizes(requests[i])[0], model.spec.sizes[bucket][0])

@@ -26,12 +26,27 @@ SCHEMA = ("neuron_serve.model", "neuron_serve.generation", "neuron_serve.pooling
           "neuron_serve.partition.plan", "neuron_serve.partition.pipeline", "neuron_serve.partition.balance",
           *COMPILER)
 
+# buckets/ is the arithmetic of compiled shapes, and above it what is recorded of a model's traffic and learned
+# from it (usage.py: the sizes a replica saw, in the compile cache; proposal.py: `neuron-serve buckets`; learn.py:
+# the re-bucketing of a serving replica).
+BUCKETS_TRAFFIC = tuple(f"neuron_serve.buckets.{m}" for m in ("usage", "proposal", "learn"))
+BUCKETS_ARITHMETIC = tuple(sorted({f"neuron_serve.buckets.{path.stem}" for path in (PACKAGE / "buckets").glob("*.py")}
+                                  - {"neuron_serve.buckets.__init__", *BUCKETS_TRAFFIC}))
+# What the runtime, the engines and the planes record to (usage.py), and the re-bucketing base each kind's variant
+# builds on (learn.py): they know no kind of model and no server.
+KINDS = ("neuron_serve.assembly", "neuron_serve.generation", "neuron_serve.pooling", "neuron_serve.runtime",
+         "neuron_serve.serve")
+
 # A LoRA adapter is read in the engine process (torch, safetensors): never by what the replica loads.
 LORA = ("neuron_serve.generation.lora", "neuron_serve.generation.lora_config")
 
 # module (or package) -> what it must not import
 RULES = {
-    "neuron_serve.buckets": SCHEMA + ("neuron_serve.config", "neuron_serve.model", "neuron_serve.partition"),
+    **{module: SCHEMA + ("neuron_serve.config", "neuron_serve.model", "neuron_serve.partition") + BUCKETS_TRAFFIC
+       for module in BUCKETS_ARITHMETIC},
+    "neuron_serve.buckets.usage": KINDS,
+    "neuron_serve.buckets.learn": KINDS + COMPILER + ("neuron_serve.model",),
+    "neuron_serve.buckets.proposal": ("neuron_serve.serve",),
     "neuron_serve.config": SCHEMA,
     "neuron_serve.config.generation": SCHEMA + ("neuron_serve.config.schema", "neuron_serve.partition"),
     "neuron_serve.config.pooling": SCHEMA + ("neuron_serve.config.schema", "neuron_serve.partition"),

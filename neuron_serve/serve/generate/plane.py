@@ -163,7 +163,7 @@ class GenerationPlane:
                 **self.precision_card(),
                 "neuron_serve_version": __version__,
                 "compile": self.compile_state(),
-                # What the prefill and decode buckets padded, per family (bucket_usage), since the replica started.
+                # What the prefill and decode buckets padded, per family (buckets/usage.py), since the replica started.
                 "padding": dict(getattr(self.frontend.engines, "padding", {})),
                 # What the engines' process holds of host memory: weights (once, whatever the compiled models), cache,
                 # each compiled model's code (assembly/host_memory.report).

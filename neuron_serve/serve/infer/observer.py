@@ -62,7 +62,7 @@ class ReplicaMetrics(RuntimeObserver):
     def __init__(self, model: str, replica: str, usage: Any = None) -> None:
         self.model = model
         self.replica = replica
-        # The sizes asked for and what the buckets padded of them (bucket_usage.Usage), when the model keeps them.
+        # The sizes asked for and what the buckets padded of them (buckets/usage.Usage), when the model keeps them.
         self.usage = usage
         self._labels = {"model": model, "replica": replica}
         # Labelled once: labels() costs microseconds, and these are recorded per request.

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from ... import bucket_usage
+from ...buckets import usage as bucket_usage
 from ...assembly import host_memory
 from ...assembly.queue import CompileGroup, CompileJob
 from ...version import __version__

@@ -36,7 +36,7 @@ class PoolingMetrics:
 
     def bucket_work(self, counters: tuple, real: int, padded: int) -> None:
         """An input of ``real`` tokens ran padded by ``padded`` on a length bucket whose (real, padded) counters
-        are ``counters`` (bucket_usage.Usage.record); applied with the answer's other metrics."""
+        are ``counters`` (buckets/usage.Usage.record); applied with the answer's other metrics."""
         self.deferred.add(self._work, counters, real, padded)
 
     @staticmethod

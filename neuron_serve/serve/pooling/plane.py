@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ... import bucket_usage
+from ...buckets import usage as bucket_usage
 from ...config.schema import ModelConfig
 from ...errors import InvalidInput
 from ...pooling.spec import PoolingSpec
@@ -38,10 +38,10 @@ class PoolingPlane:
         self.tokens = tokens
         self.spec = spec
         self.metrics = PoolingMetrics(self.name, data.replica, data.observer.deferred)
-        # The lengths asked for and what the length buckets pad of them (bucket_usage.py): counted, kept in the
+        # The lengths asked for and what the length buckets pad of them (buckets/usage.py): counted, kept in the
         # compile cache for `neuron-serve buckets`, and summed up in the metadata.
         self.usage = bucket_usage.for_model(self.name, data.replica)
-        self.rebucket = None  # a Rebucketing (rebucket.py) when pooling.length_buckets is auto
+        self.rebucket = None  # a pooling/rebucket.LengthRebucketing when pooling.length_buckets is auto
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")  # requests of much text
 
     # -- lifecycle ------------------------------------------------------------------

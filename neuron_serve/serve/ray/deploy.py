@@ -14,7 +14,7 @@ import ray
 from ray import serve
 from ray.experimental import internal_kv
 
-from ... import bucket_usage
+from ...buckets import usage as bucket_usage
 from ...config.schema import ModelConfig
 from ..http import auth
 from . import compile_state, failure, ingress, padding_state, readiness

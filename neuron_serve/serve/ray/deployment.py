@@ -78,6 +78,8 @@ def _build_plane(config: ModelConfig, base_dir: str | None, replica: str) -> Mod
     """The model's data plane, once the start-up models are compiled and loaded; the models still
     compiling join it as each is compiled (all of it on the compile queue's thread)."""
     from ...assembly.from_config import StagedBuild  # noqa: PLC0415 - the compiler is loaded by replicas only
+    from ...assembly.rebucket import families  # noqa: PLC0415 - as the build
+    from ...buckets.learn import attach  # noqa: PLC0415
 
     build = StagedBuild(config, base_dir)
     planes: list[ModelDataPlane] = []
@@ -89,12 +91,7 @@ def _build_plane(config: ModelConfig, base_dir: str | None, replica: str) -> Mod
         return planes[0]
 
     plane = build.start(load, grow=lambda model: planes[0].grow(model))
-    if config.batch_sizes == "auto" and build.grid is not None and config.dynamic_batch:
-        from ...assembly.rebucket import BatchSizeRebucketing  # noqa: PLC0415 - as the build
-        from ...config.generation import AUTO_LEARN_AFTER  # noqa: PLC0415
-
-        plane.rebucket = BatchSizeRebucketing(plane, build.grid, config.learn_buckets_after or AUTO_LEARN_AFTER,
-                                              build.finished.is_set)
+    attach(plane, config, build.grid, families(plane, config, build))  # none for an artifact (no grid)
     return plane
 
 

@@ -1,9 +1,9 @@
 """What each replica's buckets padded, in Ray's KV store, for ``neuron-serve status --buckets``.
 
-A replica's metadata says what its own buckets padded (``parameters.padding``, bucket_usage.Usage.summary), but
+A replica's metadata says what its own buckets padded (``parameters.padding``, buckets/usage.Usage.summary), but
 a model's metadata answers from whichever replica Serve routes to. So each model replica writes that summary under
 ``padding/{model}/{replica}`` every :data:`PUBLISH_EVERY_S` while it changes, and deletes the key when it stops;
-``status`` reads every key and adds up a model's replicas (bucket_usage.merged_summaries).
+``status`` reads every key and adds up a model's replicas (buckets/usage.merged_summaries).
 """
 
 from __future__ import annotations

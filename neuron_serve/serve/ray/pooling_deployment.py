@@ -12,7 +12,6 @@ from __future__ import annotations
 from ray import serve
 
 from ...assembly.queue import READY, compile_queue
-from ...config.pooling import AUTO_LEARN_AFTER
 from ...config.schema import ModelConfig
 from ...pooling.tokens import Tokens
 from ..infer import plane as dataplane
@@ -59,7 +58,8 @@ def build_plane(config: ModelConfig, base_dir: str | None, replica: str) -> Pool
     at the largest batch size is compiled and loaded (any input fits it); the other compiled models join it as each
     is compiled, in the background (model.yaml's ``background_compile``), all of it on the compile queue."""
     from ...pooling.build import described, staged  # noqa: PLC0415 - the compiler is loaded by replicas only
-    from ...pooling.rebucket import LengthRebucketing  # noqa: PLC0415 - as the build
+    from ...buckets.learn import attach  # noqa: PLC0415
+    from ...pooling.rebucket import families  # noqa: PLC0415 - as the build
 
     # The model's directory is read and its graph made on the queue's thread, as every trace.
     loading = compile_queue().submit(f"load {config.name} (pooling model)", lambda: staged(config, base_dir),
@@ -74,8 +74,5 @@ def build_plane(config: ModelConfig, base_dir: str | None, replica: str) -> Pool
         return planes[0]
 
     plane = build.start(load, grow=lambda model: planes[0].data.grow(model))
-    settings = config.pooling
-    if settings is not None and settings.length_buckets == "auto":
-        plane.rebucket = LengthRebucketing(plane, config, base_dir, build.source.module,
-                                           settings.learn_buckets_after or AUTO_LEARN_AFTER, build.finished.is_set)
+    attach(plane, config.pooling, build, families(plane, config, base_dir, build))
     return plane

@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 
 import generation_models as gm
-from neuron_serve import bucket_usage
+from neuron_serve.buckets import usage as bucket_usage
 from neuron_serve.assembly.grid import Entry, GridBuild
 from neuron_serve.buckets.generation import GenerationBuckets
 from neuron_serve.buckets.order import compile_order, expected_padding

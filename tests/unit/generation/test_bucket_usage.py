@@ -16,7 +16,8 @@ import yaml
 from prometheus_client import REGISTRY
 
 import generation_models as gm
-from neuron_serve import bucket_usage, cli, logs
+from neuron_serve import cli, logs
+from neuron_serve.buckets import usage as bucket_usage
 from neuron_serve.compile import cache as compile_cache
 from neuron_serve.generation import SamplingParams, engine_for
 

@@ -13,7 +13,7 @@ from prometheus_client import REGISTRY
 
 import generation_models as gm
 from log_lines import capture
-from neuron_serve import bucket_usage
+from neuron_serve.buckets import usage as bucket_usage
 from neuron_serve.compile import cache as compile_cache
 from neuron_serve.config.generation import GenerationSettings
 from neuron_serve.generation import SamplingParams, engine_for

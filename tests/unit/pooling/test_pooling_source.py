@@ -60,7 +60,7 @@ def test_a_directory_that_is_no_model_is_refused(tmp_path):
 
 
 def recorded(cache, name, lengths: dict[int, int], replica="r0"):
-    """Lengths as a replica of ``name`` keeps them in the compile cache (bucket_usage.Usage.save)."""
+    """Lengths as a replica of ``name`` keeps them in the compile cache (buckets/usage.Usage.save)."""
     import json  # noqa: PLC0415
 
     folder = cache.root / "traffic" / name

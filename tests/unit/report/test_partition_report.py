@@ -207,7 +207,7 @@ def test_cli_writes_the_page_for_a_refused_config_and_still_fails(tmp_path):
 def test_the_report_says_what_the_recorded_traffic_padded_and_what_would_pad_least(fresh_cache):
     """A task: infer model's two families, from the sizes its replicas kept in the compile cache: today's buckets and
     their padding, the proposal and its (recomputed here by hand), in the data and on the page."""
-    from neuron_serve import bucket_usage
+    from neuron_serve.buckets import usage as bucket_usage
     from neuron_serve.config.factory import build_model
     from neuron_serve.config.schema import parse_config
     from neuron_serve.report import partition_report

@@ -180,7 +180,7 @@ def test_batch_sizes_auto_starts_on_the_sizes_the_recorded_chunks_call_for(fresh
     """``batch_sizes: auto``: a replica starting with ``learn_buckets_after`` chunks recorded in the compile cache
     compiles as many batch sizes as the defaults (1, 4, 8 for max_batch_size 8), the largest kept, that pad them
     least; with fewer recorded, the defaults. Answers are eager's either way."""
-    from neuron_serve import bucket_usage
+    from neuron_serve.buckets import usage as bucket_usage
 
     name = f"row-sums-auto-{after}"
     config = parse_config({**BUCKETED, "name": name, "batch_sizes": "auto", "learn_buckets_after": after,

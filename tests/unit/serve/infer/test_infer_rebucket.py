@@ -16,7 +16,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from log_lines import capture
-from neuron_serve import bucket_usage
+from neuron_serve.buckets import usage as bucket_usage
 from neuron_serve.config.schema import parse_config
 from neuron_serve.serve.protocols.infer import InferInput, InferRequest
 

@@ -3,7 +3,7 @@ the bucket lists that would cost least, as a model.yaml fragment to paste. A gen
 decode rows and prompt chunks; a pooling model's (task: embed, score, classify) input lengths; a task: infer
 model's sizes along its one bucketed dim (``shape``: buckets.sizes) and its chunks' rows (``rows``: batch_sizes).
 
-The sizes come from the compile cache (bucket_usage.py: every replica of the model writes its own) or from a
+The sizes come from the compile cache (buckets/usage.py: every replica of the model writes its own) or from a
 file (``--sizes``: ``{family: {size: requests}}``, or a replica's file). Each family keeps its largest bucket (every
 request must still fit) and, unless ``--max-models`` says otherwise, as many buckets as today: the same number of
 compiled models, spent where the traffic is (buckets/traffic.py's propose). Work is counted in the family's units
@@ -16,10 +16,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from . import bucket_usage
-from .errors import ConfigError
-from .buckets import traffic
-from .buckets.traffic import Sizes
+from ..errors import ConfigError
+from . import traffic, usage
+from .traffic import Sizes
 
 # family -> (model.yaml field under generation, unit, GenerationBuckets attribute)
 GENERATE_FAMILIES = {
@@ -48,13 +47,13 @@ def read_sizes(path: str | Path) -> Sizes:
 def generation_buckets(config: Any, base_dir: str | Path | None) -> Any:
     """The model's compiled generation buckets, ``auto`` lists as a replica starting now learns them (the model's
     own config read only when max_model_len is not set)."""
-    from .config.generation import GenerationSettings  # noqa: PLC0415
-    from .generation.build import learned  # noqa: PLC0415
+    from ..config.generation import GenerationSettings  # noqa: PLC0415
+    from ..generation.build import learned  # noqa: PLC0415
 
     settings = config.generation or GenerationSettings()
     model_config = None
     if settings.max_model_len is None:
-        from .generation.loading import load_lm  # noqa: PLC0415 - max_model_len defaults from the model's config
+        from ..generation.loading import load_lm  # noqa: PLC0415 - max_model_len defaults from the model's config
 
         model_config = load_lm(config, base_dir).config
     return learned(settings, config.name, settings.to_buckets(model_config)).to_buckets(model_config)
@@ -64,7 +63,7 @@ def pooling_buckets(config: Any, base_dir: str | Path | None) -> list[int]:
     """A pooling model's compiled length buckets: model.yaml's, else the defaults from its directory."""
     if config.pooling is not None and config.pooling.length_buckets not in (None, "auto"):
         return list(config.pooling.length_buckets)
-    from .pooling import source  # noqa: PLC0415 - max_model_len defaults from the model's directory
+    from ..pooling import source  # noqa: PLC0415 - max_model_len defaults from the model's directory
 
     return list(source.load(config, base_dir)[1].length_buckets)
 
@@ -92,7 +91,7 @@ def today(config: Any, base_dir: str | Path | None) -> dict[str, tuple[str, str,
     if config.task in POOLING_TASKS:
         (family, (field, unit)), = POOLING_FAMILIES.items()
         return {family: (f"pooling.{field}", unit, pooling_buckets(config, base_dir))}
-    if families := infer_families(bucket_usage.learned_batch_sizes(config)):
+    if families := infer_families(usage.learned_batch_sizes(config)):
         return families
     raise ConfigError(f"buckets: {config.name} compiles one shape at one batch size: nothing to propose. neuron-serve "
                       f"buckets proposes a task: infer model's shape buckets when they bucket one dim (buckets.sizes) "
@@ -121,13 +120,13 @@ def propose(config: Any, base_dir: str | Path | None, sizes: Sizes, max_models: 
 def from_cache(config: Any, base_dir: str | Path | None) -> dict:
     """:func:`propose` on the sizes every replica of ``config``'s model kept in the compile cache; {} when the cache
     is off, holds none, or the model has nothing to propose (one shape at one batch size)."""
-    from .compile import cache as compile_cache  # noqa: PLC0415 - the cache module imports torch-xla's pieces
+    from ..compile import cache as compile_cache  # noqa: PLC0415 - the cache module imports torch-xla's pieces
 
     store = compile_cache.current()
     if store is None:
         return {}
     try:
-        return propose(config, base_dir, bucket_usage.recorded(store.root, config.name))
+        return propose(config, base_dir, usage.recorded(store.root, config.name))
     except ConfigError:
         return {}
 

@@ -5,7 +5,7 @@ it; the difference is work the core does for nothing. A replica counts both per 
 ``neuron_serve_bucket_work_total{family, bucket, kind="real"|"padded"}``, and keeps the sizes it saw
 (buckets/traffic.py's Sizes) in the compile cache, under ``traffic/<model>/<replica>.json``: the cache outlives the
 replica and is shared by a deployment's replicas (the Helm chart's volume), so ``neuron-serve buckets`` reads
-every replica's sizes from there and proposes bucket lists for them (bucket_proposal.py).
+every replica's sizes from there and proposes bucket lists for them (buckets/proposal.py).
 
 The families of a generate model: ``prefill`` (a prompt's tokens computed, against the prefill bucket that ran
 them; after a cached prefix, the tokens after it), ``decode_rows`` (the sequences of a decode call, against its
@@ -25,9 +25,9 @@ import threading
 import time
 from pathlib import Path
 
-from . import metrics
-from .buckets import traffic
-from .buckets.traffic import Sizes
+from .. import metrics
+from . import traffic
+from .traffic import Sizes
 
 logger = logging.getLogger("neuron_serve")
 
@@ -146,7 +146,7 @@ _USAGE_LOCK = threading.Lock()
 def for_model(model: str, replica: str) -> Usage:
     """The process's :class:`Usage` of ``model`` on ``replica``, kept in the current compile cache (none: counted
     only)."""
-    from .compile import cache as compile_cache  # noqa: PLC0415 - the cache module imports torch-xla's pieces
+    from ..compile import cache as compile_cache  # noqa: PLC0415 - the cache module imports torch-xla's pieces
 
     store = compile_cache.current()
     root = store.root if store is not None else None
@@ -175,7 +175,7 @@ def recorded(cache_root: str | Path, model: str, but: Path | None = None) -> Siz
 def recorded_counts(model: str, family: str) -> tuple[dict[int, int], bool]:
     """Every replica's recorded sizes of ``family`` of ``model`` in the current compile cache (size -> calls), and
     whether there is a cache to read."""
-    from .compile import cache as compile_cache  # noqa: PLC0415 - the cache module imports torch-xla's pieces
+    from ..compile import cache as compile_cache  # noqa: PLC0415 - the cache module imports torch-xla's pieces
 
     store = compile_cache.current()
     return (recorded(store.root, model).of(family) if store is not None else {}), store is not None
@@ -220,7 +220,7 @@ def learned_batch_sizes(config):
     ``learn_buckets_after`` are; any other config as it is."""
     if config.batch_sizes != "auto" or not config.dynamic_batch:
         return config
-    from .config.generation import AUTO_LEARN_AFTER  # noqa: PLC0415
+    from .auto import AUTO_LEARN_AFTER  # noqa: PLC0415
 
     defaults = config.compiled_batch_sizes()
     chosen, _ = learn(config.name, "rows", "batch sizes", defaults, config.learn_buckets_after or AUTO_LEARN_AFTER,
