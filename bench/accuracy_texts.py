@@ -1,5 +1,5 @@
 """The fixed texts the quantization report scores every setting on (bench/quantization.py): English of several
-kinds, none of it the KV cache's calibration text (neuron_serve/generation/kv_cache.py)."""
+kinds, none of it the KV cache's calibration text (neuron_serve/generation/precision/kv_cache.py)."""
 
 TEXTS = (
     # Narrative

@@ -129,7 +129,7 @@ class Sampler(threading.Thread):
 
 
 def _kind(cmdline: str) -> str:
-    if "neuron_serve.generation.worker" in cmdline:
+    if "neuron_serve.generation.process.worker" in cmdline:
         return "engine process"
     if cmdline.startswith("ray::ServeReplica:"):
         return "replica"

@@ -69,7 +69,7 @@ def _times(engine, prompt: list[int], params) -> list[float]:
 def measure(repeats: int) -> dict:
     from bench.generate import build_lm  # noqa: PLC0415
     from neuron_serve.generation import SamplingParams, engine_for  # noqa: PLC0415
-    from neuron_serve.generation.structured import Constraint  # noqa: PLC0415
+    from neuron_serve.generation.frontend.structured import Constraint  # noqa: PLC0415
     from neuron_serve.targets.pjrt import start_emulated_cores_on_threads  # noqa: PLC0415
 
     start_emulated_cores_on_threads(1)

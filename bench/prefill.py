@@ -62,7 +62,7 @@ def in_process(runs: int, log) -> dict:
     import torch  # noqa: PLC0415
 
     from neuron_serve.generation import engine_for  # noqa: PLC0415
-    from neuron_serve.generation.protocol import SamplingParams  # noqa: PLC0415
+    from neuron_serve.generation.frontend.protocol import SamplingParams  # noqa: PLC0415
 
     lm = build_lm()
     engine = engine_for(lm, max_num_seqs=4, max_model_len=MAX_MODEL_LEN, name="prefill-bench")

@@ -22,7 +22,7 @@ import transformers  # noqa: E402
 
 import real_models  # noqa: E402
 from neuron_serve.generation import engine_for  # noqa: E402
-from neuron_serve.generation.protocol import SamplingParams  # noqa: E402
+from neuron_serve.generation.frontend.protocol import SamplingParams  # noqa: E402
 
 def main() -> None:
     folder = real_models.smollm2()

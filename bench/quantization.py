@@ -58,8 +58,8 @@ class Compiled:
 
     def __init__(self, setting: tuple[str, str | None, str], tokenizer) -> None:
         from neuron_serve.config.schema import parse_config  # noqa: PLC0415
-        from neuron_serve.generation.compiling import GenerationBuild  # noqa: PLC0415
-        from neuron_serve.generation.loading import load_lm  # noqa: PLC0415
+        from neuron_serve.generation.compiling.compile import GenerationBuild  # noqa: PLC0415
+        from neuron_serve.generation.compiling.loading import load_lm  # noqa: PLC0415
 
         dtype, quantization, kv = setting
         generation = {"max_num_seqs": 1, "max_model_len": MAX_MODEL_LEN, "prefill_buckets": [MAX_MODEL_LEN],
@@ -114,7 +114,7 @@ def compare(reference: dict, measured: dict) -> dict:
 
 def memory(compiled: Compiled, setting: tuple[str, str | None, str]) -> dict:
     """Bytes a core holds for SmolLM2 (measured: the model's own account) and for Llama 3 8B (by arithmetic)."""
-    from neuron_serve.generation.slots import cache_element_bytes, kv_cache_bytes  # noqa: PLC0415
+    from neuron_serve.generation.runner.slots import cache_element_bytes, kv_cache_bytes  # noqa: PLC0415
 
     dtype, quantization, kv = setting
     element = cache_element_bytes(compiled.lm)

@@ -81,8 +81,8 @@ def measure(layout: str, streams: int, repeats: int) -> dict:
 
     from neuron_serve.generation import engine_for  # noqa: PLC0415
     from neuron_serve.buckets.generation import GenerationBuckets  # noqa: PLC0415
-    from neuron_serve.generation.group import EngineGroup  # noqa: PLC0415
-    from neuron_serve.generation.compiling import compile_generation  # noqa: PLC0415
+    from neuron_serve.generation.core.group import EngineGroup  # noqa: PLC0415
+    from neuron_serve.generation.compiling.compile import compile_generation  # noqa: PLC0415
     from neuron_serve.targets.pjrt import start_emulated_cores_on_threads  # noqa: PLC0415
 
     cores, tp = LAYOUTS[layout]

@@ -95,7 +95,7 @@ def _print_report(report: dict, path: str | None) -> int:
 
 
 def _analyze_generation(args: argparse.Namespace, config, base_dir: Path) -> int:
-    from .generation.analyze import forms  # noqa: PLC0415
+    from .generation.compiling.analyze import forms  # noqa: PLC0415
 
     if args.pipeline_cores or args.profile:
         print("error: --pipeline-cores and --profile apply to task: infer models; a task: generate model runs each "
@@ -155,9 +155,9 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _build_generation(args: argparse.Namespace, config, served: dict, out: Path) -> int:
-    from .generation.artifact import save_generation  # noqa: PLC0415
+    from .generation.compiling.artifact import save_generation  # noqa: PLC0415
     from .config.generation import refuse_lora  # noqa: PLC0415
-    from .generation.build import compile_from_config  # noqa: PLC0415
+    from .generation.compiling.build import compile_from_config  # noqa: PLC0415
 
     refuse_lora(config.generation, "neuron-serve build (an artifact)")
     started = time.perf_counter()
@@ -165,7 +165,7 @@ def _build_generation(args: argparse.Namespace, config, served: dict, out: Path)
     served.pop("tokenizer", None)  # the artifact carries its own copy
     speculative = served.get("generation", {}).get("speculative_config") or {}
     if speculative.get("model") is not None:  # and its draft, compiled, in a folder of its own
-        from .generation.artifact import DRAFT_DIR  # noqa: PLC0415
+        from .generation.compiling.artifact import DRAFT_DIR  # noqa: PLC0415
 
         speculative["model"] = DRAFT_DIR
     save_generation(model, out, eos_token_ids=eos, tokenizer=tokenizer, config=served, source=str(args.config))

@@ -35,7 +35,7 @@ def _want(model, prompt, params, tokens=8):
 
 
 def lora(tensor_parallel_size: int) -> dict:
-    from neuron_serve.generation.build import build_engine  # noqa: PLC0415
+    from neuron_serve.generation.compiling.build import build_engine  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
@@ -113,9 +113,9 @@ def embedder() -> dict:
 
 def llm() -> dict:
     from neuron_serve.buckets.generation import GenerationBuckets  # noqa: PLC0415
-    from neuron_serve.generation.compiling import GenerationBuild  # noqa: PLC0415
-    from neuron_serve.generation.frontend import Frontend  # noqa: PLC0415
-    from neuron_serve.generation.group import EngineGroup  # noqa: PLC0415
+    from neuron_serve.generation.compiling.compile import GenerationBuild  # noqa: PLC0415
+    from neuron_serve.generation.frontend.processor import Frontend  # noqa: PLC0415
+    from neuron_serve.generation.core.group import EngineGroup  # noqa: PLC0415
 
     lm = gm.build("llama")
     buckets = GenerationBuckets.build(4, 64, prefill=[32, 64], decode_rows=[2, 4], decode_context=[64])

@@ -20,10 +20,10 @@ import torch
 import generation_models as gm
 from neuron_serve.buckets.generation import GenerationBuckets
 from neuron_serve.generation import SamplingParams
-from neuron_serve.generation.compiling import compile_generation
-from neuron_serve.generation.frontend import Frontend
-from neuron_serve.generation.group import EngineGroup
-from neuron_serve.generation.protocol import EngineRequest
+from neuron_serve.generation.compiling.compile import compile_generation
+from neuron_serve.generation.frontend.processor import Frontend
+from neuron_serve.generation.core.group import EngineGroup
+from neuron_serve.generation.frontend.protocol import EngineRequest
 
 
 def main() -> None:
@@ -105,7 +105,7 @@ def _lora(prompts: list[list[int]]) -> dict:
     engines; then "qv", loaded on the group, sampled. Whether each answer is its model's: PEFT's greedy tokens,
     or the tokens its PEFT model's own logits give under the compiled sampler's draws (eager_sampled)."""
     from neuron_serve.config.schema import parse_config  # noqa: PLC0415
-    from neuron_serve.generation.build import build_engine  # noqa: PLC0415
+    from neuron_serve.generation.compiling.build import build_engine  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)

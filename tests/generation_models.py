@@ -70,7 +70,7 @@ def eager_sampled(model: torch.nn.Module, prompt: list[int], new_tokens: int, pa
     """The tokens a sampled request (``params``: SamplingParams with a seed, on the core's path: no penalties,
     bias or logprobs) must get: each from transformers' own logits of the sequence so far, chosen by the
     sampler the compiled calls end in, run eagerly (the host's choice where it leaves the row to it)."""
-    from neuron_serve.generation.sampler import choose_on_host  # noqa: PLC0415
+    from neuron_serve.generation.sample.sampler import choose_on_host  # noqa: PLC0415
 
     ids = list(prompt)
     with torch.no_grad():

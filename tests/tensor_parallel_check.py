@@ -21,10 +21,10 @@ import torch_xla
 
 import generation_models as gm
 from neuron_serve.generation import SamplingParams, engine_for
-from neuron_serve.generation.artifact import load_generation, save_generation
-from neuron_serve.generation.engine import Engine
-from neuron_serve.generation.frontend import Frontend
-from neuron_serve.generation.group import describe
+from neuron_serve.generation.compiling.artifact import load_generation, save_generation
+from neuron_serve.generation.core.engine import Engine
+from neuron_serve.generation.frontend.processor import Frontend
+from neuron_serve.generation.core.group import describe
 
 SHAPES = {"max_num_seqs": 4, "max_model_len": 48, "prefill_buckets": [16, 48], "decode_batch_buckets": [1, 4],
           "decode_context_buckets": [48]}
@@ -102,7 +102,7 @@ def _lora() -> dict:
     rows of each and of the base in one batch (an adapter waits for a slot), each answer's tokens and logprobs
     against PEFT's model with that adapter; the buffers' bytes a core."""
     from neuron_serve.config.schema import parse_config  # noqa: PLC0415
-    from neuron_serve.generation.build import build_engine  # noqa: PLC0415
+    from neuron_serve.generation.compiling.build import build_engine  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
@@ -140,7 +140,7 @@ def _quantized() -> dict:
     the same weights and the same rounding of keys and values; how its weights' scales are split."""
     import precision_models as pm  # noqa: PLC0415
     from neuron_serve.config.generation import GenerationSettings  # noqa: PLC0415
-    from neuron_serve.generation import kv_cache, precision  # noqa: PLC0415
+    from neuron_serve.generation.precision import kv_cache, dtypes as precision  # noqa: PLC0415
 
     lm = gm.build("llama")
     precision.prepare(lm, GenerationSettings(quantization="int8", kv_cache_dtype="fp8"), dtype=torch.float32)

@@ -16,7 +16,7 @@ replica.
 What a person reads: a log line per decision, ``neuron_serve_bucket_switches_total{family, outcome}``, and the
 model's metadata (``parameters.rebucketing``). Each kind's variant says what its sizes are and how it compiles and
 serves others: a grid's (assembly/rebucket.py: a task: infer model's batch sizes; pooling/rebucket.py: a pooling
-model's length buckets), a generate model's buckets (generation/rebucket.py). :func:`attach` puts them on a replica
+model's length buckets), a generate model's buckets (generation/compiling/rebucket.py). :func:`attach` puts them on a replica
 of any kind.
 """
 

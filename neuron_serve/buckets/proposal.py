@@ -48,12 +48,12 @@ def generation_buckets(config: Any, base_dir: str | Path | None) -> Any:
     """The model's compiled generation buckets, ``auto`` lists as a replica starting now learns them (the model's
     own config read only when max_model_len is not set)."""
     from ..config.generation import GenerationSettings  # noqa: PLC0415
-    from ..generation.build import learned  # noqa: PLC0415
+    from ..generation.compiling.build import learned  # noqa: PLC0415
 
     settings = config.generation or GenerationSettings()
     model_config = None
     if settings.max_model_len is None:
-        from ..generation.loading import load_lm  # noqa: PLC0415 - max_model_len defaults from the model's config
+        from ..generation.compiling.loading import load_lm  # noqa: PLC0415 - max_model_len defaults from the model's config
 
         model_config = load_lm(config, base_dir).config
     return learned(settings, config.name, settings.to_buckets(model_config)).to_buckets(model_config)

@@ -15,13 +15,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ..buckets.generation import GenerationBuckets
-from .protocol import Completion, TokenEvent
-from .sampling import SamplingParams
+from .frontend.protocol import Completion, TokenEvent
+from .sample.sampling import SamplingParams
 
 if TYPE_CHECKING:
     import torch
 
-    from .frontend import Frontend
+    from .frontend.processor import Frontend
 
 # The engine and the compiled model (.engine, .model) load the compiler: import them from
 # their modules. This package stays light, as the replica imports it without the compiler.
@@ -61,12 +61,12 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
     ``precision.prepare`` of ``lm`` first)."""
     from ..buckets.learn import attach  # noqa: PLC0415
     from ..config.generation import GenerationSettings  # noqa: PLC0415
-    from .build import check_draft, checked_buckets, engine_options  # noqa: PLC0415
-    from .compiling import compile_generation  # noqa: PLC0415
-    from .engine import Engine  # noqa: PLC0415
-    from .frontend import Frontend  # noqa: PLC0415
-    from .group import describe  # noqa: PLC0415
-    from .rebucket import families  # noqa: PLC0415
+    from .compiling.build import check_draft, checked_buckets, engine_options  # noqa: PLC0415
+    from .compiling.compile import compile_generation  # noqa: PLC0415
+    from .core.engine import Engine  # noqa: PLC0415
+    from .frontend.processor import Frontend  # noqa: PLC0415
+    from .core.group import describe  # noqa: PLC0415
+    from .compiling.rebucket import families  # noqa: PLC0415
 
     given = {"max_num_seqs": max_num_seqs, "max_model_len": max_model_len, "prefill_buckets": prefill_buckets,
              "decode_batch_buckets": decode_batch_buckets, "decode_context_buckets": decode_context_buckets,

@@ -692,9 +692,9 @@ def test_an_int8_model_with_an_fp8_cache_answers_openai_streamed_and_sampled_as_
     whole and streamed, are those of the eager model with the same weights and rounding (tests/precision_models)."""
     import precision_models as pm  # noqa: PLC0415
     from neuron_serve.config.schema import load_config  # noqa: PLC0415
-    from neuron_serve.generation import kv_cache  # noqa: PLC0415
-    from neuron_serve.generation.loading import load_lm  # noqa: PLC0415
-    from neuron_serve.generation.sampling import SamplingParams  # noqa: PLC0415
+    from neuron_serve.generation.precision import kv_cache  # noqa: PLC0415
+    from neuron_serve.generation.compiling.loading import load_lm  # noqa: PLC0415
+    from neuron_serve.generation.sample.sampling import SamplingParams  # noqa: PLC0415
     import generation_models as gm  # noqa: PLC0415
 
     form = kv_cache.of(load_lm(load_config(pair.quantized_yaml), pair.quantized_yaml.parent))

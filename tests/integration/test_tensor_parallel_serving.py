@@ -25,8 +25,8 @@ import generation_models as gm
 from conftest import Server, make_llm
 from neuron_serve.config.schema import parse_config
 from neuron_serve.errors import ConfigError
-from neuron_serve.generation import tensor_parallel
-from neuron_serve.generation.build import build_engine, check_cache_fits, weight_bytes
+from neuron_serve.generation.runner import tensor_parallel
+from neuron_serve.generation.compiling.build import build_engine, check_cache_fits, weight_bytes
 from neuron_serve.partition.pipeline import CORE_MEMORY_ENV
 
 GENERATION = {"max_num_seqs": 4, "max_model_len": 64, "prefill_buckets": [16, 64], "decode_batch_buckets": [4],

@@ -13,7 +13,7 @@ from neuron_serve.config.schema import parse_config
 from neuron_serve.config.generation import GenerationSettings
 from neuron_serve.errors import ConfigError
 from neuron_serve.generation import SamplingParams
-from neuron_serve.generation.build import build_engine, load_lm, weight_bytes
+from neuron_serve.generation.compiling.build import build_engine, load_lm, weight_bytes
 from neuron_serve.partition.pipeline import CORE_MEMORY_ENV
 
 GENERATE = {"name": "tiny-llama", "task": "generate", "model": {"pretrained": "llama"}}

@@ -38,7 +38,7 @@ KINDS = ("neuron_serve.assembly", "neuron_serve.generation", "neuron_serve.pooli
          "neuron_serve.serve")
 
 # A LoRA adapter is read in the engine process (torch, safetensors): never by what the replica loads.
-LORA = ("neuron_serve.generation.lora", "neuron_serve.generation.lora_config")
+LORA = ("neuron_serve.generation.lora.adapter", "neuron_serve.generation.lora.config")
 
 # module (or package) -> what it must not import
 RULES = {
@@ -91,7 +91,7 @@ RULES = {
     "neuron_serve.pooling.spec": COMPILER + POOLING_BUILD + ("neuron_serve.config", "neuron_serve.model"),
     "neuron_serve.pooling.tokens": COMPILER + POOLING_BUILD + ("neuron_serve.config", "neuron_serve.model"),
     # The pooling plane builds on the infer plane; the replica's deployment builds the model.
-    "neuron_serve.serve.pooling": COMPILER + POOLING_BUILD + ("neuron_serve.generation.engine", GENERATE, GRPC, RAY,
+    "neuron_serve.serve.pooling": COMPILER + POOLING_BUILD + ("neuron_serve.generation.core.engine", GENERATE, GRPC, RAY,
                                                               SERVER_APP),
     "neuron_serve.targets": COMPILER + ("neuron_serve.runtime", "neuron_serve.serve"),
     "neuron_serve.analysis": ("neuron_serve.api", "neuron_serve.assembly.from_config", "neuron_serve.partition",
@@ -100,27 +100,27 @@ RULES = {
     "neuron_serve.compile": ("neuron_serve.analysis", "neuron_serve.partition", "neuron_serve.api",
                              "neuron_serve.report"),
     # What the replica shares with the engines: no compiler, no engine or executor (they may run elsewhere).
-    "neuron_serve.generation.protocol": COMPILER + LORA + ("neuron_serve.generation.engine",
-                                                           "neuron_serve.generation.executor",
-                                                           "neuron_serve.generation.model", "neuron_serve.serve"),
-    "neuron_serve.generation.messages": COMPILER + LORA + ("neuron_serve.generation.engine",
-                                                           "neuron_serve.generation.executor",
-                                                           "neuron_serve.generation.model", "neuron_serve.serve"),
-    "neuron_serve.generation.process": COMPILER + LORA + ("neuron_serve.generation.engine",
-                                                          "neuron_serve.generation.executor",
-                                                          "neuron_serve.generation.model", "neuron_serve.serve"),
+    "neuron_serve.generation.frontend.protocol": COMPILER + LORA + ("neuron_serve.generation.core.engine",
+                                                           "neuron_serve.generation.runner.executor",
+                                                           "neuron_serve.generation.runner.model", "neuron_serve.serve"),
+    "neuron_serve.generation.process.messages": COMPILER + LORA + ("neuron_serve.generation.core.engine",
+                                                           "neuron_serve.generation.runner.executor",
+                                                           "neuron_serve.generation.runner.model", "neuron_serve.serve"),
+    "neuron_serve.generation.process.client": COMPILER + LORA + ("neuron_serve.generation.core.engine",
+                                                          "neuron_serve.generation.runner.executor",
+                                                          "neuron_serve.generation.runner.model", "neuron_serve.serve"),
     # The front end runs in the replica: it checks, admits, compiles grammars and detokenizes; no engine.
-    "neuron_serve.generation.frontend": COMPILER + LORA + ("neuron_serve.generation.engine",
-                                                           "neuron_serve.generation.executor",
-                                                           "neuron_serve.generation.model", "neuron_serve.serve"),
+    "neuron_serve.generation.frontend.processor": COMPILER + LORA + ("neuron_serve.generation.core.engine",
+                                                           "neuron_serve.generation.runner.executor",
+                                                           "neuron_serve.generation.runner.model", "neuron_serve.serve"),
     # The sampler is plain torch: compiled into the models, and run on the host for the rows left to it.
-    "neuron_serve.generation.sampler": COMPILER + ("neuron_serve.generation.engine", "neuron_serve.generation.model",
+    "neuron_serve.generation.sample.sampler": COMPILER + ("neuron_serve.generation.core.engine", "neuron_serve.generation.runner.model",
                                                    "neuron_serve.serve", "neuron_serve.config"),
     # What every model replica shares, a generate replica's too: none of the infer and gRPC serving it does not do.
     f"{RAY}.replica_base": COMPILER + (INFER, GRPC, POOLING, SERVER_APP),
-    "neuron_serve.serve.generate": COMPILER + LORA + ("neuron_serve.generation.engine",
-                                                      "neuron_serve.generation.executor",
-                                                      "neuron_serve.generation.model", INFER, GRPC, RAY, SERVER_APP),
+    "neuron_serve.serve.generate": COMPILER + LORA + ("neuron_serve.generation.core.engine",
+                                                      "neuron_serve.generation.runner.executor",
+                                                      "neuron_serve.generation.runner.model", INFER, GRPC, RAY, SERVER_APP),
 }
 
 
@@ -263,14 +263,14 @@ def test_serving_a_built_pooling_model_loads_no_compiler_module():
 
 def test_the_replicas_generate_path_loads_no_compiler_module_nor_torch_xla():
     """The replica talks to its engine processes through the protocol; the compile stack lives there."""
-    code = ("import sys, neuron_serve.generation.process, neuron_serve.serve.generate.plane, "
+    code = ("import sys, neuron_serve.generation.process.client, neuron_serve.serve.generate.plane, "
             "neuron_serve.serve.generate.answers; "
             "print(sorted(m for m in sys.modules if m.startswith(('neuron_serve', 'torch_xla', 'transformers'))))")
     loaded = eval(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert [m for m in loaded if any(_under(m, c) for c in COMPILER) or m.startswith(("torch_xla", "transformers"))
-            or _under(m, "neuron_serve.generation.engine") or _under(m, "neuron_serve.generation.model")
+            or _under(m, "neuron_serve.generation.core.engine") or _under(m, "neuron_serve.generation.runner.model")
             or m in LORA] == []
-    assert "neuron_serve.generation.protocol" in loaded
+    assert "neuron_serve.generation.frontend.protocol" in loaded
 
 
 # Imported only behind an ImportError fallback: ingress.py looks for HAProxy on the PATH without it.

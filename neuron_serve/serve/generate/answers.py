@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Literal
 
 from ...errors import AdapterNotLoaded, InvalidInput, NeuronServeError
-from ...generation.sampling import SamplingParams
-from ...generation.structured import Constraint
+from ...generation.sample.sampling import SamplingParams
+from ...generation.frontend.structured import Constraint
 from .plane import GenerationPlane, Piece, UnknownModel
 from ..protocols import oip_generate, openai
 from ..protocols.openai_tools import Reader, ToolChoice

@@ -1,6 +1,6 @@
 """The data plane of one ``task: generate`` model on one replica: prompts in, text deltas out.
 
-It holds the engines' front end (``generation/frontend.py``: checks, admission, grammars,
+It holds the engines' front end (``generation/frontend/processor.py``: checks, admission, grammars,
 detokenizing and stop strings) and its tokenizer, turns text and chat messages into
 prompt ids, and runs a request's choices as requests of the front end, yielding what
 each event adds (its text never half a character, never a stop string). Protocols
@@ -21,12 +21,12 @@ from ... import metrics
 from ...config.schema import ModelConfig, _under
 from ...config.generation import GenerationSettings
 from ...errors import AdapterNotLoaded, InvalidInput, NeuronServeError, RequestTimeout
-from ...generation.frontend import Frontend
-from ...generation.protocol import TokenEvent
-from ...generation.sampling import SamplingParams
+from ...generation.frontend.processor import Frontend
+from ...generation.frontend.protocol import TokenEvent
+from ...generation.sample.sampling import SamplingParams
 from ...targets.pjrt import emulated
 from ...version import __version__
-from ...generation.mailbox import Mailbox
+from ...generation.frontend.mailbox import Mailbox
 
 logger = logging.getLogger("neuron_serve")
 
@@ -168,7 +168,7 @@ class GenerationPlane:
                 # What the engines' process holds of host memory: weights (once, whatever the compiled models), cache,
                 # each compiled model's code (assembly/host_memory.report).
                 **({"host_memory": found} if (found := getattr(self.frontend.engines, "host_memory", {})) else {}),
-                # With auto buckets: the lists served now and their switches while serving (generation/rebucket.py).
+                # With auto buckets: the lists served now and their switches while serving (generation/compiling/rebucket.py).
                 **({"rebucketing": found} if (found := getattr(self.frontend.engines, "rebucketing", {})) else {}),
                 **({"lora": self.lora_card()} if self.lora is not None else {}),
             },

@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ...errors import InvalidInput
-from ...generation.sampling import MAX_LOGPROBS, SamplingParams
+from ...generation.sample.sampling import MAX_LOGPROBS, SamplingParams
 from .openai import json_object
 
 DEFAULT_MAX_TOKENS = 16  # as /v1/completions: a request without max_tokens is answered quickly

@@ -18,8 +18,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ...errors import InvalidInput, NeuronServeError
-from ...generation.sampling import MAX_LOGPROBS, SamplingParams
-from ...generation.structured import Constraint
+from ...generation.sample.sampling import MAX_LOGPROBS, SamplingParams
+from ...generation.frontend.structured import Constraint
 from .openai_tools import ToolChoice, ToolError, template_messages, tool_choice
 
 MAX_N = 16  # choices per request: each is a sequence holding a KV-cache slot

@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...generation.structured import Constraint
+from ...generation.frontend.structured import Constraint
 
 PARSERS = ("hermes", "llama3_json")
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name

@@ -1,6 +1,6 @@
 """The Ray Serve deployment of a ``task: generate`` model: its engines run beside the replicas.
 
-Each replica starts an engine process (``generation/process.py``) that compiles and runs
+Each replica starts an engine process (``generation/process/client.py``) that compiles and runs
 its engines (one per core, or one per group of ``tensor_parallel_size`` cores, each
 group in a process of its own), so the replica's event loop and the engines' steps never wait
 for each other's GIL.
@@ -21,7 +21,7 @@ from ray import serve
 from ...config.schema import ModelConfig
 from ...config.generation import GenerationSettings
 from ...errors import ModelNotReady, NeuronServeError
-from ...generation.frontend import Frontend
+from ...generation.frontend.processor import Frontend
 from . import adapter_registry
 from ..generate import plane as generate_plane
 from ..generate.answers import openai_answer, openai_error
@@ -120,8 +120,8 @@ class GenerateServer(Replica):
 
 def build_plane(config: ModelConfig, base_dir: str | None, replica: str) -> GenerationPlane:
     """The replica's plane over its front end and engines, which run in a process of their own
-    (generation/process.py)."""
-    from ...generation.process import start_engines  # noqa: PLC0415
+    (generation/process/client.py)."""
+    from ...generation.process.client import start_engines  # noqa: PLC0415
 
     settings = config.generation or GenerationSettings()
     engines = start_engines(config.model_dump(mode="json", exclude_unset=True), base_dir, replica,

@@ -7,7 +7,7 @@ GIB = 1 << 30
 
 
 def test_each_process_of_a_deployment_is_named_by_what_it_is():
-    assert host_memory._kind("/venv/bin/python -m neuron_serve.generation.worker 7") == "engine process"
+    assert host_memory._kind("/venv/bin/python -m neuron_serve.generation.process.worker 7") == "engine process"
     assert host_memory._kind("ray::ServeReplica:llm:generate") == "replica"
     assert host_memory._kind("/venv/bin/python /venv/bin/neuron-serve deploy model.yaml --port 1") == \
         "deploy (Ray driver)"

@@ -13,8 +13,8 @@ from neuron_serve.assembly.grid import Entry, GridBuild
 from neuron_serve.buckets.generation import GenerationBuckets
 from neuron_serve.buckets.order import compile_order, expected_padding
 from neuron_serve.config.schema import parse_config
-from neuron_serve.generation.compiling import GenerationBuild
-from neuron_serve.generation import compiling
+from neuron_serve.generation.compiling.compile import GenerationBuild
+from neuron_serve.generation.compiling import compile as compiling
 
 HERE = Path(__file__).resolve().parents[1] / "models"  # two_stage_model.py
 BUCKETED = {"name": "row-sums-order", "model": {"factory": "two_stage_model:row_sums"},

@@ -19,8 +19,8 @@ from neuron_serve.compile import cache as compile_cache
 from neuron_serve.config.schema import load_deployment
 from neuron_serve.errors import ArtifactError
 from neuron_serve.generation import SamplingParams
-from neuron_serve.generation.compiling import compile_generation
-from neuron_serve.generation.build import build_engine
+from neuron_serve.generation.compiling.compile import compile_generation
+from neuron_serve.generation.compiling.build import build_engine
 
 ROOT = Path(__file__).resolve().parents[3]
 LLM_YAML = """\

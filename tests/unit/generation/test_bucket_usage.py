@@ -130,7 +130,7 @@ def test_auto_buckets_are_learned_from_the_recorded_calls_once_there_are_enough(
     least; with more calls asked for than were recorded, the defaults."""
     from neuron_serve.buckets import traffic  # noqa: PLC0415
     from neuron_serve.config.generation import GenerationSettings  # noqa: PLC0415
-    from neuron_serve.generation.build import checked_buckets  # noqa: PLC0415
+    from neuron_serve.generation.compiling.build import checked_buckets  # noqa: PLC0415
 
     name, cache = served
     lm = gm.build("llama")

@@ -14,7 +14,7 @@ import generation_models as gm
 from neuron_serve.config.schema import parse_config
 from neuron_serve.errors import ConfigError
 from neuron_serve.generation import SamplingParams, engine_for
-from neuron_serve.generation.build import build_engine
+from neuron_serve.generation.compiling.build import build_engine
 
 BUDGET = 12  # tokens a step: a decode row each, then a chunk of 4 or 8 tokens (the compiled chunk lengths)
 SHAPES = {"max_num_seqs": 4, "max_model_len": 64, "prefill_buckets": [64], "decode_batch_buckets": [4],

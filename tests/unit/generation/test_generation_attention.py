@@ -10,8 +10,8 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 
 import generation_models as gm
 from neuron_serve.buckets.generation import GenerationBuckets
-from neuron_serve.generation import attention
-from neuron_serve.generation.compiling import compile_generation
+from neuron_serve.generation.runner import attention
+from neuron_serve.generation.compiling.compile import compile_generation
 from neuron_serve.targets import pjrt
 
 

@@ -15,11 +15,11 @@ from prometheus_client import REGISTRY
 import generation_models as gm
 from neuron_serve.buckets.generation import GenerationBuckets
 from neuron_serve.generation import SamplingParams
-from neuron_serve.generation.compiling import GenerationBuild, ready_shapes
-from neuron_serve.generation.engine import Engine
-from neuron_serve.generation.frontend import Frontend
-from neuron_serve.generation.group import describe
-from neuron_serve.generation.metrics import compile_listener
+from neuron_serve.generation.compiling.compile import GenerationBuild, ready_shapes
+from neuron_serve.generation.core.engine import Engine
+from neuron_serve.generation.frontend.processor import Frontend
+from neuron_serve.generation.core.group import describe
+from neuron_serve.generation.core.metrics import compile_listener
 
 BUCKETS = GenerationBuckets.build(4, 48, prefill=[16, 48], decode_rows=[1, 4], decode_context=[48], field_prefix="")
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11], list(range(30, 50))]

@@ -133,10 +133,10 @@ def test_decode_steps_out_of_range_is_refused_naming_the_field(steps):
 
 
 def test_an_artifact_keeps_decode_steps_and_generates_the_same_tokens(llama, tmp_path):
-    from neuron_serve.generation.artifact import load_generation, save_generation  # noqa: PLC0415
-    from neuron_serve.generation.engine import Engine  # noqa: PLC0415
-    from neuron_serve.generation.frontend import Frontend  # noqa: PLC0415
-    from neuron_serve.generation.group import describe  # noqa: PLC0415
+    from neuron_serve.generation.compiling.artifact import load_generation, save_generation  # noqa: PLC0415
+    from neuron_serve.generation.core.engine import Engine  # noqa: PLC0415
+    from neuron_serve.generation.frontend.processor import Frontend  # noqa: PLC0415
+    from neuron_serve.generation.core.group import describe  # noqa: PLC0415
 
     lm, engine = llama
     save_generation(engine.engines.model, tmp_path / "built", eos_token_ids=[])  # the engine is idle between tests

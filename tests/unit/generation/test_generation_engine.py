@@ -143,7 +143,7 @@ def _transferred() -> float:
 def test_the_cache_never_leaves_the_core_during_decode(llama):
     """Per decode step only tokens and positions (and a sampled row's parameters) go in and one id a row
     (and whether the core chose it) comes out; the logits cross only when a row asks for them."""
-    from neuron_serve.generation.sampler import RowChoice
+    from neuron_serve.generation.sample.sampler import RowChoice
 
     _, engine = llama
     model = engine.engines.model
@@ -308,7 +308,7 @@ def test_generate_batch_aborts_what_it_stops_waiting_for(llama):
 
 
 def test_a_cache_too_big_for_the_core_is_refused_before_compiling(monkeypatch):
-    from neuron_serve.generation.build import weight_bytes
+    from neuron_serve.generation.compiling.build import weight_bytes
     from neuron_serve.partition.pipeline import CORE_MEMORY_ENV
 
     lm = gm.build("llama")

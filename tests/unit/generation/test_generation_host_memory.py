@@ -10,10 +10,10 @@ import generation_models as gm
 from neuron_serve.assembly import host_memory
 from neuron_serve.buckets.generation import GenerationBuckets
 from neuron_serve.generation import SamplingParams
-from neuron_serve.generation.compiling import GenerationBuild
-from neuron_serve.generation.engine import Engine
-from neuron_serve.generation.frontend import Frontend
-from neuron_serve.generation.group import describe
+from neuron_serve.generation.compiling.compile import GenerationBuild
+from neuron_serve.generation.core.engine import Engine
+from neuron_serve.generation.frontend.processor import Frontend
+from neuron_serve.generation.core.group import describe
 
 BUCKETS = GenerationBuckets.build(4, 48, prefill=[16, 48], decode_rows=[1, 4], decode_context=[48], field_prefix="")
 PROMPTS = [[1, 2, 3, 4], list(range(30, 50))]

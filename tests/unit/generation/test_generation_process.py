@@ -15,8 +15,8 @@ import generation_models as gm
 from neuron_serve.config.schema import parse_config
 from neuron_serve.errors import ConfigError, InvalidInput, ModelNotReady, Overloaded
 from neuron_serve.generation import SamplingParams
-from neuron_serve.generation.frontend import Frontend
-from neuron_serve.generation.process import EngineProcess
+from neuron_serve.generation.frontend.processor import Frontend
+from neuron_serve.generation.process.client import EngineProcess
 from neuron_serve.serve.generate import plane as generate_plane
 from neuron_serve.serve.generate.http import generate_app
 from neuron_serve.serve.generate.plane import GenerationPlane

@@ -17,7 +17,7 @@ from neuron_serve.buckets import usage as bucket_usage
 from neuron_serve.compile import cache as compile_cache
 from neuron_serve.config.generation import GenerationSettings
 from neuron_serve.generation import SamplingParams, engine_for
-from neuron_serve.generation.build import checked_buckets
+from neuron_serve.generation.compiling.build import checked_buckets
 
 NAME = "llm-rebucket"  # a name of its own: the counters are the process's
 PROMPTS = [list(range(1, 6)), list(range(40, 48))]  # 5 and 8 tokens
@@ -163,7 +163,7 @@ def test_a_model_yaml_replica_re_buckets_its_engines_too(tmp_path):
     from pathlib import Path  # noqa: PLC0415
 
     from neuron_serve.config.schema import parse_config  # noqa: PLC0415
-    from neuron_serve.generation.build import build_engine  # noqa: PLC0415
+    from neuron_serve.generation.compiling.build import build_engine  # noqa: PLC0415
 
     lm = gm.build("llama")
     prompt = list(range(1, 6))

@@ -8,7 +8,7 @@ import torch
 from neuron_serve.errors import InvalidInput
 from dataclasses import replace
 
-from neuron_serve.generation.sampling import SamplingParams, sample_row
+from neuron_serve.generation.sample.sampling import SamplingParams, sample_row
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, -1.0, 3.0, 0.0])
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import generation_models as gm
-from neuron_serve.generation import text as text_module
-from neuron_serve.generation.text import IncrementalText, _decode_stream
+from neuron_serve.generation.frontend import text as text_module
+from neuron_serve.generation.frontend.text import IncrementalText, _decode_stream
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 import generation_models as gm
 from generation_models import ATTENTION, MLP, make_adapter
 from neuron_serve.errors import AdapterError, InvalidInput
-from neuron_serve.generation.lora import LoraBase, buffer_bytes, read_adapter
+from neuron_serve.generation.lora.adapter import LoraBase, buffer_bytes, read_adapter
 
 # Four adapters of the tiny Llama: ranks 4 to 16, attention only, MLP only (rsLoRA), every projection of one
 # layer, and a regular expression with a per-module rank and alpha.

@@ -18,7 +18,7 @@ from neuron_serve.compile import subgraph
 from neuron_serve.errors import AdapterNotLoaded
 from neuron_serve.config.schema import parse_config
 from neuron_serve.generation import SamplingParams
-from neuron_serve.generation.build import build_engine
+from neuron_serve.generation.compiling.build import build_engine
 
 # Different ranks and targets (max_lora_rank 16 pads the smaller ones).
 ADAPTERS = {

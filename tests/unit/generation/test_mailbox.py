@@ -4,7 +4,7 @@ import asyncio
 import threading
 import time
 
-from neuron_serve.generation.mailbox import Mailbox
+from neuron_serve.generation.frontend.mailbox import Mailbox
 
 
 class Counted(Mailbox):

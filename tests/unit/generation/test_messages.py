@@ -8,13 +8,14 @@ from multiprocessing.reduction import ForkingPickler
 
 import pytest
 
-from neuron_serve.generation import messages
-from neuron_serve.generation.messages import (Abort, AdapterReply, Batch, Close, Closed, Compiled, Dispatch, Failed,
-                                              HostMemory, Kind, LoadAdapter, Ready, Start, Submit, UnknownMessage,
-                                              UnloadAdapter, Usage)
-from neuron_serve.generation.protocol import EngineRequest, TokenEvent
-from neuron_serve.generation.sampling import SamplingParams
-from neuron_serve.generation.worker import Outbox, _adapter_call
+from neuron_serve.generation.process import messages
+from neuron_serve.generation.process.messages import (
+    Abort, AdapterReply, Batch, Close, Closed, Compiled, Dispatch, Failed, HostMemory, Kind, LoadAdapter, Ready,
+    Start, Submit, UnknownMessage, UnloadAdapter, Usage
+)
+from neuron_serve.generation.frontend.protocol import EngineRequest, TokenEvent
+from neuron_serve.generation.sample.sampling import SamplingParams
+from neuron_serve.generation.process.worker import Outbox, _adapter_call
 
 PADDING = {"prefill": {"padded_fraction": 0.25, "buckets": {"16": {"calls": 2, "real": 24, "padded": 8}}}}
 REBUCKETING = {"generation.prefill_buckets": {"buckets": [5, 64], "every": 2, "switches": 1, "state": "serving"}}

@@ -13,7 +13,7 @@ from prometheus_client import REGISTRY
 
 import generation_models as gm
 from neuron_serve.generation import SamplingParams, engine_for
-from neuron_serve.generation.prefix_cache import BLOCK, PrefixCache, block_hashes
+from neuron_serve.generation.core.prefix_cache import BLOCK, PrefixCache, block_hashes
 
 # decode_steps 2: greedy rows run two steps a call, whose free rows write past any cached block. A sampled row
 # is chosen on the host (on_device_sampling: false): the cache is what is tested, not where a row is sampled.

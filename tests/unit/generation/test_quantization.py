@@ -12,9 +12,10 @@ import precision_models as pm
 from neuron_serve.buckets.generation import GenerationBuckets
 from neuron_serve.config.schema import parse_config
 from neuron_serve.errors import ConfigError
-from neuron_serve.generation import SamplingParams, engine_for, kv_cache, precision, quantization
-from neuron_serve.generation.build import build_engine, check_cache_fits, weight_bytes
-from neuron_serve.generation.loading import load_lm
+from neuron_serve.generation import SamplingParams, engine_for
+from neuron_serve.generation.precision import kv_cache, dtypes as precision, quantization
+from neuron_serve.generation.compiling.build import build_engine, check_cache_fits, weight_bytes
+from neuron_serve.generation.compiling.loading import load_lm
 from neuron_serve.partition.pipeline import CORE_MEMORY_ENV
 
 from pathlib import Path
@@ -116,10 +117,10 @@ def test_fp8_weights_quantized_at_start_answer_as_an_eager_model_with_the_same_w
 
 def _artifact_round_trip(front, folder) -> tuple[list[list[int]], dict]:
     """The engine's model saved as neuron-serve build saves it and loaded again: its greedy tokens, its precision."""
-    from neuron_serve.generation.artifact import load_generation, save_generation  # noqa: PLC0415
-    from neuron_serve.generation.engine import Engine  # noqa: PLC0415
-    from neuron_serve.generation.frontend import Frontend  # noqa: PLC0415
-    from neuron_serve.generation.group import describe  # noqa: PLC0415
+    from neuron_serve.generation.compiling.artifact import load_generation, save_generation  # noqa: PLC0415
+    from neuron_serve.generation.core.engine import Engine  # noqa: PLC0415
+    from neuron_serve.generation.frontend.processor import Frontend  # noqa: PLC0415
+    from neuron_serve.generation.core.group import describe  # noqa: PLC0415
 
     save_generation(front.engines.model, folder / "built", eos_token_ids=[])
     model, _, _ = load_generation(folder / "built")
@@ -197,7 +198,7 @@ def test_a_model_too_big_for_a_core_in_float32_serves_in_int8(monkeypatch):
 
 
 def test_an_fp8_cache_holds_twice_the_slots_of_a_bfloat16_one():
-    from neuron_serve.generation.build import slots_that_fit  # noqa: PLC0415
+    from neuron_serve.generation.compiling.build import slots_that_fit  # noqa: PLC0415
 
     buckets = GenerationBuckets.build(4, 48)
     half = load_lm(config("bfloat16"), TESTS)

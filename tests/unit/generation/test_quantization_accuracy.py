@@ -20,8 +20,8 @@ import precision_models as pm
 import real_models
 from neuron_serve.config.generation import GenerationSettings
 from neuron_serve.config.schema import parse_config
-from neuron_serve.generation import kv_cache, precision
-from neuron_serve.generation.loading import load_lm
+from neuron_serve.generation.precision import kv_cache, dtypes as precision
+from neuron_serve.generation.compiling.loading import load_lm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from bench.accuracy_texts import TEXTS  # noqa: E402

@@ -15,10 +15,11 @@ import precision_models as pm
 import quantized_checkpoints
 from neuron_serve.config.schema import parse_config
 from neuron_serve.errors import ConfigError
-from neuron_serve.generation import SamplingParams, kv_cache, precision
-from neuron_serve.generation.build import build_engine
-from neuron_serve.generation.loading import load_lm
-from neuron_serve.generation.quantization import QuantizedLinear
+from neuron_serve.generation import SamplingParams
+from neuron_serve.generation.precision import kv_cache, dtypes as precision
+from neuron_serve.generation.compiling.build import build_engine
+from neuron_serve.generation.compiling.loading import load_lm
+from neuron_serve.generation.precision.quantization import QuantizedLinear
 
 SHAPES = {"max_num_seqs": 4, "max_model_len": 64, "prefill_buckets": [64], "decode_batch_buckets": [4],
           "decode_context_buckets": [64], "on_device_sampling": False}

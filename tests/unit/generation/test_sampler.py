@@ -16,7 +16,7 @@ import torch
 from scipy import stats
 
 import neuron_serve
-from neuron_serve.generation.sampler import RowChoice, row_parameters, sample, sample_on_host
+from neuron_serve.generation.sample.sampler import RowChoice, row_parameters, sample, sample_on_host
 
 VOCAB = 300
 DRAWS = 8000

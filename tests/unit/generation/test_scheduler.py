@@ -1,4 +1,4 @@
-"""The scheduler's policy (generation/scheduler.py), step by step, with no model: what each plan (data: request ids
+"""The scheduler's policy (generation/core/scheduler.py), step by step, with no model: what each plan (data: request ids
 and slots) holds under the token budget, without and with chunked prefill. ``Compiled`` says what the engine's compiled models take, as the
 executor does (its chunk_capacity, can_score, rows_bucket), so the plans are the ones an engine would get."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from neuron_serve.generation.sampling import SamplingParams
-from neuron_serve.generation.request import Sequence
-from neuron_serve.generation.scheduler import Scheduler
+from neuron_serve.generation.sample.sampling import SamplingParams
+from neuron_serve.generation.core.request import Sequence
+from neuron_serve.generation.core.scheduler import Scheduler
 
 
 @dataclass

@@ -16,7 +16,7 @@ from neuron_serve.compile import core_weights
 from neuron_serve.compile.subgraph import CompiledSubgraph
 from neuron_serve.config.schema import parse_config
 from neuron_serve.generation import SamplingParams
-from neuron_serve.generation.build import build_engine
+from neuron_serve.generation.compiling.build import build_engine
 
 NEW_TOKENS = 6
 

@@ -12,7 +12,7 @@ import generation_models as gm
 from neuron_serve.errors import ConfigError
 from neuron_serve.config.schema import parse_config
 from neuron_serve.generation import SamplingParams, engine_for
-from neuron_serve.generation.speculation import ngram_proposals
+from neuron_serve.generation.spec_decode.proposer import ngram_proposals
 
 K = 3
 # One context bucket: what is checked is the rounds (proposals, verify, rejection), not bucket choice.
@@ -129,7 +129,7 @@ def test_bad_speculative_settings_name_their_field():
 
 
 def test_a_draft_of_another_vocabulary_or_beside_prefix_caching_is_refused():
-    from neuron_serve.generation.build import check_draft  # noqa: PLC0415
+    from neuron_serve.generation.compiling.build import check_draft  # noqa: PLC0415
 
     lm = gm.build("llama")
     with pytest.raises(ConfigError) as other:

@@ -13,17 +13,17 @@ from prometheus_client import REGISTRY
 
 import generation_models as gm
 from generation_models import ATTENTION, make_adapter
-from neuron_serve.generation.adapters import AdapterPolicy, Adapters
-from neuron_serve.generation.lora import LoraBase
-from neuron_serve.generation.metrics import EngineMetrics
-from neuron_serve.generation.plan import Admit, Decode, Prefill
-from neuron_serve.generation.prefix_cache import BLOCK, PrefixCache
-from neuron_serve.generation.request import Sequence, Status
-from neuron_serve.generation.runner import CallOutput
-from neuron_serve.generation.sampling import Sampled, SamplingParams
-from neuron_serve.generation.scheduler import Scheduler
-from neuron_serve.generation.shapes import Shape
-from neuron_serve.generation.states import RequestStates
+from neuron_serve.generation.lora.adapters import AdapterPolicy, Adapters
+from neuron_serve.generation.lora.adapter import LoraBase
+from neuron_serve.generation.core.metrics import EngineMetrics
+from neuron_serve.generation.core.plan import Admit, Decode, Prefill
+from neuron_serve.generation.core.prefix_cache import BLOCK, PrefixCache
+from neuron_serve.generation.core.request import Sequence, Status
+from neuron_serve.generation.runner.calls import CallOutput
+from neuron_serve.generation.sample.sampling import Sampled, SamplingParams
+from neuron_serve.generation.core.scheduler import Scheduler
+from neuron_serve.generation.runner.shapes import Shape
+from neuron_serve.generation.core.states import RequestStates
 
 EOS = 2
 MAX_MODEL_LEN = 256

@@ -16,7 +16,7 @@ import pytest
 import generation_models as gm
 from neuron_serve.errors import InvalidInput
 from neuron_serve.generation import SamplingParams, engine_for
-from neuron_serve.generation.structured import Constraint
+from neuron_serve.generation.frontend.structured import Constraint
 
 # Every field bounded, so that even a random model's answer ends within max_tokens.
 SCHEMA = {"type": "object", "properties": {"tag": {"enum": ["red", "green"]},

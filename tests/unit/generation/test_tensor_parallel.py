@@ -22,8 +22,8 @@ from neuron_serve.compile.subgraph import compile_count
 from neuron_serve.config.schema import parse_config
 from neuron_serve.errors import ConfigError
 from neuron_serve.generation import SamplingParams
-from neuron_serve.generation import tensor_parallel
-from neuron_serve.generation.build import build_engine, check_cache_fits, weight_bytes
+from neuron_serve.generation.runner import tensor_parallel
+from neuron_serve.generation.compiling.build import build_engine, check_cache_fits, weight_bytes
 from neuron_serve.partition.pipeline import CORE_MEMORY_ENV
 
 ROOT = Path(__file__).resolve().parents[3]

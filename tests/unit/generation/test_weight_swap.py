@@ -16,8 +16,8 @@ from neuron_serve.compile.subgraph import compile_count
 from neuron_serve.config.schema import parse_config
 from neuron_serve.errors import ConfigError
 from neuron_serve.generation import SamplingParams, engine_for
-from neuron_serve.generation.artifact import save_generation
-from neuron_serve.generation.build import build_engine
+from neuron_serve.generation.compiling.artifact import save_generation
+from neuron_serve.generation.compiling.build import build_engine
 from neuron_serve.targets.pjrt import xla
 
 PROMPTS = [[5, 9, 2, 7, 1, 3], [11, 4, 8, 2]]

@@ -21,8 +21,8 @@ import pytest
 
 import generation_models as gm
 from neuron_serve.config.schema import parse_config
-from neuron_serve.generation.frontend import Frontend
-from neuron_serve.generation.protocol import EngineRequest, Engines, TokenEvent
+from neuron_serve.generation.frontend.processor import Frontend
+from neuron_serve.generation.frontend.protocol import EngineRequest, Engines, TokenEvent
 from neuron_serve.serve.generate import plane as generate_plane
 from neuron_serve.serve.generate.http import generate_app
 from neuron_serve.serve.generate.plane import GenerationPlane

@@ -9,7 +9,7 @@ import pytest
 import generation_models as gm
 from neuron_serve.config.schema import parse_config
 from neuron_serve.generation import engine_for
-from neuron_serve.generation.frontend import Frontend
+from neuron_serve.generation.frontend.processor import Frontend
 from neuron_serve.serve.http import auth
 from neuron_serve.serve.generate import plane as generate_plane
 from neuron_serve.serve.generate.http import generate_app

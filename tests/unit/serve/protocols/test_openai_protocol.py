@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from neuron_serve.generation.sampling import SamplingParams
+from neuron_serve.generation.sample.sampling import SamplingParams
 from neuron_serve.serve.protocols import oip_generate, openai
 
 

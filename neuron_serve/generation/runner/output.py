@@ -1,0 +1,72 @@
+"""What one compiled generation call gives back: each row's token, and the logits left on the core.
+
+A call returns as soon as the core has it; :class:`StepOutput` brings home one token id a row
+(and, for a sampled call, whether the core could choose it) when first read, all in one
+transfer, and the logits only for a row the host chooses for.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...targets.pjrt import xla
+
+
+class _Outputs:
+    """A call's outputs, on the core until first read; tokens and flags then cross in one transfer."""
+
+    def __init__(self, logits: torch.Tensor, tokens: torch.Tensor, done: torch.Tensor | None,
+                 sampled: bool = False) -> None:
+        self.logits = logits
+        self.sampled = sampled  # the sampler chose the tokens (else argmax)
+        self.on_core = [tokens] if done is None else [tokens, done]
+        self._home: list[torch.Tensor] | None = None
+
+    def home(self) -> list[torch.Tensor]:
+        """[tokens] or [tokens, done] on the host; the first read waits for the call to finish."""
+        if self._home is None:
+            moving = [t for t in self.on_core if t.device.type == "xla"]
+            fetched = iter(xla()._XLAC._xla_get_cpu_tensors(moving) if moving else [])
+            self._home = [next(fetched) if t.device.type == "xla" else t for t in self.on_core]
+        return self._home
+
+
+class StepOutput:
+    """One compiled call's rows: the tokens chosen on the core (and, sampled, whether each was), and the
+    logits, on the core until asked for."""
+
+    def __init__(self, logits: torch.Tensor, tokens: torch.Tensor, done: torch.Tensor | None = None,
+                 index: torch.Tensor | None = None, outputs: _Outputs | None = None, sampled: bool = False) -> None:
+        self._outputs = outputs or _Outputs(logits, tokens, done, sampled)
+        self._index = index
+
+    @property
+    def sampled(self) -> bool:
+        """Whether the sampler chose the tokens (a row it left undone follows its own host rule), or argmax."""
+        return self._outputs.sampled
+
+    def rows(self, index: torch.Tensor) -> "StepOutput":
+        """The same output, for rows ``index`` only, in that order."""
+        return StepOutput(None, None, index=index, outputs=self._outputs)
+
+    def with_done(self, done: torch.Tensor) -> "StepOutput":
+        """The same output, each row's token final only where ``done`` (a host tensor, one flag a row) says."""
+        return StepOutput(self._outputs.logits, self._outputs.on_core[0], done, self._index)
+
+    @property
+    def tokens(self) -> list:
+        """Each row's token (a list of each step's, for a call of several steps or positions)."""
+        return self._outputs.home()[0][self._index].tolist()
+
+    @property
+    def done(self) -> list | None:
+        """Whether the core chose each token (as :attr:`tokens`); where not, the host chooses from :attr:`logits`
+        (sampler.sample_on_host). None for an argmax call: every token is chosen."""
+        home = self._outputs.home()
+        return home[1][self._index].tolist() if len(home) > 1 else None
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """Each row's logits (rows, [steps,] vocab), copied to the host: for penalties, logprobs and the
+        choices the core left to the host."""
+        return self._outputs.logits.cpu()[self._index]
