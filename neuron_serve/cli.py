@@ -180,7 +180,8 @@ def _deploy(args: argparse.Namespace) -> int:
     # Before Ray is imported: Ray Serve reads its ingress settings at import.
     chosen = ingress.configure(args.ingress, reserved_ports={p for p in (args.port, args.grpc_port) if p})
     from .serve.http import auth  # noqa: PLC0415 - Ray is only needed to serve
-    from .serve.ray import cluster, deploy, deployment, failure, haproxy_template, lifecycle  # noqa: PLC0415 - Ray is only needed to serve
+    from .serve import failure  # noqa: PLC0415
+    from .serve.ray import cluster, deploy, deployment, haproxy_template, lifecycle  # noqa: PLC0415 - Ray is only needed to serve
     from .serve.ray import grpc_port  # noqa: PLC0415 - Ray is only needed to serve
 
     configs = [load_deployment(path) for path in args.configs]

@@ -17,7 +17,8 @@ from ray.experimental import internal_kv
 from ...buckets import usage as bucket_usage
 from ...config.schema import ModelConfig
 from ..http import auth
-from . import compile_state, failure, ingress, padding_state, readiness
+from .. import failure
+from . import compile_state, ingress, padding_state, readiness
 from .cluster import head_processes
 from .deployment import DRAIN_S, SERVER_APP, model_application, server_application
 

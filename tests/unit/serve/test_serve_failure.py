@@ -1,6 +1,6 @@
-"""The model's own error out of Ray Serve's failure messages (neuron_serve.serve.ray.failure)."""
+"""The model's own error out of Ray Serve's failure messages (neuron_serve.serve.failure)."""
 
-from neuron_serve.serve.ray.failure import exit_code, model_error
+from neuron_serve.serve.failure import exit_code, model_error
 
 SERVE_MESSAGE = (
     "The deployment failed to start 2 times in a row. This may be due to a problem with its constructor "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from ... import errors
+from .. import errors
 
 # The exception line that ends a Python traceback: "Name: message" or "pkg.Name: message".
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Z]\w*(?:Error|Exception|Exit|Interrupt)):\s?(.*)$")
