@@ -40,6 +40,9 @@ KINDS = ("neuron_serve.assembly", "neuron_serve.generation", "neuron_serve.pooli
 # A LoRA adapter is read in the engine process (torch, safetensors): never by what the replica loads.
 LORA = ("neuron_serve.generation.lora.adapter", "neuron_serve.generation.lora.config")
 
+GEN = "neuron_serve.generation"
+CORE_STEP = ("core.engine", "core.scheduler", "core.states", "core.group")
+
 # module (or package) -> what it must not import
 RULES = {
     **{module: SCHEMA + ("neuron_serve.config", "neuron_serve.model", "neuron_serve.partition") + BUCKETS_TRAFFIC
@@ -68,6 +71,21 @@ RULES = {
                                                   "neuron_serve.runtime", "neuron_serve.generation", "neuron_serve.serve",
                                                   "neuron_serve.metrics", "neuron_serve.cli", "torch"),
     "neuron_serve.generation": ("neuron_serve.serve",),
+    # generation/'s folders, lowest first: frontend/ (the replica's side: its types and text) < sample/ < precision/
+    # < lora/ < runner/ (the cores) < core/ (the step) < compiling/ < process/. The runner makes the calls of a plan:
+    # of core/ it reads only the plan and the request (data), never the engine, the scheduler or the states.
+    **{f"{GEN}.{low}": tuple(f"{GEN}.{high}" for high in higher)
+       for low, higher in {"frontend": ("sample.choice", "precision", "lora", "runner", "core", "spec_decode",
+                                        "compiling", "process"),
+                           "precision": ("lora", "runner", "core", "spec_decode", "compiling", "process"),
+                           "lora": ("core", "spec_decode", "compiling", "process"),
+                           "runner": (*CORE_STEP, "compiling", "process"),
+                           "sample": (*CORE_STEP, "precision", "lora", "spec_decode", "compiling", "process"),
+                           "spec_decode": (*CORE_STEP, "compiling", "process"),
+                           "core": ("compiling", "process"),
+                           "core.plan": ("runner", "sample", "spec_decode", "lora", *CORE_STEP),
+                           "core.request": ("runner", "spec_decode", "lora", *CORE_STEP),
+                           "compiling": ("process",)}.items()},
     "neuron_serve.model": COMPILER + ("neuron_serve.config", "neuron_serve.runtime", "neuron_serve.serve"),
     # The runtime tells one observer of its work (runtime/observer.py); the metrics live at the serving edge.
     "neuron_serve.runtime": COMPILER + ("neuron_serve.serve", "neuron_serve.metrics"),

@@ -93,6 +93,28 @@ def cache_dtype(lm: torch.nn.Module, compute: torch.dtype) -> torch.dtype:
     return form.dtype if form is not None else compute
 
 
+class CacheLayers:
+    """What transformers' attention asks of a cache object beside ``update``: its length, none of its own (the masks
+    passed in say what each position sees), and its number of layers (``keys``, one a layer)."""
+
+    keys: list
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def read_back(kv: KvCacheFormat | None, keys: torch.Tensor, values: torch.Tensor, layer: int,
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """What attention reads of ``keys`` and ``values`` as a slot cache holds them: themselves, or (fp8, ``kv``)
+    read back in ``dtype``."""
+    if kv is None:
+        return keys, values
+    return kv.read(keys, layer, "k", dtype), kv.read(values, layer, "v", dtype)
+
+
 class _Recorder:
     """transformers' cache interface, remembering each layer's largest key and value magnitude."""
 

@@ -21,7 +21,7 @@ import torch
 from ..precision import kv_cache
 
 
-class MixedCache:
+class MixedCache(kv_cache.CacheLayers):
     """transformers' cache interface (``update``) of one mixed call: ``rows`` decode rows then a chunk, each token
     at (``token_slots[i]``, ``positions[i]``); attention gets ``rows + 1`` contexts of ``context`` positions (the
     rows' slots, then the chunk's). The new caches are collected in ``keys``/``values``."""
@@ -57,15 +57,7 @@ class MixedCache:
                           self.keys[layer_idx].index_select(0, self.chunk_slot)[:, :, :, :context]]).transpose(2, 3)
         values = torch.cat([self.values[layer_idx][:rows, :, :context],
                             self.values[layer_idx].index_select(0, self.chunk_slot)[:, :, :context]])
-        if kv is None:
-            return keys, values
-        return kv.read(keys, layer_idx, "k", dtype), kv.read(values, layer_idx, "v", dtype)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
-
-    def __len__(self) -> int:
-        return len(self.keys)
+        return kv_cache.read_back(kv, keys, values, layer_idx, dtype)
 
 
 def masks(positions: torch.Tensor, rows: int, context: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,7 +42,7 @@ from ..precision.quantization import compute_dtype_of as compute_dtype
 from ..sample.sampler import sample
 
 
-class SlotCache:
+class SlotCache(kv_cache.CacheLayers):
     """transformers' cache interface (``update``) over per-layer slot caches, functionally.
 
     ``update`` writes each row's new keys and values at (its slot, its positions) and
@@ -81,24 +81,14 @@ class SlotCache:
         self.keys[layer_idx] = self.keys[layer_idx].index_put(self.key_index, stored_k)
         self.values[layer_idx] = self.values[layer_idx].index_put(self.index, stored_v)
         if self.context is None:  # a prefill reads its own keys and values, as the cache holds them
-            if kv is None:
-                return key_states, value_states
-            return kv.read(stored_k, layer_idx, "k", dtype), kv.read(stored_v, layer_idx, "v", dtype)
+            return kv_cache.read_back(kv, stored_k, stored_v, layer_idx, dtype)
         if self.by_slot:
             keys = self.keys[layer_idx].index_select(0, self.slots)[:, :, :, :self.context].transpose(2, 3)
             values = self.values[layer_idx].index_select(0, self.slots)[:, :, :self.context]
         else:
             keys = self.keys[layer_idx][:self.rows, :, :, :self.context].transpose(2, 3)
             values = self.values[layer_idx][:self.rows, :, :self.context]
-        if kv is None:
-            return keys, values
-        return kv.read(keys, layer_idx, "k", dtype), kv.read(values, layer_idx, "v", dtype)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
-
-    def __len__(self) -> int:
-        return len(self.keys)
+        return kv_cache.read_back(kv, keys, values, layer_idx, dtype)
 
 
 def weights_of(lm: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -10,19 +10,24 @@ cross to the host only when some row of the call needs them.
 
 from __future__ import annotations
 
-from typing import Any, Sequence as Seq
+from typing import TYPE_CHECKING, Sequence as Seq
 
-from ..runner.output import StepOutput
 from .sampler import GREEDY, RowChoice, choose_on_host, sample_on_host
 from .sampling import Sampled, sample_row
 
+if TYPE_CHECKING:
+    import torch
 
-def on_host(seq: Any) -> bool:
+    from ..core.request import Sequence
+    from ..runner.output import StepOutput
+
+
+def on_host(seq: Sequence) -> bool:
     """Whether ``seq``'s next token is chosen on the host (see the module docstring)."""
     return seq.params.on_host(len(seq.output))
 
 
-def for_call(seqs: Seq[Any]) -> list[RowChoice] | None:
+def for_call(seqs: Seq[Sequence]) -> list[RowChoice] | None:
     """Each row's parameters for a sampled call; None when every row takes the argmax (a greedy call). A
     row the host chooses for takes the argmax on the core: cheapest, and unused."""
     if all(seq.params.greedy or on_host(seq) for seq in seqs):
@@ -30,7 +35,7 @@ def for_call(seqs: Seq[Any]) -> list[RowChoice] | None:
     return [GREEDY if on_host(seq) else seq.params.choice(len(seq.output)) for seq in seqs]
 
 
-def host_choice(seq: Any, logits: Any, eos_token_ids: frozenset[int], ahead: int = 0, undone: bool = False) -> Sampled:
+def host_choice(seq: Sequence, logits: torch.Tensor, eos_token_ids: frozenset[int], ahead: int = 0, undone: bool = False) -> Sampled:
     """``seq``'s token ``ahead`` tokens past its output, chosen on the host from its logits (vocab,): a row
     the core left ``undone`` by the sampler's own rule, any other as the core would have chosen it."""
     if on_host(seq):
@@ -42,7 +47,7 @@ def host_choice(seq: Any, logits: Any, eos_token_ids: frozenset[int], ahead: int
 class Taken:
     """The tokens of one call, row by row, with the host's choices where the core's are not final."""
 
-    def __init__(self, seqs: Seq[Any], out: StepOutput, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, seqs: Seq[Sequence], out: StepOutput, eos_token_ids: frozenset[int]) -> None:
         self.seqs = seqs
         self.tokens = out.tokens
         self.done = out.done
