@@ -154,7 +154,7 @@ def compile_from_config(config: ModelConfig, base_dir: str | Path | None = None,
     """Load, check and compile a factory or pretrained ``task: generate`` model: (model, EOS ids, tokenizer).
 
     With ``background`` the model returns once the models that answer every request are compiled; the rest
-    compile on the process's compile queue and join it (compiling.py). A draft compiles whole, first."""
+    compile on the process's compile queue and join it (compile.py). A draft compiles whole, first."""
     settings = config.generation or GenerationSettings()
     tokenizer = load_tokenizer(config, base_dir)
     lm = load_lm(config, base_dir, tokenizer)

@@ -2,7 +2,7 @@
 
 The model is a factory's transformers causal LM or a ``save_pretrained`` directory (``model.pretrained``,
 read with local files only; a quantized checkpoint's layers as it holds them, checkpoint.py), in eval
-mode with eager attention, then cast, quantized and given its KV cache format (precision.py). The
+mode with eager attention, then cast, quantized and given its KV cache format (precision/dtypes.py). The
 tokenizer comes from ``tokenizer`` or the pretrained directory.
 """
 

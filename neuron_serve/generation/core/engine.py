@@ -1,6 +1,6 @@
 """The generation engine: a thread that steps the scheduler over one core group's executor.
 
-The engine speaks tokens, and takes requests as the front end (``frontend.py``) admitted
+The engine speaks tokens, and takes requests as the front end (``frontend/processor.py``) admitted
 them: :meth:`Engine.submit` queues an :class:`~.protocol.EngineRequest` with a sink for its
 :class:`~.protocol.TokenEvent` (one per new token; the last says why the sequence ended),
 :meth:`Engine.abort` ends one by id (its slot is free at the next step).
@@ -8,7 +8,7 @@ them: :meth:`Engine.submit` queues an :class:`~.protocol.EngineRequest` with a s
 One thread drives the core (torch-xla replays an executable on the calling thread's
 device). Each step (:meth:`Engine.step`, vLLM v1's ``EngineCore.step``) has three parts:
 the scheduler's plan (``scheduler.py``; the plan is data, ``plan.py``), each of its calls
-made by the runner (``runner.py``: the prompts it prefills whole, then one call for every
+made by the runner (``runner/calls.py``: the prompts it prefills whole, then one call for every
 running row: a decode, a verify round of speculative decoding, or a mixed call that also
 writes a prompt's chunk), and after each call the request states updated from its output
 (``states.py``: tokens, stops, ends, events). A step's events reach their requests while the
@@ -105,7 +105,7 @@ class Engine(Engines):
         budget = max_num_batched_tokens or default_budget(executor.max_model_len) + (executor.slots if chunked else 0)
         # Decode calls park their free rows in a slot's last decode_steps positions: no cached block reaches them.
         prefix = PrefixCache(executor.max_model_len - executor.decode_steps) if executor.prefix_caching else None
-        # LoRA: the adapters this engine's buffers hold (adapters.py); None serves the base model only.
+        # LoRA: the adapters this engine's buffers hold (lora/adapters.py); None serves the base model only.
         self.adapters = None
         if adapters is not None:
             from ..lora.adapters import Adapters  # noqa: PLC0415 - safetensors and the adapter reader, with LoRA only
@@ -119,7 +119,7 @@ class Engine(Engines):
         self.metrics = EngineMetrics(name, replica)
         # The sizes asked for and the padding their buckets cost (buckets/usage.py), shared by the replica's engines.
         self.usage = bucket_usage.for_model(name, replica)
-        # With auto buckets, what looks at those sizes and switches the buckets while serving (rebucket.py).
+        # With auto buckets, what looks at those sizes and switches the buckets while serving (compiling/rebucket.py).
         self.rebucketings: list = []
         proposer = Proposer(speculative_config, executor) if speculative_config is not None else None
         self.runner = Runner(executor, self.eos_token_ids, self.adapters is not None, proposer)

@@ -1,7 +1,7 @@
 """An engine step's plan as data: the calls the scheduler decided, in the order they run.
 
 Each entry names requests by id and slots by number, never a live request: the plan says what
-to do, the runner (runner.py) does it, and the request-state owner (states.py) applies what came
+to do, the runner (runner/calls.py) does it, and the request-state owner (states.py) applies what came
 back. A step runs, in order, the prompts prefilled whole (each a call of its own; a prompt given
 a slot this step is first :class:`Admit`-ted: a cached prefix copied into its slot, its adapter
 set), the compaction :class:`Move`-s, and one call for every running row: a :class:`Decode`

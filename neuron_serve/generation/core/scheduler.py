@@ -16,7 +16,7 @@ step holds as data (``plan.py``), and executes it (``engine.py``). The policy, i
    budget (the first prompt of a step always goes, so a longer one still runs, alone). With
    ``enable_chunked_prefill``, a prompt is admitted only while fewer than
    ``max_num_partial_prefills`` are part way through their prefill, and its tokens go in chunks:
-   one chunk a step, in the same compiled call as the decode rows (a mixed call, ``mixed.py``),
+   one chunk a step, in the same compiled call as the decode rows (a mixed call, ``runner/mixed.py``),
    at most the budget left by the rows, ``long_prefill_token_threshold`` (when above 0) and the
    largest compiled chunk; of the prompts part way, the one with the fewest tokens left goes
    first, so a short prompt is not held behind a long one. A step with no decode row prefills a

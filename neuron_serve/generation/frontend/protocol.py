@@ -1,8 +1,8 @@
 """What the front end and the engines share: requests, token events, and the streaming API over them.
 
 The replica imports only this module, the front end and sampling's parameters, never the
-compile stack: the engines may run in a process of their own (``process.py``). An
-:class:`EngineRequest` is what the front end (``frontend.py``) decided: checked token
+compile stack: the engines may run in a process of their own (``process/client.py``). An
+:class:`EngineRequest` is what the front end (``processor.py``) decided: checked token
 ids, parameters with their seed, a compiled grammar; an engine takes it as it is.
 """
 

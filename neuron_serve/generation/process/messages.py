@@ -1,6 +1,6 @@
 """The messages between a replica and its engine process: one frozen dataclass a kind (:class:`Kind`).
 
-The replica's side (``process.py``) sends, over the socket pair it shares with the worker
+The replica's side (``client.py``) sends, over the socket pair it shares with the worker
 (``worker.py``; ``multiprocessing.connection`` framing, pickled):
 
 - :class:`Start`, once, first: what the worker builds the engines of;

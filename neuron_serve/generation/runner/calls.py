@@ -1,4 +1,4 @@
-"""The runner: each call of an engine step's plan (plan.py) made on the executor, its tokens chosen.
+"""The runner: each call of an engine step's plan (core/plan.py) made on the executor, its tokens chosen.
 
 The runner turns a call and its requests into the executor's inputs (tokens, positions, slots,
 each row's sampling choice), makes the call, runs ``overlap`` once the core has it (the step
@@ -95,7 +95,7 @@ class Runner:
     def _verify(self, rows: list[Sequence], proposals: list[list[int]],
                 overlap: Callable[[], None]) -> CallOutput | None:
         """One verify call: each row takes its proposals while each equals the model's own choice there, then the
-        model's choice (speculation.py). None while no verify model that holds them is compiled."""
+        model's choice (spec_decode/proposer.py). None while no verify model that holds them is compiled."""
         called = self.executor.verify([[s.output[-1], *p] for s, p in zip(rows, proposals)],
                                       [s.position for s in rows], [s.slot for s in rows], choice.for_call(rows))
         if called is None:

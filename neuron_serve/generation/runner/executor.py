@@ -92,7 +92,7 @@ class Executor(abc.ABC):
               steps: int) -> list[list[int]]:
         """A speculative draft's greedy tokens for each running sequence (``steps`` of them, its last token fed at
         its position first); the draft's cache takes what it fed. Its proposals are certain, so the model
-        accepts them by its own choice alone (speculation.py)."""
+        accepts them by its own choice alone (spec_decode/proposer.py)."""
 
     @abc.abstractmethod
     def move(self, src: int, dst: int) -> None:

@@ -5,7 +5,7 @@ wrapped in :class:`~neuron_serve.generation.runner.slots.SlotLM`: ``bucket_model
 compiles one prefill model per prompt-length bucket (one row, writing one slot) and two
 decode models per (running-sequences bucket x context-length bucket), every one taking
 the cache as its ``shared_state_buffer``: one choosing each row's token by argmax, one
-by the sampler (``sampler.py``) from each row's parameters, so a decode of greedy rows
+by the sampler (``sample/sampler.py``) from each row's parameters, so a decode of greedy rows
 pays for no sampling. Analysis and partitioning run for each as for any model, so an
 operator the accelerator cannot run around the cache is refused naming it.
 
@@ -61,7 +61,7 @@ class GenerationModel:
     """The compiled prefill and decode models of one causal LM and the cache they share on the core.
 
     ``compiled`` holds the models compiled so far, by shape; more join (:meth:`add`) as ``build``
-    (compiling.py) compiles them, and each call runs on the smallest compiled model that holds it.
+    (compiling/compile.py) compiles them, and each call runs on the smallest compiled model that holds it.
     With ``sharding`` (tensor parallelism) every model is one program over the group's cores and
     the cache is split as the plan says; ``weight_bytes`` is what one core holds of the weights.
     """

@@ -57,7 +57,7 @@ class SlotCache(kv_cache.CacheLayers):
                  positions: torch.Tensor, context: int | None, by_slot: bool = False,
                  kv: kv_cache.KvCacheFormat | None = None) -> None:
         self.keys = list(keys)
-        self.kv = kv  # fp8 keys and values with their scales (kv_cache.py); None: the compute dtype
+        self.kv = kv  # fp8 keys and values with their scales (precision/kv_cache.py); None: the compute dtype
         self.slots = slots
         self.by_slot = by_slot  # read the rows' own slots (extend), not slots 0..rows-1 (decode)
         self.values = list(values)
@@ -99,7 +99,7 @@ def weights_of(lm: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def cache_element_bytes(lm: torch.nn.Module) -> int:
-    """Bytes of one element of ``lm``'s slot cache: its compute dtype's, or one in fp8 (kv_cache.py)."""
+    """Bytes of one element of ``lm``'s slot cache: its compute dtype's, or one in fp8 (precision/kv_cache.py)."""
     return kv_cache.cache_dtype(lm, compute_dtype(lm)).itemsize
 
 
@@ -165,7 +165,7 @@ class SlotLM(torch.nn.Module):
             self.register_buffer(f"k_{i}", torch.zeros((), dtype=stored).expand(keys), persistent=False)
             self.register_buffer(f"v_{i}", torch.zeros((), dtype=stored).expand(shape), persistent=False)
         # LoRA: the adapter buffers, state beside the cache (read, returned unchanged), and each row's adapter
-        # slot as the last input (lora_layers.py).
+        # slot as the last input (lora/layers.py).
         self.lora = lora
         for i, buffer in enumerate(lora_layers.buffers(lora, dtype) if lora is not None else []):
             self.register_buffer(f"lora_{i}", buffer, persistent=False)

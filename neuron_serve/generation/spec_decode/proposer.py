@@ -1,5 +1,5 @@
-"""Speculative decoding: proposals for each running sequence; the verify call (runner.py) and what
-each sequence takes (states.py) follow the rule below.
+"""Speculative decoding: proposals for each running sequence; the verify call (runner/calls.py) and what
+each sequence takes (core/states.py) follow the rule below.
 
 Each round, a sequence gets up to k proposed tokens; one verify call runs its last token
 and the proposals through the model at once, and the core chooses the model's token at
@@ -63,7 +63,7 @@ def speculable(params: SamplingParams, generated: int) -> bool:
 
 
 class Proposer:
-    """One engine's proposals each round (n-gram or draft); the runner's verify call takes them (runner.py)."""
+    """One engine's proposals each round (n-gram or draft); the runner's verify call takes them (runner/calls.py)."""
 
     def __init__(self, config: SpeculativeConfig, executor: Executor) -> None:
         if executor.speculative_tokens != config.num_speculative_tokens:
