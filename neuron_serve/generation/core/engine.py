@@ -115,7 +115,6 @@ class Engine(Engines):
                                    chunked=chunked, long_prefill_token_threshold=long_prefill_token_threshold,
                                    max_num_partial_prefills=max_num_partial_prefills)
         self.step_log: deque[tuple[int, int, int]] = deque(maxlen=STEP_LOG)
-        self.request_timeout_s = request_timeout_s
         self.metrics = EngineMetrics(name, replica)
         # The sizes asked for and the padding their buckets cost (buckets/usage.py), shared by the replica's engines.
         self.usage = bucket_usage.for_model(name, replica)
@@ -185,6 +184,16 @@ class Engine(Engines):
         if self.adapters is None:
             raise KeyError(name)
         self.adapters.unload(name)
+
+    @property
+    def request_timeout_s(self) -> float | None:
+        """Seconds after its submission a request still waiting or running is aborted (None: no limit); a change
+        applies to the requests submitted after it."""
+        return self.states.request_timeout_s
+
+    @request_timeout_s.setter
+    def request_timeout_s(self, seconds: float | None) -> None:
+        self.states.request_timeout_s = seconds
 
     @property
     def running(self) -> int:

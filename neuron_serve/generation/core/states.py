@@ -77,7 +77,8 @@ class RequestStates:
 
     def expire(self) -> None:
         """Abort the sequences past ``request_timeout_s`` (waiting or running): their slots go back now."""
-        if not self._deadlines:
+        if self.request_timeout_s is None:  # no limit (any more): nothing expires
+            self._deadlines.clear()
             return
         limit = time.perf_counter() - self.request_timeout_s
         while self._deadlines and (self._deadlines[0].finished or self._deadlines[0].arrival <= limit):
