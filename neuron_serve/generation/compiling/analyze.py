@@ -17,7 +17,7 @@ import torch
 from ...analysis.capture import CapturedGraph, capture
 from ...compile import records as compile_records
 from ...analysis.placement import GraphAnalysis, analyze_graph
-from ...config.schema import ModelConfig, _under
+from ...config.schema import ModelConfig
 from ...config.generation import GenerationSettings
 from ...targets import get_target
 from ...targets.pjrt import emulated

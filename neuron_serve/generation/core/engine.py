@@ -32,7 +32,7 @@ from ...errors import AdapterNotLoaded, InvalidInput
 from ..runner.executor import CoreGroupExecutor, Executor
 from .metrics import EngineMetrics
 from ..runner.model import GenerationModel, swap_weights
-from .plan import Admit, Call, Decode, Mixed, Move, Prefill
+from .plan import Admit, Decode, Mixed, Move, Prefill
 from .prefix_cache import PrefixCache
 from ..frontend.protocol import EngineRequest, Engines, TokenEvent
 from .request import Sequence
