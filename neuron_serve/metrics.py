@@ -272,6 +272,22 @@ STEP_TIME = Histogram(
     "neuron_serve_generation_step_seconds", "Time of one compiled prefill or decode call, by bucket",
     [*GEN_LABELS, "bucket"], buckets=LATENCY_BUCKETS,
 )
+# An engine step's time in two parts: waiting for the core's outputs, and the rest (the host's own work: the plan,
+# the calls' inputs, the host's choices, the requests' updates, the events), which the core does not overlap.
+STEP_CORE_WAIT = Histogram(
+    "neuron_serve_generation_step_core_wait_seconds",
+    "Time of one engine step spent waiting for its compiled calls' outputs", GEN_LABELS, buckets=LATENCY_BUCKETS,
+)
+STEP_HOST = Histogram(
+    "neuron_serve_generation_step_host_seconds",
+    "Time of one engine step not spent waiting for the core: scheduling, inputs, host choices, request updates, "
+    "events", GEN_LABELS, buckets=LATENCY_BUCKETS,
+)
+QUEUE_TIME = Histogram(
+    "neuron_serve_request_queue_time_seconds",
+    "Time from a generate request's arrival at the engine to the start of its prompt's prefill",
+    GEN_LABELS, buckets=LATENCY_BUCKETS,
+)
 
 # Pooling models (task: embed, score, classify): the infer metrics above count their requests, batches, chunks
 # and cores (the same request queue and runner serve them); these add what only they have. Their inputs' tokens

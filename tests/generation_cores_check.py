@@ -80,7 +80,8 @@ def main() -> None:
 
 
 def _rebucketed(lm, group, frontend, prompts: list[list[int]]) -> dict:
-    """The group's prefill buckets switched while it serves (what prefill_buckets: auto does): [16, 48] -> [8, 48].
+    """The group's prefill buckets switched while it serves (what prefill_buckets: auto does): [16, 48] -> [8, 48]
+    (and 4 prompts of 8 a call, within max_model_len where 4 of 16 were not).
     Each engine's prefill models after it, and whether greedy and seeded sampled requests of mixed lengths spread
     over both engines then answer as transformers does."""
     compiled, kept = group.build.switch({"prefill": [8, 48]}, "rebucket check")
@@ -90,7 +91,7 @@ def _rebucketed(lm, group, frontend, prompts: list[list[int]]) -> dict:
     equal = [d.tokens == (gm.eager_greedy(lm, q, 8) if p.temperature == 0 else gm.eager_sampled(lm, q, 8, p))
              for d, q, p in zip(done, prompts, params)]
     return {"compiled": compiled, "kept": kept, "equal": equal,
-            "prefill": [[s.tokens for s in e.model.shapes if s.kind == "prefill"] for e in group.engines],
+            "prefill": [[s.label for s in e.model.shapes if s.kind == "prefill"] for e in group.engines],
             "buckets": [e.model.buckets.prefill for e in group.engines]}
 
 

@@ -24,6 +24,7 @@ from .traffic import Sizes
 GENERATE_FAMILIES = {
     "prefill": ("prefill_buckets", "tokens", "prefill"),
     "decode_rows": ("decode_batch_buckets", "rows", "decode_rows"),
+    "decode_context": ("decode_context_buckets", "positions", "decode_context"),
     "chunk": ("prefill_chunk_buckets", "tokens", "chunks"),
 }
 POOLING_FAMILIES = {"length": ("length_buckets", "tokens")}  # family -> (field under pooling, unit)

@@ -9,7 +9,8 @@ every replica's sizes from there and proposes bucket lists for them (buckets/pro
 
 The families of a generate model: ``prefill`` (a prompt's tokens computed, against the prefill bucket that ran
 them; after a cached prefix, the tokens after it), ``decode_rows`` (the sequences of a decode call, against its
-rows bucket) and ``chunk`` (a chunked prompt's tokens beside the decode rows, against the chunk bucket). Of a
+rows bucket), ``decode_context`` (the positions a decode call's longest row attends over, against its context
+bucket) and ``chunk`` (a chunked prompt's tokens beside the decode rows, against the chunk bucket). Of a
 pooling model: ``length`` (an input's tokens, against the length bucket that ran it). :meth:`Usage.summary` is what
 the model's metadata says of it (``parameters.padding``), read from what the replica counted since it started.
 """

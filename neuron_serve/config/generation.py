@@ -157,15 +157,23 @@ class GenerationSettings(BaseModel):
         default=None,
         description="running-sequence counts to compile decode at; the largest is max_num_seqs. auto: as many as "
                     "the defaults, chosen from the decode calls' rows the replicas recorded, as prefill_buckets")
+    prefill_batch_buckets: list[PositiveInt] | None = Field(
+        default=None, min_length=1,
+        description="prompts prefilled in one compiled call (each count compiled with every prefill bucket whose "
+                    "count x length is at most max_model_len): prompts arriving together are prefilled together, "
+                    "not one behind another; from 1 to at most max_num_seqs. Default: 1, then the powers of 4 up to "
+                    "max_num_seqs and max_num_seqs itself. [1]: a prompt a call")
     learn_buckets_after: PositiveInt | None = Field(
         default=None,
-        description=f"with prefill_buckets or decode_batch_buckets auto: the calls of a family recorded before a "
+        description=f"with prefill_buckets, decode_batch_buckets or decode_context_buckets auto: the calls of a family recorded before a "
                     f"replica starts on the buckets chosen from them, and between two looks while it serves; "
                     f"default: {AUTO_LEARN_AFTER}")
-    decode_context_buckets: list[PositiveInt] | None = Field(
-        default=None, min_length=1,
-        description="context lengths to compile decode at (each compiled for every decode batch bucket); the "
-                    "largest is max_model_len")
+    decode_context_buckets: list[PositiveInt] | Literal["auto"] | None = Field(
+        default=None,
+        description="context lengths to compile decode at (each compiled for every decode batch bucket); a decode "
+                    "attends over the smallest that holds its longest row; the largest is max_model_len. auto: as "
+                    "many as the defaults, chosen from the contexts the decode calls' longest rows had, as "
+                    "prefill_buckets")
     decode_steps: int = Field(
         1, ge=1, description="decode steps run in one compiled call, greedy or sampled on the core, while no "
                              "running sequence needs the host for its next token (penalties, a logit bias, a grammar "
@@ -190,8 +198,9 @@ class GenerationSettings(BaseModel):
         default=None, ge=1,
         description="the tokens of one engine step, which bounds how long running sequences wait for their next "
                     "token: prompt tokens prefilled per step (a longer prompt still runs, alone); with "
-                    "enable_chunked_prefill, a token for each decode row then prompt chunks up to it. Default: a "
-                    "quarter of max_model_len, at least 32 (with chunked prefill, plus max_num_seqs)")
+                    "enable_chunked_prefill, a token for each decode row then prompt chunks up to it. Default: "
+                    "max_model_len (what the largest prefill call holds); with chunked prefill, a quarter of "
+                    "max_model_len, at least 32, plus max_num_seqs")
     enable_chunked_prefill: bool = Field(
         False,
         description="vLLM's chunked prefill: a step decodes every running sequence and writes a chunk of a waiting "
@@ -300,12 +309,14 @@ class GenerationSettings(BaseModel):
                                  f"{self.max_num_batched_tokens} leaves no prompt token beside {self.max_num_seqs} "
                                  f"decode rows (max_num_seqs) with enable_chunked_prefill; give at least "
                                  f"{self.max_num_seqs + 1}")
-        for name in ("prefill_buckets", "decode_batch_buckets"):
+        learnable = ("prefill_buckets", "decode_batch_buckets", "decode_context_buckets")
+        for name in learnable:
             if getattr(self, name) == []:
                 raise FieldError(name, "give at least one size, or auto")
-        if self.learn_buckets_after is not None and "auto" not in (self.prefill_buckets, self.decode_batch_buckets):
-            raise FieldError("learn_buckets_after", "applies with prefill_buckets or decode_batch_buckets auto; set "
-                                                    "one to auto or remove learn_buckets_after")
+        if self.learn_buckets_after is not None and "auto" not in [getattr(self, name) for name in learnable]:
+            raise FieldError("learn_buckets_after", "applies with prefill_buckets, decode_batch_buckets or "
+                                                    "decode_context_buckets auto; set one to auto or remove "
+                                                    "learn_buckets_after")
         if self.kv_cache_dtype == "auto" and self.calculate_kv_scales is not None:
             raise FieldError("calculate_kv_scales", "applies with kv_cache_dtype fp8 (a cache in the model's own "
                                                     "dtype has no scales); set kv_cache_dtype: fp8 or remove it")
@@ -352,12 +363,13 @@ class GenerationSettings(BaseModel):
         return GenerationBuckets.build(self.max_num_seqs, max_model_len,
                                        prefill=_listed(self.prefill_buckets) if lengths else None,
                                        decode_rows=_listed(self.decode_batch_buckets),
-                                       decode_context=self.decode_context_buckets if lengths else None,
+                                       decode_context=_listed(self.decode_context_buckets) if lengths else None,
                                        decode_steps=self.decode_steps, prefix_caching=self.enable_prefix_caching,
                                        speculative_tokens=self.speculative_config.num_speculative_tokens
                                        if self.speculative_config is not None else 0,
                                        sampled=self.on_device_sampling, chunks=self.prefill_chunk_buckets,
-                                       chunked=self.enable_chunked_prefill, field_prefix=field_prefix)
+                                       chunked=self.enable_chunked_prefill,
+                                       prefill_rows=self.prefill_batch_buckets, field_prefix=field_prefix)
 
 
 def _listed(buckets: list[int] | str | None) -> list[int] | None:

@@ -40,6 +40,7 @@ def eos_token_ids(lm: torch.nn.Module) -> list[int]:
 def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int = 512,
                prefill_buckets: Sequence[int] | str | None = None,
                decode_batch_buckets: Sequence[int] | str | None = None, learn_buckets_after: int | None = None,
+               prefill_batch_buckets: Sequence[int] | None = None,
                decode_context_buckets: Sequence[int] | None = None, decode_steps: int = 1,
                max_num_batched_tokens: int | None = None,
                max_waiting: int = 256, request_timeout_s: float | None = None, tokenizer: Any = None,
@@ -75,7 +76,7 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
              "tensor_parallel_size": tensor_parallel_size, "enable_prefix_caching": enable_prefix_caching,
              "speculative_config": speculative_config, "on_device_sampling": on_device_sampling,
              "enable_chunked_prefill": enable_chunked_prefill, "prefill_chunk_buckets": prefill_chunk_buckets,
-             "learn_buckets_after": learn_buckets_after}
+             "learn_buckets_after": learn_buckets_after, "prefill_batch_buckets": prefill_batch_buckets}
     if enable_chunked_prefill:  # given only with it, as a model.yaml gives them
         given.update(long_prefill_token_threshold=long_prefill_token_threshold,
                      max_num_partial_prefills=max_num_partial_prefills)

@@ -300,8 +300,8 @@ def examples_llm_server(tmp_path_factory):
     # the embedder's two lengths at two batch sizes on one core.
     llm = yaml.safe_load((ROOT / "deployments" / "llm.yaml").read_text())
     llm["model"]["pretrained"] = str(real_models.smollm2())
-    llm["generation"].update(max_model_len=256, prefill_buckets=[256], decode_batch_buckets=[8],
-                             decode_context_buckets=[256])
+    llm["generation"].update(max_num_seqs=8, max_model_len=256, prefill_buckets=[256], prefill_batch_buckets=[1],
+                             decode_batch_buckets=[8], decode_context_buckets=[256])
     embedder = yaml.safe_load((ROOT / "deployments" / "embedder.yaml").read_text())
     embedder["model"]["pretrained"] = str(real_models.all_minilm_l6_v2())
     embedder.update(cores_per_replica=1, batching={"max_batch_size": 4}, pooling={"length_buckets": [64, 256]})
@@ -448,6 +448,7 @@ generation:
   # 6 models a replica, not the default 16: two prefill lengths, decode of one row and of every row
   # (each by 1 and by 4 steps); the bucket choice itself is tested in process.
   prefill_buckets: [32, 256]
+  prefill_batch_buckets: [1]       # a prompt a call (batched prefill is tested in process)
   decode_batch_buckets: [1, 8]
   decode_context_buckets: [256]
 """

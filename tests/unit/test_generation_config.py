@@ -97,6 +97,12 @@ REFUSED = [
      "be used, a smaller one leaves max_model_len unreachable."),
     ("decode rows past max_num_seqs", with_(GENERATE, generation={"max_num_seqs": 4, "decode_batch_buckets": [1, 8]}),
      "generation.decode_batch_buckets: the largest bucket must be max_num_seqs (4), got 8"),
+    ("prefill rows without 1", with_(GENERATE, generation={"max_num_seqs": 4, "prefill_batch_buckets": [2, 4]}),
+     "generation.prefill_batch_buckets: give prompt counts from 1 (a prompt alone) to at most max_num_seqs (4), got "
+     "[2, 4]."),
+    ("prefill rows past max_num_seqs", with_(GENERATE, generation={"max_num_seqs": 4, "prefill_batch_buckets": [1, 8]}),
+     "generation.prefill_batch_buckets: give prompt counts from 1 (a prompt alone) to at most max_num_seqs (4), got "
+     "[1, 8]."),
     ("no adapter on the core", with_(GENERATE, generation={"lora": {"max_loras": 0}}),
      "generation.lora.max_loras: Input should be greater than or equal to 1"),
     ("a rank vLLM does not allow", with_(GENERATE, generation={"lora": {"max_lora_rank": 24}}),
@@ -147,6 +153,7 @@ def test_a_generate_model_yaml_parses_with_defaults():
         "decode_context_buckets": None, "decode_steps": 1, "on_device_sampling": True, "tensor_parallel_size": 1,
         "max_num_batched_tokens": None, "enable_chunked_prefill": False, "prefill_chunk_buckets": None,
         "long_prefill_token_threshold": 0, "max_num_partial_prefills": 1, "learn_buckets_after": None,
+        "prefill_batch_buckets": None,
         "max_waiting": 256, "enable_prefix_caching": False, "speculative_config": None, "lora": None,
         "tool_call_parser": None, "quantization": None, "quantization_type": "per_channel_symmetric",
         "modules_to_not_convert": None, "kv_cache_dtype": "auto", "calculate_kv_scales": None,
@@ -194,7 +201,12 @@ def test_settings_to_buckets_defaults():
         "max_num_seqs": 8, "max_model_len": 2048, "prefill_buckets": [32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048],
         "decode_batch_buckets": [1, 4, 8], "decode_context_buckets": [128, 256, 512, 1024, 2048], "decode_steps": 1,
         "enable_prefix_caching": False, "speculative_tokens": 0, "on_device_sampling": True,
-        "enable_chunked_prefill": False, "prefill_chunk_buckets": []}
+        "enable_chunked_prefill": False, "prefill_chunk_buckets": [], "prefill_batch_buckets": [1, 4, 8]}
+    # Several prompts a prefill call while they hold at most max_model_len tokens.
+    assert buckets.prefills[len(buckets.prefill):] == [(4, 32), (4, 64), (4, 128), (4, 256), (4, 384), (4, 512),
+                                                       (8, 32), (8, 64), (8, 128), (8, 256)]
+    assert GenerationSettings(prefill_batch_buckets=[1]).to_buckets(Positions(4096)).prefills == [
+        (1, n) for n in buckets.prefill]
     chunked = GenerationSettings(enable_chunked_prefill=True).to_buckets(Positions(4096))
     # A chunk of a quarter of max_model_len beside each decode-rows bucket, greedy and sampled.
     assert chunked.chunks == [512] and chunked.mixed == [(1, 512), (4, 512), (8, 512)]
@@ -205,12 +217,12 @@ def test_settings_to_buckets_defaults():
     assert (given.prefill, given.decode_rows, given.decode_context) == ([8, 32], [2], [32])
     cached = GenerationSettings(max_num_seqs=2, prefill_buckets=[16, 64], decode_context_buckets=[32, 64],
                                 enable_prefix_caching=True).to_buckets(Positions(64))
-    # Two prefill buckets, four decode buckets greedy and sampled, three extend buckets.
-    assert cached.extend == [(16, 32), (16, 64), (64, 64)] and cached.count == 2 + 2 * 2 * 2 + 3
+    # Two prefill buckets and two prompts of 16, four decode buckets greedy and sampled, three extend buckets.
+    assert cached.extend == [(16, 32), (16, 64), (64, 64)] and cached.count == 3 + 2 * 2 * 2 + 3
     speculating = GenerationSettings(max_num_seqs=2, decode_context_buckets=[32, 64], speculative_config={
         "num_speculative_tokens": 3}).to_buckets(Positions(64))
     # A verify, greedy and sampled, per decode bucket.
-    assert speculating.speculative_tokens == 3 and speculating.count == 2 + 2 * 2 * 2 + 2 * 2 * 2
+    assert speculating.speculative_tokens == 3 and speculating.count == 3 + 2 * 2 * 2 + 2 * 2 * 2
 
 
 def test_settings_to_buckets_refusals_name_the_field():

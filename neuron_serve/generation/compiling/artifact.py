@@ -76,7 +76,7 @@ def load_generation(path: str | Path) -> tuple[GenerationModel, list[int], str |
                                 described["decode_batch_buckets"], described["decode_context_buckets"],
                                 described.get("decode_steps", 1), described.get("enable_prefix_caching", False),
                                 described.get("speculative_tokens", 0), described["on_device_sampling"],
-                                described.get("prefill_chunk_buckets", []))
+                                described.get("prefill_chunk_buckets", []), described.get("prefill_batch_buckets", [1]))
     tokenizer = str(root / TOKENIZER_DIR) if described["tokenizer"] else None
     model = GenerationModel(compiled.buckets[0].state, buckets, described["vocab_size"], plan,
                             described.get("weight_bytes"), compiled=dict(zip(shapes_of(buckets), compiled.buckets)))

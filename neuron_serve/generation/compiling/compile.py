@@ -69,6 +69,7 @@ def compile_order(buckets: GenerationBuckets, prefill_shares: Sequence[float] | 
       every slot does ``max_num_seqs`` times its work);
     - the sampled one-step decodes in the same order (until then a sampled row takes its logits to the
       host);
+    - the prefills of several prompts, fewest first (until then, prompts arriving together go one a call);
     - the mixed models of chunked prefill (until then a prompt is prefilled whole), most rows first, so the
       first one compiled takes a chunk beside any number of rows, greedy then sampled;
     - the multi-step decodes, greedy then sampled;
@@ -78,13 +79,15 @@ def compile_order(buckets: GenerationBuckets, prefill_shares: Sequence[float] | 
     first = ready_shapes(buckets)
     groups = {("prefill", False): 0, ("decode", False): 1, ("mixed", False): 2, ("decode", True): 3,
               ("extend", False): 4, ("verify", False): 5}
+    batched = 1.5  # prefills of several prompts: after the one-step decodes (until then, a prompt a call)
 
     used = dict(zip(buckets.prefill, prefill_shares or ()))
 
     def rank(shape: Shape) -> tuple:
         rows = -shape.rows if shape.kind == "mixed" else shape.rows
         share = -used.get(shape.tokens, 0.0) if shape.kind == "prefill" else 0.0
-        return groups[shape.kind, shape.steps > 1], shape.sampled, share, rows, shape.context, shape.tokens
+        group = batched if shape.kind == "prefill" and shape.rows > 1 else groups[shape.kind, shape.steps > 1]
+        return group, shape.sampled, share, rows, shape.context, shape.tokens
 
     return first + sorted((s for s in shapes_of(buckets) if s not in first), key=rank)
 

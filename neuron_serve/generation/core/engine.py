@@ -32,11 +32,12 @@ from ...errors import AdapterNotLoaded, InvalidInput
 from ..runner.executor import CoreGroupExecutor, Executor
 from .metrics import EngineMetrics
 from ..runner.model import GenerationModel, swap_weights
-from .plan import Admit, Decode, Mixed, Move, Prefill
+from .plan import Admit, Decode, Mixed, Move, Prefill, PrefillBatch
 from .prefix_cache import PrefixCache
 from ..frontend.protocol import EngineRequest, Engines, TokenEvent
 from .request import Sequence
 from ..runner.calls import CallOutput, Runner
+from ..runner.output import waited as output_wait
 from .scheduler import Scheduler, default_budget
 from ..spec_decode.proposer import Proposer
 from .states import RequestStates
@@ -60,6 +61,8 @@ class StepStats:
     decode_rows: int = 0
     chunk_tokens: int = 0
     calls: list[tuple[str, float]] = field(default_factory=list)  # (bucket label, seconds) of each call
+    seconds: float = 0.0  # the whole step
+    core_wait: float = 0.0  # of which the engine thread waited for the calls' outputs
 
 
 class Overlap:
@@ -101,8 +104,7 @@ class Engine(Engines):
         self.tokenizer = tokenizer
         self.name = name
         chunked = bool(executor.chunks)
-        # With chunked prefill the default budget holds a whole chunk and a decode row for every slot.
-        budget = max_num_batched_tokens or default_budget(executor.max_model_len) + (executor.slots if chunked else 0)
+        budget = max_num_batched_tokens or default_budget(executor.max_model_len, chunked, executor.slots)
         # Decode calls park their free rows in a slot's last decode_steps positions: no cached block reaches them.
         prefix = PrefixCache(executor.max_model_len - executor.decode_steps) if executor.prefix_caching else None
         # LoRA: the adapters this engine's buffers hold (lora/adapters.py); None serves the base model only.
@@ -268,6 +270,7 @@ class Engine(Engines):
         """One iteration, vLLM v1's ``EngineCore.step``: the ends asked for, the scheduler's plan, each call made
         and the request states updated from its output. The events of the step before are delivered while this
         step's first call computes (or at its end if it makes none); a prompt's first token right after it."""
+        started, waited_before = time.perf_counter(), output_wait()
         overlap = Overlap(self.states.deliver)
         self.states.abort(aborted or {})
         self.states.expire()
@@ -281,18 +284,26 @@ class Engine(Engines):
                 self.runner.move(call)
             else:
                 self._call(call, overlap, stats)
+        stats.seconds, stats.core_wait = time.perf_counter() - started, output_wait() - waited_before
         self._record(stats)
         overlap()  # no model call this step carried them
         return stats
 
-    def _call(self, call: Prefill | Decode | Mixed, overlap: Overlap, stats: StepStats) -> None:
+    def _call(self, call: Prefill | PrefillBatch | Decode | Mixed, overlap: Overlap, stats: StepStats) -> None:
         """One model call of the plan: made, its output applied, its time and padding recorded."""
         started = time.perf_counter()
-        if isinstance(call, Prefill):
+        if isinstance(call, PrefillBatch):
+            rows = self.states.rows(tuple(p.request_id for p in call.prompts))
+            self._queued(rows, started)
+            output = self.runner.prefill_batch(rows, overlap)
+        elif isinstance(call, Prefill):
             rows = self.states.rows((call.request_id,))
+            self._queued(rows, started)
             output = self.runner.prefill(rows[0], call.scored, call.cached, overlap)
         elif isinstance(call, Mixed):
             rows = [*self.states.rows(call.rows), self.states.open[call.chunk.request_id]]
+            if call.chunk.start == rows[-1].cached:  # its first chunk
+                self._queued(rows[-1:], started)
             output = self.runner.mixed(rows[:-1], rows[-1], call.chunk, overlap)
             stats.decode_rows, stats.chunk_tokens = len(rows) - 1, call.chunk.length
         else:
@@ -323,9 +334,17 @@ class Engine(Engines):
                 if rebucketing.family == family:
                     rebucketing.observe()
 
+    def _queued(self, seqs: list[Sequence], now: float) -> None:
+        """The time each of ``seqs`` waited for its prompt's prefill, which starts ``now``."""
+        for seq in seqs:
+            self.metrics.observe(self.metrics.queue, now - seq.arrival)
+
     def _record(self, stats: StepStats) -> None:
-        """A step's tokens and the gauges of the requests it leaves."""
+        """A step's tokens, its time (host and waiting for the core) and the gauges of the requests it leaves."""
         self.metrics.step_tokens(stats.prompt_tokens, stats.decode_rows, stats.chunk_tokens > 0)
+        if stats.calls:
+            self.metrics.observe(self.metrics.step_core_wait, stats.core_wait)
+            self.metrics.observe(self.metrics.step_host, stats.seconds - stats.core_wait)
         self.step_log.append((stats.prompt_tokens, stats.decode_rows, stats.chunk_tokens))
         scheduler = self.scheduler
         self.metrics.set(self.metrics.running, len(scheduler.running))

@@ -2,7 +2,9 @@
 
 Each entry names requests by id and slots by number, never a live request: the plan says what
 to do, the runner (runner/calls.py) does it, and the request-state owner (states.py) applies what came
-back. A step runs, in order, the prompts prefilled whole (each a call of its own; a prompt given
+back. A step runs, in order, the prompts prefilled whole (those from position 0 together, in
+:class:`PrefillBatch` calls of as many prompts as a compiled prefill takes; one after a cached
+prefix or asking for its prompt logprobs in a :class:`Prefill` call of its own; a prompt given
 a slot this step is first :class:`Admit`-ted: a cached prefix copied into its slot, its adapter
 set), the compaction :class:`Move`-s, and one call for every running row: a :class:`Decode`
 (or a verify round of speculative decoding), or with chunked prefill a :class:`Mixed` call that
@@ -36,6 +38,14 @@ class Prefill:
     length: int
     cached: int
     scored: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillBatch:
+    """Prompts prefilled whole in one call, each into its slot from position 0 (no cached prefix, no prompt
+    logprobs): the call's rows, longest prompt first."""
+
+    prompts: tuple[Prefill, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +84,7 @@ class Mixed:
     chunk: Chunk
 
 
-Call = Union[Admit, Prefill, Move, Decode, Mixed]
+Call = Union[Admit, Prefill, PrefillBatch, Move, Decode, Mixed]
 
 
 @dataclass
@@ -93,7 +103,9 @@ class StepPlan:
 
     @property
     def prefills(self) -> list[Prefill]:
-        return self.of(Prefill)
+        """Every prompt prefilled whole, alone or in a batch, in the order they run."""
+        return [p for call in self.calls if isinstance(call, (Prefill, PrefillBatch))
+                for p in (call.prompts if isinstance(call, PrefillBatch) else (call,))]
 
     @property
     def moves(self) -> list[Move]:

@@ -11,9 +11,12 @@ step holds as data (``plan.py``), and executes it (``engine.py``). The policy, i
    names a LoRA adapter needs a buffer slot for it (``max_loras``: written onto the core now, or
    it waits for one to free), one that asks for its prompt logprobs needs that model compiled (it
    is queued; the prompt waits, the ones behind go ahead). One that can never start fails.
-3. **Prompt tokens fill the rest of the budget.** Without chunked prefill, each admitted prompt
-   is prefilled whole, in a call of its own, while the step's prompt tokens stay within the
-   budget (the first prompt of a step always goes, so a longer one still runs, alone). With
+3. **Prompt tokens fill the rest of the budget.** Without chunked prefill, admitted prompts are
+   prefilled whole while the step's prompt tokens stay within the budget (the first prompt of a
+   step always goes, so a longer one still runs, alone): those from position 0 together, longest
+   first, in calls of as many prompts as a compiled prefill takes (``prefill_batch_buckets``), so
+   prompts arriving together do not queue one behind another; one after a cached prefix, or
+   asking for its prompt logprobs, in a call of its own. With
    ``enable_chunked_prefill``, a prompt is admitted only while fewer than
    ``max_num_partial_prefills`` are part way through their prefill, and its tokens go in chunks:
    one chunk a step, in the same compiled call as the decode rows (a mixed call, ``runner/mixed.py``),
@@ -30,8 +33,8 @@ step holds as data (``plan.py``), and executes it (``engine.py``). The policy, i
 5. A sequence that ends (EOS, a stop token or string, ``max_tokens``, a full context, an abort)
    gives its slot and its adapter's buffer slot back at once (:meth:`release`).
 
-The default budget, a quarter of ``max_model_len`` (at least 32 tokens), admits about one prompt
-per step when prompts are long; with chunked prefill it is that (the chunk) plus a token for every
+The default budget, ``max_model_len`` tokens, is what the largest prefill call holds; with chunked
+prefill it is a quarter of ``max_model_len`` (at least 32 tokens: the chunk) plus a token for every
 slot.
 
 The scheduler owns the slots, the waiting queue and the prefix cache (its only writer: what a slot
@@ -46,7 +49,7 @@ import heapq
 from collections import deque
 from typing import TYPE_CHECKING, Protocol
 
-from .plan import Admit, Chunk, Decode, Mixed, Move, Prefill, StepPlan
+from .plan import Admit, Chunk, Decode, Mixed, Move, Prefill, PrefillBatch, StepPlan
 from .request import Sequence, Status
 
 if TYPE_CHECKING:
@@ -67,10 +70,13 @@ class Models(Protocol):
     def rows_bucket(self, rows: int) -> int:
         """The decode bucket that ``rows`` rows run in."""
 
+    def prefill_rows(self, length: int) -> list[int]:
+        """The prompt counts a prefill call takes with prompts of at most ``length`` tokens (compiled so far)."""
 
-def default_budget(max_model_len: int) -> int:
-    """Prompt tokens prefilled per step when model.yaml does not say (see the module docstring)."""
-    return max(32, max_model_len // 4)
+
+def default_budget(max_model_len: int, chunked: bool, slots: int) -> int:
+    """A step's tokens when model.yaml does not say (see the module docstring)."""
+    return max(32, max_model_len // 4) + slots if chunked else max_model_len
 
 
 class Scheduler:
@@ -114,13 +120,17 @@ class Scheduler:
             whole = admitted
         else:
             whole, chunk = self._fill(admitted, decoding, budget, partial)
-        # Each admitted prompt is placed after the prompts admitted before it are prefilled: its cached prefix may
-        # be one of theirs, copied from their slot once written.
-        plan.calls = [self._prefill(seq) for seq in whole if seq not in admitted]
+        # Prompts from position 0 go first, together; each other admitted prompt is placed after the prompts admitted
+        # before it are prefilled: its cached prefix may be one of theirs, copied from their slot once written.
+        together = [seq for seq in whole if not seq.cached and seq.params.prompt_logprobs is None]
+        plan.calls = [self._admitted(seq) for seq in admitted if seq in together]
+        plan.calls += [PrefillBatch(tuple(map(self._prefill, group))) for group in self._batches(together)]
+        plan.calls += [self._prefill(seq) for seq in whole if seq not in admitted and seq not in together]
         for seq in admitted:
-            plan.calls.append(Admit(seq.request_id, seq.slot, seq.copy_from, seq.adapter_slot or 0))
-            if seq in whole:
-                plan.calls.append(self._prefill(seq))
+            if seq not in together:
+                plan.calls.append(self._admitted(seq))
+                if seq in whole:
+                    plan.calls.append(self._prefill(seq))
         if not whole and chunk is None:
             plan.calls += [self._move(seq, slot) for seq, slot in self._compaction()]
         # The rows of the step's batch call: the running ones, and the prompts prefilled whole before it (each then
@@ -131,6 +141,23 @@ class Scheduler:
         elif rows:
             plan.calls.append(Decode(rows))
         return plan
+
+    @staticmethod
+    def _admitted(seq: Sequence) -> Admit:
+        return Admit(seq.request_id, seq.slot, seq.copy_from, seq.adapter_slot or 0)
+
+    def _batches(self, seqs: list[Sequence]) -> list[list[Sequence]]:
+        """Prompts prefilled together, a list a call: filled longest first (a call pads to its first one's bucket),
+        each call the fewest prompts compiled that holds all left, or the most; the calls in arrival order."""
+        pending = sorted(seqs, key=lambda s: -len(s.prompt))
+        batches = []
+        while pending:
+            counts = self.models.prefill_rows(len(pending[0].prompt)) if self.models is not None else [1]
+            take = min((n for n in counts if n >= len(pending)), default=max(counts))
+            batches.append(pending[:take])
+            pending = pending[take:]
+        order = {id(seq): i for i, seq in enumerate(seqs)}
+        return sorted(batches, key=lambda batch: min(order[id(s)] for s in batch))
 
     @staticmethod
     def _prefill(seq: Sequence) -> Prefill:

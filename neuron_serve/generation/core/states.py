@@ -16,7 +16,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Callable
 
-from .plan import Decode, Mixed, Prefill
+from .plan import Decode, Mixed, Prefill, PrefillBatch
 from ..frontend.protocol import TokenEvent
 from .request import Sequence, Status
 from .stopping import stop_reason
@@ -95,6 +95,12 @@ class RequestStates:
         once: left for the next call to carry, it would wait for the decode step to be prepared and launched, or
         for the whole decode step when the prefill's own step runs one: the LLM example's first token, 8.8 against
         5.2 ms in process, 18.4 against 12.3 ms served)."""
+        if isinstance(call, PrefillBatch):
+            for seq, tokens in zip(rows, output.tokens):
+                self.scheduler.wrote(seq, len(seq.prompt))
+                self.append(seq, tokens[0])
+                self._prefilled(seq)
+            return True
         if isinstance(call, Prefill):
             [seq] = rows
             self.scheduler.wrote(seq, len(seq.prompt))

@@ -77,6 +77,15 @@ class Runner:
             [choice.Taken([seq], out, self.eos_token_ids).at(0)]
         return CallOutput([first], shape, used, prompt_logprobs=scores)
 
+    def prefill_batch(self, seqs: list[Sequence], overlap: Callable[[], None]) -> CallOutput:
+        """Each of ``seqs``' prompts written whole into its slot, in one call, and each one's first token."""
+        choices = choice.for_call(seqs) or [GREEDY] * len(seqs)
+        out, shape = self.executor.prefill_many([s.prompt for s in seqs], [s.slot for s in seqs], choices)
+        overlap()
+        taken = choice.Taken(seqs, out, self.eos_token_ids)
+        used = [("prefill", len(s.prompt), shape.tokens) for s in seqs]
+        return CallOutput([[taken.at(i)] for i in range(len(seqs))], shape, used)
+
     def decode(self, rows: list[Sequence], steps: int, overlap: Callable[[], None]) -> CallOutput:
         """One call for every running row: a verify round when proposals are wanted (and its model compiled), else
         a decode of ``steps`` tokens a row."""
@@ -90,7 +99,7 @@ class Runner:
         overlap()
         taken = choice.Taken(rows, out, self.eos_token_ids)
         tokens = [taken.steps(i) if shape.steps > 1 else [taken.at(i)] for i in range(len(rows))]
-        return CallOutput(tokens, shape, [("decode_rows", len(rows), shape.rows)])
+        return CallOutput(tokens, shape, _decode_used(rows, shape, shape.steps))
 
     def _verify(self, rows: list[Sequence], proposals: list[list[int]],
                 overlap: Callable[[], None]) -> CallOutput | None:
@@ -112,7 +121,8 @@ class Runner:
                 if model.token != proposal:  # the model's own choice ends the round (after the last proposal too)
                     break
             every.append(tokens)
-        return CallOutput(every, shape, [("decode_rows", len(rows), shape.rows)], proposals=proposals)
+        return CallOutput(every, shape, _decode_used(rows, shape, max(len(p) for p in proposals) + 1),
+                          proposals=proposals)
 
     def mixed(self, rows: list[Sequence], seq: Sequence, chunk: Chunk, overlap: Callable[[], None]) -> CallOutput:
         """One mixed call: every row's next token and ``chunk`` of ``seq``'s prompt written into its slot; a chunk
@@ -126,3 +136,10 @@ class Runner:
         taken = choice.Taken(every, out, self.eos_token_ids)
         tokens = [[taken.at(i)] for i in range(len(rows))] + [[taken.at(len(rows))] if chunk.last else []]
         return CallOutput(tokens, shape, used)
+
+
+def _decode_used(rows: list[Sequence], shape: Shape, tokens: int) -> list[tuple[str, int, int]]:
+    """A decode or verify call's padded dimensions: its rows, and the positions its longest row attends over (it
+    writes ``tokens`` a row) against its context bucket."""
+    return [("decode_rows", len(rows), shape.rows),
+            ("decode_context", max(s.position for s in rows) + tokens, shape.context)]

@@ -2,7 +2,7 @@
 
 As vLLM's v1 splits an engine from its executor and workers, the engine here keeps the
 request lifecycle and the scheduler, and hands each model call to an :class:`Executor`:
-prefill a prompt into a slot, decode one token (or ``decode_steps``) for the running
+prefill prompts into their slots, decode one token (or ``decode_steps``) for the running
 slots, copy a slot over another. :class:`CoreGroupExecutor` runs them on one core
 (tensor_parallel_size 1) or, as one SPMD program, on a group of cores whose weights
 and cache are split by the model's tensor-parallel plan (``tensor_parallel.py``). The
@@ -47,6 +47,15 @@ class Executor(abc.ABC):
     def prefill(self, prompt: Sequence[int], slot: int, choice: RowChoice = GREEDY) -> tuple[StepOutput, Shape]:
         """Write ``prompt`` into ``slot``; the output at its last token (chosen as ``choice`` says) and the
         bucket run."""
+
+    @abc.abstractmethod
+    def prefill_many(self, prompts: Sequence[Sequence[int]], slots: Sequence[int],
+                     choices: Sequence[RowChoice]) -> tuple[StepOutput, Shape]:
+        """Write each prompt into its slot in one call; the output at each one's last token, in the order given."""
+
+    @abc.abstractmethod
+    def prefill_rows(self, length: int) -> list[int]:
+        """The prompt counts a prefill call takes with prompts of at most ``length`` tokens (compiled so far)."""
 
     @abc.abstractmethod
     def extend(self, prompt: Sequence[int], slot: int, cached: int,
@@ -148,6 +157,16 @@ class CoreGroupExecutor(Executor):
         if self.model.draft is not None:  # the draft's cache holds every prompt too
             self.model.draft.prefill(prompt, slot)
         return self.model.prefill(prompt, slot, choice)
+
+    def prefill_many(self, prompts: Sequence[Sequence[int]], slots: Sequence[int],
+                     choices: Sequence[RowChoice]) -> tuple[StepOutput, Shape]:
+        if self.model.draft is not None:  # a draft prefills a prompt a call (its buckets are the model's alone)
+            for prompt, slot in zip(prompts, slots):
+                self.model.draft.prefill(prompt, slot)
+        return self.model.prefill_many(prompts, slots, choices)
+
+    def prefill_rows(self, length: int) -> list[int]:
+        return self.model.prefill_rows(length)
 
     def extend(self, prompt: Sequence[int], slot: int, cached: int,
                choice: RowChoice = GREEDY) -> tuple[StepOutput, Shape] | None:

@@ -2,14 +2,14 @@
 
 ``compiling.compile_generation`` runs neuron-serve's own pipeline on a transformers causal LM
 wrapped in :class:`~neuron_serve.generation.runner.slots.SlotLM`: ``bucket_model_trace``
-compiles one prefill model per prompt-length bucket (one row, writing one slot) and two
+compiles one prefill model per (prompts x prompt-length) bucket (each row writing its slot) and two
 decode models per (running-sequences bucket x context-length bucket), every one taking
 the cache as its ``shared_state_buffer``: one choosing each row's token by argmax, one
 by the sampler (``sample/sampler.py``) from each row's parameters, so a decode of greedy rows
 pays for no sampling. Analysis and partitioning run for each as for any model, so an
 operator the accelerator cannot run around the cache is refused naming it.
 
-:class:`GenerationModel` is what the engine calls: ``prefill`` one prompt into a slot,
+:class:`GenerationModel` is what the engine calls: ``prefill_many`` prompts into their slots,
 ``decode`` one token for each of a set of running sequences. Each call leaves the cache and
 the logits on the core and brings home one token id a row (and, sampled, whether the
 core could choose it); the logits cross only for a row the host chooses for (penalties, a
@@ -266,11 +266,17 @@ class GenerationModel:
         self.state.copy_row(src, dst, self.caches)
         self.slot_adapters[dst] = self.slot_adapters[src]
 
-    def prefill_shape(self, length: int) -> Shape:
+    def prefill_shape(self, length: int, prompts: int = 1) -> Shape:
+        """The compiled prefill of ``prompts`` prompts of at most ``length`` tokens that costs least."""
         if length > self.buckets.prefill[-1]:
             raise InvalidInput(f"a prompt of {length} tokens is longer than the largest prefill bucket "
                                f"({self.buckets.prefill[-1]}).")
-        return self._smallest("prefill", 1, length, length)
+        return self._smallest("prefill", prompts, length, length)
+
+    def prefill_rows(self, length: int) -> list[int]:
+        """The prompt counts a prefill call takes with prompts of at most ``length`` tokens, as compiled so far."""
+        bucket = self.prefill_shape(length).tokens
+        return sorted({s.rows for s in self._buckets if s.kind == "prefill" and s.tokens == bucket})
 
     @property
     def decode_steps(self) -> int:
@@ -292,8 +298,26 @@ class GenerationModel:
     def prefill(self, prompt: Sequence[int], slot: int, choice: RowChoice = GREEDY) -> tuple["StepOutput", Shape]:
         """Write ``prompt`` (token ids) into ``slot``; the output at its last token (one row, its token chosen as
         ``choice`` says) and the bucket run."""
-        shape = self.prefill_shape(len(prompt))
-        return self._run(shape, self._prompt_inputs(shape, prompt, slot, choice)).rows(torch.tensor([0])), shape
+        return self.prefill_many([prompt], [slot], [choice])
+
+    def prefill_many(self, prompts: Sequence[Sequence[int]], slots: Sequence[int],
+                     choices: Sequence[RowChoice]) -> tuple["StepOutput", Shape]:
+        """Write each prompt into its slot in one call (the smallest compiled prefill that holds them); the output
+        at each prompt's last token, in the order given (each token chosen as its ``choices`` entry says), and
+        the bucket run. The call's rows past the prompts repeat the first prompt: the same values written at the
+        same places of its slot, which leaves the cache as one write does."""
+        shape = self.prefill_shape(max(len(p) for p in prompts), len(prompts))
+        rows, width = shape.rows, shape.tokens
+        every = [*range(len(prompts))] + [0] * (rows - len(prompts))
+        tokens = torch.zeros(rows, width, dtype=torch.long)
+        for row, i in enumerate(every):
+            tokens[row, :len(prompts[i])] = torch.as_tensor(prompts[i], dtype=torch.long)
+        positions = torch.arange(width).expand(rows, width).contiguous()
+        last = torch.tensor([[len(prompts[i]) - 1] for i in every])
+        slot_rows = [slots[i] for i in every]
+        inputs = [tokens, positions, torch.tensor(slot_rows), last, *row_parameters([choices[i] for i in every], rows),
+                  *self._adapters(slot_rows)]
+        return self._run(shape, inputs).rows(torch.arange(len(prompts))), shape
 
     def extend(self, prompt: Sequence[int], slot: int, cached: int,
                choice: RowChoice = GREEDY) -> tuple["StepOutput", Shape] | None:

@@ -2,14 +2,29 @@
 
 A call returns as soon as the core has it; :class:`StepOutput` brings home one token id a row
 (and, for a sampled call, whether the core could choose it) when first read, all in one
-transfer, and the logits only for a row the host chooses for.
+transfer, and the logits only for a row the host chooses for. The time a thread spends waiting for
+them is counted (:func:`waited`): an engine step's time less it is the host's part of the step.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+
 import torch
 
 from ...targets.pjrt import xla
+
+_waiting = threading.local()
+
+
+def waited() -> float:
+    """Seconds the calling thread has waited so far for calls' outputs to come home (the core computing them)."""
+    return getattr(_waiting, "seconds", 0.0)
+
+
+def _count_wait(started: float) -> None:
+    _waiting.seconds = waited() + time.perf_counter() - started
 
 
 class _Outputs:
@@ -26,7 +41,9 @@ class _Outputs:
         """[tokens] or [tokens, done] on the host; the first read waits for the call to finish."""
         if self._home is None:
             moving = [t for t in self.on_core if t.device.type == "xla"]
+            started = time.perf_counter()
             fetched = iter(xla()._XLAC._xla_get_cpu_tensors(moving) if moving else [])
+            _count_wait(started)
             self._home = [next(fetched) if t.device.type == "xla" else t for t in self.on_core]
         return self._home
 
@@ -69,4 +86,7 @@ class StepOutput:
     def logits(self) -> torch.Tensor:
         """Each row's logits (rows, [steps,] vocab), copied to the host: for penalties, logprobs and the
         choices the core left to the host."""
-        return self._outputs.logits.cpu()[self._index]
+        started = time.perf_counter()
+        logits = self._outputs.logits.cpu()
+        _count_wait(started)
+        return logits[self._index]

@@ -1,6 +1,6 @@
 """The shapes a causal LM is compiled at for generation, and the module and example inputs of each.
 
-A :class:`Shape` names one compiled model: a prefill (one row, one prompt-length bucket), a
+A :class:`Shape` names one compiled model: a prefill (prompts x prompt-length bucket), a
 decode (rows x context, one or ``decode_steps`` steps, by argmax or sampled), an extend
 (prefix caching), a verify (speculation) or the prefill that keeps every position's logits.
 :func:`shapes_of` lists a model.yaml's, :func:`slot_module` is what each compiles
@@ -39,7 +39,7 @@ class Shape:
     def label(self) -> str:
         """The bucket label of metrics and logs: prefill_64, decode_8x256, decode_8x256_steps4_sampled."""
         if self.kind == "prefill":
-            return f"prefill_{self.tokens}"
+            return f"prefill_{self.tokens}" if self.rows == 1 else f"prefill_{self.rows}x{self.tokens}"
         if self.kind == "scored":
             return f"prefill_{self.tokens}_every_position"
         if self.kind == "extend":
@@ -53,8 +53,9 @@ class Shape:
 
 
 def shapes_of(buckets: GenerationBuckets) -> list[Shape]:
-    """Every compiled model, in bucket order: prefill buckets, then decode (rows-major), greedy then sampled."""
-    shapes = [Shape("prefill", 1, length, length, sampled=True) for length in buckets.prefill]
+    """Every compiled model, in bucket order: prefill buckets (one prompt, then several), then decode (rows-major),
+    greedy then sampled."""
+    shapes = [Shape("prefill", rows, length, length, sampled=True) for rows, length in buckets.prefills]
     decode = [(rows, context) for rows in buckets.decode_rows for context in buckets.decode_context]
     steps = [1, buckets.decode_steps] if buckets.decode_steps > 1 else [1]
     forms = (False, True) if buckets.sampled else (False,)

@@ -11,10 +11,10 @@ one piece written here, because a transformers
 ``StaticCache`` writes every row of a batch at the same positions, where continuous
 batching needs each sequence at its own slot and position.
 
-:class:`SlotLM` runs in one of two forms, each compiled per bucket:
+:class:`SlotLM` runs in one of these forms, each compiled per bucket:
 
-- prefill (``context=None``): one prompt, padded, written into one slot at positions
-  0..T-1; its attention reads only its own new keys and values, never the cache.
+- prefill (``context=None``): a prompt a row, padded, each written into its row's slot at
+  positions 0..T-1; its attention reads only its own new keys and values, never the cache.
 - decode (``context=C``): row r is slot r, one token each at its own position;
   attention reads the first C positions of slots 0..rows-1, a static slice of the
   cache (no gather). Rows whose slot is free carry token 0 at the last position, which

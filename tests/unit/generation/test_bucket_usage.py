@@ -71,7 +71,9 @@ def test_the_sizes_are_kept_in_the_compile_cache_and_the_cli_proposes_buckets_fr
     name, cache = served
     kept = json.loads((cache / "traffic" / name / "0.json").read_text())
     assert kept == {"model": name, "replica": "0",
-                    "sizes": {"prefill": {"5": 1, "20": 1}, "decode_rows": {"1": 4}}}
+                    "sizes": {"prefill": {"5": 1, "20": 1}, "decode_rows": {"1": 4},
+                              # the positions each decode's row attended over: 5 and 6 of the first, 20, 21
+                              "decode_context": {"6": 1, "7": 1, "21": 1, "22": 1}}}
     config = tmp_path / "model.yaml"
     config.write_text(yaml.safe_dump({"name": name, "task": "generate",
                                       "model": {"factory": "generation_models:build"}, "generation": GENERATION}))
@@ -88,7 +90,21 @@ def test_the_sizes_are_kept_in_the_compile_cache_and_the_cli_proposes_buckets_fr
                            str(config)], capture_output=True, text=True, env=env, timeout=120).stdout
     assert "  today    [16, 48]: padded work 2.56x the real" in text
     assert "  proposed [20, 48]: padded work 1.60x the real" in text
-    assert text.endswith("generation:\n  prefill_buckets: [20, 48]\n  decode_batch_buckets: [1]\n")
+    assert text.endswith("generation:\n  prefill_buckets: [20, 48]\n  decode_batch_buckets: [1]\n"
+                         "  decode_context_buckets: [48]\n")
+
+
+def test_decode_context_buckets_are_proposed_from_the_positions_decode_calls_attended_over(tmp_path, capsys):
+    config = tmp_path / "model.yaml"
+    config.write_text(yaml.safe_dump({"name": "lm", "task": "generate", "model": {"factory": "x:y"},
+                                      "generation": {**GENERATION, "decode_context_buckets": [24, 48]}}))
+    sizes = tmp_path / "sizes.json"
+    sizes.write_text(json.dumps({"decode_context": {"9": 30, "12": 50, "40": 5}}))
+    assert cli.main(["buckets", str(config), "--sizes", str(sizes), "--json"]) == 0
+    context = json.loads(capsys.readouterr().out)["decode_context"]
+    # Today 9 and 12 run as 24, 40 as 48: (80 x 24 + 5 x 48) / 990; [12, 48] runs them as 12 and 48.
+    assert (context["today"], context["proposed"]) == ([24, 48], [12, 48])
+    assert context["padding_proposed"] == pytest.approx((80 * 12 + 5 * 48) / (9 * 30 + 12 * 50 + 40 * 5))
 
 
 def test_a_file_of_sizes_and_a_budget_of_buckets(tmp_path, capsys):
@@ -140,10 +156,12 @@ def test_auto_buckets_are_learned_from_the_recorded_calls_once_there_are_enough(
     assert wanted[-1] == 48 and 20 in wanted and len(wanted) == len(defaults.prefill)
     compile_cache.configure(cache)
     try:
-        auto = GenerationSettings(**base, prefill_buckets="auto", decode_batch_buckets="auto", learn_buckets_after=2)
+        auto = GenerationSettings(**base, prefill_buckets="auto", decode_batch_buckets="auto",
+                                  decode_context_buckets="auto", learn_buckets_after=2)
         with caplog.at_level("INFO", logger="neuron_serve"):
             buckets = checked_buckets(lm, auto, name=name)
-        assert (buckets.prefill, buckets.decode_rows) == (wanted, [1])
+        assert (buckets.prefill, buckets.decode_rows, buckets.decode_context) == (wanted, [1], [48])
+        assert "model usage: generation.decode_context_buckets [48], learned from 4 recorded calls" in caplog.text
         assert (f"model usage: generation.prefill_buckets {wanted}, learned from 2 recorded calls: padded work "
                 f"{traffic.padding({5: 1, 20: 1}, wanted):.2f}x the real, against "
                 f"{traffic.padding({5: 1, 20: 1}, defaults.prefill):.2f}x with the defaults {defaults.prefill}") \
@@ -175,6 +193,6 @@ def test_learn_buckets_after_needs_an_auto_family():
     from neuron_serve.config.generation import GenerationSettings  # noqa: PLC0415
     from neuron_serve.errors import ConfigError  # noqa: PLC0415
 
-    with pytest.raises(ConfigError, match="learn_buckets_after: applies with prefill_buckets or decode_batch_buckets "
-                                          "auto; set one to auto or remove learn_buckets_after"):
+    with pytest.raises(ConfigError, match="learn_buckets_after: applies with prefill_buckets, decode_batch_buckets or "
+                                          "decode_context_buckets auto; set one to auto or remove learn_buckets_after"):
         GenerationSettings.checked({"prefill_buckets": [16], "learn_buckets_after": 3})

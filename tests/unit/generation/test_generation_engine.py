@@ -468,8 +468,9 @@ def test_an_engine_per_core_each_with_its_own_cache():
     assert result["scored"] == [True] * 4
     # A switch of prefill buckets while serving reaches both engines: each drops prefill 16 for 8 (one compiled,
     # the other models kept), and greedy and sampled rows on both answer as transformers does after it.
-    assert result["rebucketed"]["prefill"] == [[8, 48]] * 2 and result["rebucketed"]["buckets"] == [[8, 48]] * 2
-    assert (result["rebucketed"]["compiled"], result["rebucketed"]["equal"]) == (1, [True] * 8)
+    assert result["rebucketed"]["prefill"] == [["prefill_8", "prefill_48", "prefill_4x8"]] * 2
+    assert result["rebucketed"]["buckets"] == [[8, 48]] * 2
+    assert (result["rebucketed"]["compiled"], result["rebucketed"]["equal"]) == (2, [True] * 8)
     # LoRA over both engines: 8 sampled and greedy rows over two adapters and the base, then 4 sampled rows of an
     # adapter loaded on the group, each its PEFT model's; both engines wrote adapters into their buffers.
     assert result["lora"]["equal"] == [True] * 12

@@ -24,7 +24,8 @@ PROMPTS = [list(range(1, 6)), list(range(40, 48))]  # 5 and 8 tokens
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
 SAMPLED = SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=5)
 SETTINGS = {"max_num_seqs": 4, "max_model_len": 48, "prefill_buckets": "auto", "decode_batch_buckets": "auto",
-            "learn_buckets_after": 4, "decode_context_buckets": [48]}
+            "learn_buckets_after": 4, "decode_context_buckets": [48],
+            "prefill_batch_buckets": [1]}  # a prompt a call: the models a switch adds are its family's alone
 OTHER_ROWS = 100_000  # decode calls of 3 rows another replica recorded: they outweigh this one's single rows
 
 

@@ -58,7 +58,8 @@ def served(tmp_path_factory):
     lm, peft = gm.base_and_adapters(root, ADAPTERS)
     config = parse_config({
         "name": "lora", "task": "generate", "model": {"pretrained": "llama"},
-        "generation": {"max_num_seqs": 4, "max_model_len": 48, "prefill_buckets": [48], "decode_batch_buckets": [4],
+        "generation": {"max_num_seqs": 4, "max_model_len": 48, "prefill_buckets": [12, 48],
+                       "prefill_batch_buckets": [1, 4], "decode_batch_buckets": [4],
                        "decode_context_buckets": [48], "on_device_sampling": False, "enable_prefix_caching": True,
                        "lora": {**LORA, "lora_modules": {name: name for name in ("attention", "mlp", "layer-1")}}}})
     front = build_engine(config, root)
@@ -69,6 +70,11 @@ def served(tmp_path_factory):
 def hits() -> float:
     """Prompt tokens the engine's prefix cache has reused so far."""
     return REGISTRY.get_sample_value("neuron_serve_prefix_cache_hits_total", {"model_name": "lora", "replica": "0"}) or 0.0
+
+
+def prefill_calls(label: str) -> float:
+    return REGISTRY.get_sample_value("neuron_serve_generation_step_seconds_count",
+                                     {"model_name": "lora", "replica": "0", "bucket": label}) or 0.0
 
 
 def check(done, models, prompt_ids):
@@ -83,9 +89,11 @@ def test_rows_of_three_adapters_and_the_base_in_one_batch_each_equal_peft(served
     names = ["attention", None, "mlp", "layer-1", "attention", None]
     asked = prompts(len(names), 9, seed=3)
     compiles = subgraph._compiles
+    batched = prefill_calls("prefill_4x12")
     done = front.generate_batch(asked, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, logprobs=0),
                                 adapters=names, timeout=300)
     check(done, [lm if n is None else peft[n] for n in names], asked)
+    assert prefill_calls("prefill_4x12") > batched  # prompts of different adapters prefilled in one call
     [engine] = front.engines.engines
     adapters = engine.adapters
     # Three adapters through two slots: one waited for a slot, and a slot was written again; nothing compiled.
@@ -165,7 +173,8 @@ def test_speculative_decoding_verifies_each_row_under_its_own_adapter(served, pr
     model = f"lora-speculative-{proposer['method']}"
     config = parse_config({
         "name": model, "task": "generate", "model": {"pretrained": "llama"}, "background_compile": False,
-        "generation": {"max_num_seqs": 4, "max_model_len": 48, "prefill_buckets": [48], "decode_batch_buckets": [4],
+        "generation": {"max_num_seqs": 4, "max_model_len": 48, "prefill_buckets": [12, 48],
+                       "prefill_batch_buckets": [1, 4], "decode_batch_buckets": [4],
                        "decode_context_buckets": [48], "on_device_sampling": False,
                        "speculative_config": {**proposer, "num_speculative_tokens": 2},
                        "lora": {**LORA, "lora_modules": {name: name for name in ("attention", "mlp")}}}})

@@ -1,6 +1,6 @@
 """The scheduler's policy (generation/core/scheduler.py), step by step, with no model: what each plan (data: request ids
 and slots) holds under the token budget, without and with chunked prefill. ``Compiled`` says what the engine's compiled models take, as the
-executor does (its chunk_capacity, can_score, rows_bucket), so the plans are the ones an engine would get."""
+executor does (its chunk_capacity, can_score, rows_bucket, prefill_rows), so the plans are the ones an engine would get."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from neuron_serve.generation.sample.sampling import SamplingParams
 from neuron_serve.generation.core.request import Sequence
+from neuron_serve.generation.core.plan import PrefillBatch
 from neuron_serve.generation.core.scheduler import Scheduler
 
 
@@ -16,6 +17,10 @@ class Compiled:
     """Mixed models taking chunks of up to ``chunk`` tokens (0: none compiled); every prefill kind compiled."""
 
     chunk: int = 0
+    prompts: tuple[int, ...] = (1,)  # prompt counts a prefill call takes
+
+    def prefill_rows(self, length: int) -> list[int]:
+        return list(self.prompts)
 
     def chunk_capacity(self, rows: int) -> int:
         return self.chunk
@@ -68,6 +73,24 @@ def test_without_chunking_prompts_are_prefilled_whole_under_the_budget_in_the_lo
     plan = scheduler.schedule()
     assert [(p.request_id, p.slot) for p in plan.prefills] == [("d", 0)]  # the freed low slot
     assert list(plan.decode) == ["d", "b", "c"]
+
+
+def test_prompts_admitted_together_are_prefilled_together_longest_first_in_the_calls_compiled():
+    scheduler = Scheduler(slots=8, max_num_batched_tokens=512, models=Compiled(prompts=(1, 4)))
+    for name, length in [("a", 5), ("b", 30), ("c", 12), ("d", 7), ("e", 9), ("f", 3)]:
+        scheduler.add(_seq(name, length))
+    plan = scheduler.schedule()
+    # Six prompts: a call of the longest four (it pads to the longest's bucket), the 2 left in a call of 4; the call
+    # holding the first to arrive goes first.
+    batches = [[p.request_id for p in call.prompts] for call in plan.calls if isinstance(call, PrefillBatch)]
+    assert batches == [["a", "f"], ["b", "c", "e", "d"]]
+    assert [a.request_id for a in plan.admitted] == ["a", "b", "c", "d", "e", "f"]
+    assert plan.calls.index(plan.admitted[-1]) < plan.calls.index(next(c for c in plan.calls if isinstance(c, PrefillBatch)))
+    assert list(plan.decode) == ["a", "b", "c", "d", "e", "f"] and plan.prompt_tokens == 66
+    _run(scheduler, plan)
+    scheduler.add(_seq("g", 4))
+    plan = scheduler.schedule()  # one prompt: a call of its own
+    assert [[p.request_id for p in c.prompts] for c in plan.calls if isinstance(c, PrefillBatch)] == [["g"]]
 
 
 def test_with_chunking_decode_rows_go_first_and_one_chunk_fills_the_rest_of_the_budget():

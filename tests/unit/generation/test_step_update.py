@@ -16,7 +16,7 @@ from generation_models import ATTENTION, make_adapter
 from neuron_serve.generation.lora.adapters import AdapterPolicy, Adapters
 from neuron_serve.generation.lora.adapter import LoraBase
 from neuron_serve.generation.core.metrics import EngineMetrics
-from neuron_serve.generation.core.plan import Admit, Decode, Prefill
+from neuron_serve.generation.core.plan import Admit, Decode, Prefill, PrefillBatch
 from neuron_serve.generation.core.prefix_cache import BLOCK, PrefixCache
 from neuron_serve.generation.core.request import Sequence, Status
 from neuron_serve.generation.runner.calls import CallOutput
@@ -74,8 +74,8 @@ def test_a_plan_holds_request_ids_and_slots_in_the_order_its_calls_run():
     engine.submit("a", [1, 3, 4])
     engine.submit("b", [1, 3, 5, 6])
     plan = engine.scheduler.schedule()
-    assert plan.calls == [Admit("a", 0, None, 0), Prefill("a", 0, 3, 0, False), Admit("b", 1, None, 0),
-                          Prefill("b", 1, 4, 0, False), Decode(("a", "b"))]
+    assert plan.calls == [Admit("a", 0, None, 0), Admit("b", 1, None, 0), PrefillBatch((Prefill("a", 0, 3, 0, False),)),
+                          PrefillBatch((Prefill("b", 1, 4, 0, False),)), Decode(("a", "b"))]
     for call in plan.calls:  # data only: what a call names is a string, a number or a tuple of them
         assert all(isinstance(v, (str, int, bool, tuple, type(None))) for v in dataclasses.astuple(call))
     assert [s.status for s in engine.scheduler.running.values()] == [Status.PREFILLING, Status.PREFILLING]
