@@ -3,13 +3,15 @@
     python -m bench.generate_http [--quick] [--out DIR] [--servers a,b]   # also a part of python -m bench
 
 One model directory, deployments/llm/ (``make llm-example``: SmolLM2-135M-Instruct, 30 layers, float32,
-with its own tokenizer), served by four servers, one at a time (each is started, measured and stopped before
+with its own tokenizer), served by five servers, one at a time (each is started, measured and stopped before
 the next starts):
 
-1. ``neuron-serve``: ``neuron-serve deploy`` of deployments/llm.yaml with room for the workload, written to
-   ``<out>/neuron-serve-llm.yaml``: ``max_model_len`` 512 (200 prompt + 128 new tokens at most) and
-   ``max_num_seqs`` 32 (the highest concurrency, so no request waits for a KV-cache slot; the peers have no
-   such bound), decode buckets of 1, 8 and 32 rows. Measured once its background compile is done.
+1. ``neuron-serve``: ``neuron-serve deploy`` of deployments/llm.yaml as the project ships it (the model
+   directory made absolute), written to ``<out>/neuron-serve-llm.yaml``; it must hold 16 sequences of 512
+   tokens (200 prompt + 128 new tokens at most), so no request waits for a KV-cache slot (the peers have no
+   such bound). Measured once its background compile is done.
+1b. ``neuron-serve-defaults``: the model.yaml a newcomer writes (``task: generate``, ``model.pretrained``,
+   ``max_num_seqs: 16``, ``max_model_len: 512``, every bucket list by default), ``<out>/neuron-serve-defaults-llm.yaml``.
 2. ``transformers-cb``: ``transformers serve --continuous-batching`` with the directory
    as its model (a local path is served as it is, named by that path), sdpa attention,
    a paged cache of 64 pages of 256 tokens (32 sequences x 512, as bench/generate.py; auto-
@@ -22,8 +24,8 @@ the next starts):
 Workload: a seeded list of text prompts whose lengths under the model's tokenizer are 8 to
 200 tokens, each with 16 to 128 new tokens, the same list for every server; streamed
 ``/v1/completions`` at temperature 0 (greedy), ``concurrency`` requests in flight (aiohttp,
-closed loop) at concurrency 1, 8 and 32; then sampled (temperature 0.8, top_p 0.95, a seed a
-request) at concurrency 8 and 32. Each point sends its own slice of the list (no
+closed loop) at concurrency 1 and 16; then sampled (temperature 0.8, top_p 0.95, a seed a
+request) at concurrency 16. Each point sends its own slice of the list (no
 prompt is sent twice to a server, so no prefix cache can help); a few short requests warm
 each server up first.
 
@@ -39,8 +41,8 @@ Figures per (server, concurrency): output tokens/s (completion tokens over the w
 from the first request sent to the last answer), time to first token (request sent to the
 first chunk with text) and time per output token per request ((last token time - first
 token time) / (tokens - 1), the last token's time being the chunk that ends the choice),
-p50 and p99. Then neuron-serve against the best peer: tokens/s at concurrency 32, TTFT and
-TPOT at concurrency 1. Writes generate_http.md (printed too) and generate_http.json.
+p50 and p99. Then each neuron-serve configuration against the best peer: tokens/s and TTFT at
+concurrency 16, TTFT and TPOT at concurrency 1. Writes generate_http.md (printed too) and generate_http.json.
 
 With ``--proposed``, neuron-serve is served again (``neuron-serve-proposed``) on the prefill and decode-rows
 buckets ``neuron-serve buckets`` proposes from the sizes its first run recorded in the compile cache (as many as
@@ -69,13 +71,14 @@ from . import servers
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 MODEL_DIR = ROOT / "deployments" / "llm"
-CONCURRENCY = (1, 8, 32)
-REQUESTS = {"full": {1: 8, 8: 32, 32: 96}, "quick": {1: 4, 8: 16, 32: 32}}  # requests per point
-SAMPLED = {"full": {8: 32, 32: 96}, "quick": {8: 16, 32: 32}}  # the sampled points' requests
+CONCURRENCY = (1, 16)
+REQUESTS = {"full": {1: 8, 16: 64}, "quick": {1: 4, 16: 32}}  # requests per point
+SAMPLED = {"full": {16: 64}, "quick": {16: 32}}  # the sampled points' requests
 SAMPLING = {"temperature": 0.8, "top_p": 0.95}
 WARMUP = 4  # short requests (8 new tokens), all at once, before a server's first point
 PROMPT_TOKENS, NEW_TOKENS = (8, 200), (16, 128)
 MAX_MODEL_LEN = 512
+DEFAULTS_YAML = "neuron-serve-defaults-llm.yaml"
 REQUEST_TIMEOUT_S = 600
 
 
@@ -269,16 +272,29 @@ def no_eos_config(model_dir: Path) -> str:
 
 def write_neuron_serve_yaml(model_dir: Path, path: Path, prefill: list[int] | None = None,
                             decode_rows: list[int] | None = None) -> None:
-    """deployments/llm.yaml with room for the workload: the model dir absolute, 512 positions, 32 slots; the
-    prefill and decode-rows buckets given (the proposed ones), else 64 and 512 tokens, 1, 8 and 32 rows."""
+    """deployments/llm.yaml as it is, the model dir absolute (its slots and max_model_len hold the workload); the
+    prefill and decode-rows buckets given (the proposed ones) in place of its own."""
     import yaml  # noqa: PLC0415
 
     config = yaml.safe_load((ROOT / "deployments" / "llm.yaml").read_text())
     config["model"]["pretrained"] = str(model_dir.resolve())
-    config.setdefault("generation", {}).update(max_model_len=MAX_MODEL_LEN, max_num_seqs=max(CONCURRENCY),
-                                               prefill_buckets=prefill or [64, MAX_MODEL_LEN],
-                                               decode_batch_buckets=decode_rows or [1, 8, max(CONCURRENCY)],
-                                               decode_context_buckets=[MAX_MODEL_LEN])
+    generation = config.setdefault("generation", {})
+    if generation.get("max_num_seqs", 0) < max(CONCURRENCY) or generation.get("max_model_len", 0) < MAX_MODEL_LEN:
+        raise SystemExit(f"deployments/llm.yaml must hold {max(CONCURRENCY)} sequences of {MAX_MODEL_LEN} tokens")
+    if prefill:
+        generation["prefill_buckets"] = prefill
+    if decode_rows:
+        generation["decode_batch_buckets"] = decode_rows
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def write_defaults_yaml(model_dir: Path, path: Path) -> None:
+    """The model.yaml a newcomer writes: the model, a slot for each stream, max_model_len for the workload, and
+    every bucket list by default."""
+    import yaml  # noqa: PLC0415
+
+    config = {"name": "llm", "task": "generate", "model": {"pretrained": str(model_dir.resolve())},
+              "generation": {"max_num_seqs": max(CONCURRENCY), "max_model_len": MAX_MODEL_LEN}}
     path.write_text(yaml.safe_dump(config, sort_keys=False))
 
 
@@ -321,9 +337,13 @@ def specs(model_dir: Path, llm_yaml: Path, python: str = sys.executable) -> dict
              "--attn-implementation", "sdpa"]
     ignore_eos, no_eos = {"ignore_eos": True}, {"generation_config": no_eos_config(model_dir)}
     return {spec.key: (spec, name, extra) for spec, name, extra in [
-        (servers.ServerSpec("neuron-serve", "neuron-serve (OpenAI API)",
+        (servers.ServerSpec("neuron-serve", "neuron-serve, the example's model.yaml (OpenAI API)",
                             [str(bindir / "neuron-serve"), "deploy", str(llm_yaml),
                              "--host", "127.0.0.1", "--port", "18810", "--no-grpc"], 18810, startup_s=2400,
+                            replica_marker="ray::ServeReplica:", ready_line=servers.READY_LINE), "llm", ignore_eos),
+        (servers.ServerSpec("neuron-serve-defaults", "neuron-serve, the buckets by default (OpenAI API)",
+                            [str(bindir / "neuron-serve"), "deploy", str(llm_yaml.with_name(DEFAULTS_YAML)),
+                             "--host", "127.0.0.1", "--port", "18814", "--no-grpc"], 18814, startup_s=2400,
                             replica_marker="ray::ServeReplica:", ready_line=servers.READY_LINE), "llm", ignore_eos),
         (servers.ServerSpec("transformers-cb", "transformers serve --continuous-batching",
                             serve + ["--port", "18811", "--continuous-batching", "--cb-num-blocks", "64"], 18811,
@@ -398,34 +418,40 @@ def ms(seconds: float | None) -> str:
     return "n/a" if seconds is None else f"{seconds * 1000:.1f}"
 
 
+OURS = ("neuron-serve", "neuron-serve-defaults")  # the example's model.yaml, and the one a newcomer writes
+
+
 def ratios(systems: dict) -> dict:
-    """neuron-serve against the best peer: tokens/s at the highest concurrency, TTFT and TPOT at 1."""
-    def point(key, conc):
-        p = systems.get(key, {}).get("points", {}).get(conc)
+    """Each neuron-serve configuration against the best peer: tokens/s and TTFT p50 at the highest concurrency
+    (greedy and sampled), TTFT and TPOT at 1."""
+    def point(key, conc, kind="points"):
+        p = systems.get(key, {}).get(kind, {}).get(conc)
         return p if p and p["errors"] < p["requests"] else None
 
-    ours, peers, result = "neuron-serve", [k for k in systems if not k.startswith("neuron-serve")], {}
+    peers, result = [k for k in systems if not k.startswith("neuron-serve")], {}
     top, one = max(CONCURRENCY), min(CONCURRENCY)
-    theirs = [(k, p) for k in peers if (p := point(k, top))]
-    if point(ours, top) and theirs:
-        best, p = max(theirs, key=lambda kp: kp[1]["tokens_per_s"])
-        result[f"tokens_per_s_c{top}"] = {"peer": best, "ratio": point(ours, top)["tokens_per_s"] / p["tokens_per_s"]}
-    for figure in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"):
-        theirs = [(k, p) for k in peers if (p := point(k, one)) and p[figure]]
-        if point(ours, one) and point(ours, one)[figure] and theirs:
-            best, p = min(theirs, key=lambda kp: kp[1][figure])
-            result[f"{figure[:-2]}_c{one}"] = {"peer": best, "ratio": point(ours, one)[figure] / p[figure]}
-    sampled = {k: e.get("sampled", {}).get(top) for k, e in systems.items()}
-    theirs = [(k, p) for k, p in sampled.items() if k != ours and p and p["errors"] < p["requests"]]
-    if sampled.get(ours) and theirs:
-        best, p = max(theirs, key=lambda kp: kp[1]["tokens_per_s"])
-        result[f"sampled_tokens_per_s_c{top}"] = {"peer": best,
-                                                  "ratio": sampled[ours]["tokens_per_s"] / p["tokens_per_s"]}
-    # The proposed buckets against the defaults (above 1: the proposed are better).
+    for ours in [k for k in OURS if k in systems]:
+        found = result[ours] = {}
+        for kind, prefix in (("points", ""), ("sampled", "sampled_")):
+            theirs = [(k, p) for k in peers if (p := point(k, top, kind))]
+            if point(ours, top, kind) and theirs:
+                best, p = max(theirs, key=lambda kp: kp[1]["tokens_per_s"])
+                found[f"{prefix}tokens_per_s_c{top}"] = {
+                    "peer": best, "ratio": point(ours, top, kind)["tokens_per_s"] / p["tokens_per_s"]}
+                best, p = min(theirs, key=lambda kp: kp[1]["ttft_p50_s"] or float("inf"))
+                if p["ttft_p50_s"] and point(ours, top, kind)["ttft_p50_s"]:
+                    found[f"{prefix}ttft_p50_c{top}"] = {
+                        "peer": best, "ratio": point(ours, top, kind)["ttft_p50_s"] / p["ttft_p50_s"]}
+        for figure in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"):
+            theirs = [(k, p) for k in peers if (p := point(k, one)) and p[figure]]
+            if point(ours, one) and point(ours, one)[figure] and theirs:
+                best, p = min(theirs, key=lambda kp: kp[1][figure])
+                found[f"{figure[:-2]}_c{one}"] = {"peer": best, "ratio": point(ours, one)[figure] / p[figure]}
+    # The proposed buckets against the example's (above 1: the proposed are better).
     for conc in CONCURRENCY:
-        default, proposed = point(ours, conc), point("neuron-serve-proposed", conc)
+        default, proposed = point("neuron-serve", conc), point("neuron-serve-proposed", conc)
         if default and proposed:
-            result[f"proposed_c{conc}"] = {
+            result.setdefault("proposed", {})[f"c{conc}"] = {
                 "ttft_p50": default["ttft_p50_s"] / proposed["ttft_p50_s"],
                 "tpot_p50": default["tpot_p50_s"] / proposed["tpot_p50_s"],
                 "tokens_per_s": proposed["tokens_per_s"] / default["tokens_per_s"]}
@@ -446,23 +472,27 @@ def report(figures: dict) -> str:
                          f"{ms(p['ttft_p50_s'])} / {ms(p['ttft_p99_s'])} | {ms(p['tpot_p50_s'])} / "
                          f"{ms(p['tpot_p99_s'])} | {p['errors']} | {p['short']} |")
     labels = {k: e["label"] for k, e in systems.items()}
-    found = figures["ratios"]
-    lines += ["", "neuron-serve against the best peer of the same run (n/a: a figure is missing):", ""]
-    for name, text in [(f"tokens_per_s_c{max(CONCURRENCY)}", f"output tok/s at concurrency {max(CONCURRENCY)}"),
-                       (f"sampled_tokens_per_s_c{max(CONCURRENCY)}",
-                        f"output tok/s at concurrency {max(CONCURRENCY)}, sampled"),
-                       (f"ttft_p50_c{min(CONCURRENCY)}", "TTFT p50 at concurrency 1"),
-                       (f"ttft_p99_c{min(CONCURRENCY)}", "TTFT p99 at concurrency 1"),
-                       (f"tpot_p50_c{min(CONCURRENCY)}", "TPOT p50 at concurrency 1"),
-                       (f"tpot_p99_c{min(CONCURRENCY)}", "TPOT p99 at concurrency 1")]:
-        r = found.get(name)
-        lines.append(f"- {text}: " + (f"{r['ratio']:.2f}x {labels[r['peer']]}'s" if r else "n/a"))
-    if any(k.startswith("proposed_c") for k in found):
+    top, one = max(CONCURRENCY), min(CONCURRENCY)
+    for ours, found in figures["ratios"].items():
+        if ours == "proposed":
+            continue
+        lines += ["", f"{labels[ours]} against the best peer of the same run (n/a: a figure is missing):", ""]
+        for name, text in [(f"tokens_per_s_c{top}", f"output tok/s at concurrency {top}"),
+                           (f"sampled_tokens_per_s_c{top}", f"output tok/s at concurrency {top}, sampled"),
+                           (f"ttft_p50_c{top}", f"TTFT p50 at concurrency {top}"),
+                           (f"sampled_ttft_p50_c{top}", f"TTFT p50 at concurrency {top}, sampled"),
+                           (f"ttft_p50_c{one}", f"TTFT p50 at concurrency {one}"),
+                           (f"ttft_p99_c{one}", f"TTFT p99 at concurrency {one}"),
+                           (f"tpot_p50_c{one}", f"TPOT p50 at concurrency {one}"),
+                           (f"tpot_p99_c{one}", f"TPOT p99 at concurrency {one}")]:
+            r = found.get(name)
+            lines.append(f"- {text}: " + (f"{r['ratio']:.2f}x {labels[r['peer']]}'s" if r else "n/a"))
+    if proposed := figures["ratios"].get("proposed"):
         lines += ["", "neuron-serve with the buckets `neuron-serve buckets` proposes from the sizes the first run "
-                      f"recorded ({labels.get('neuron-serve-proposed', 'n/a')}) against its defaults (above 1: the "
+                      f"recorded ({labels.get('neuron-serve-proposed', 'n/a')}) against the example's (above 1: the "
                       "proposed are better):", ""]
         for conc in CONCURRENCY:
-            if r := found.get(f"proposed_c{conc}"):
+            if r := proposed.get(f"c{conc}"):
                 lines.append(f"- concurrency {conc}: TTFT p50 {r['ttft_p50']:.2f}x, TPOT p50 {r['tpot_p50']:.2f}x, "
                              f"output tok/s {r['tokens_per_s']:.2f}x")
     if padded := {k: e["padding"] for k, e in systems.items() if e.get("padding")}:
@@ -481,7 +511,7 @@ def report(figures: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    all_keys = ["neuron-serve", "transformers-cb", "transformers", "ray"]
+    all_keys = ["neuron-serve", "neuron-serve-defaults", "transformers-cb", "transformers", "ray"]
     parser = argparse.ArgumentParser(prog="python -m bench.generate_http", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer requests per point (a few seconds each)")
@@ -521,6 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     chosen = specs(args.model_dir, out / "neuron-serve-llm.yaml")
     if "neuron-serve" in keys:
         write_neuron_serve_yaml(args.model_dir, out / "neuron-serve-llm.yaml")
+    if "neuron-serve-defaults" in keys:
+        write_defaults_yaml(args.model_dir, out / DEFAULTS_YAML)
     load, systems = [os.getloadavg()[0]], {}
     log(f"{len(keys)} servers x concurrency {', '.join(map(str, CONCURRENCY))} ({mode}); "
         f"results in {out}")

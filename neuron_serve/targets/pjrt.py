@@ -48,6 +48,23 @@ def xla():
     return torch_xla
 
 
+THREADS_ENV = "NEURON_SERVE_EMULATED_CORE_THREADS"
+
+
+def emulated_core_threads() -> int | None:
+    """XLA:CPU's compute threads for a replica's emulated cores, from ``$NEURON_SERVE_EMULATED_CORE_THREADS`` (None:
+    its own pool, a thread per CPU the process may use)."""
+    given = os.environ.get(THREADS_ENV)
+    if not given:
+        return None
+    if not given.isdigit() or int(given) < 1:
+        from ..errors import ConfigError  # noqa: PLC0415
+
+        raise ConfigError(f"${THREADS_ENV}: give a number of threads (at least 1), or unset it for one per CPU; "
+                          f"got {given!r}.")
+    return int(given)
+
+
 def start_emulated_cores_on_threads(threads: int) -> bool:
     """Start XLA:CPU's runtime with ``threads`` compute threads instead of one per host CPU.
 

@@ -147,22 +147,22 @@ def serve(conn: Connection) -> int:
     logs.configure()  # a progress line per compiled model; the operator lists with NEURON_SERVE_VERBOSE
 
     from ...config.schema import parse_config  # noqa: PLC0415 - after sys.path is set
-    from ...targets.pjrt import start_emulated_cores_on_threads  # noqa: PLC0415
+    from ...targets.pjrt import THREADS_ENV, emulated_core_threads, start_emulated_cores_on_threads  # noqa: PLC0415
     from ..compiling.build import build_engines  # noqa: PLC0415
     from ..core.metrics import compile_listener, compile_state  # noqa: PLC0415
     from ..frontend.protocol import TokenEvent  # noqa: PLC0415
 
     try:
         config = parse_config(config)
-        # An emulated core's steps compute on one host thread each, so the replica's HTTP
-        # work keeps a CPU to itself, as beside a real NeuronCore. XLA:CPU's split of a
-        # step over 2 vCPUs gained little and lost most of it to that work: a 32-row call
-        # of 4 steps took 26.7 ms over two threads and 33.6 beside a busy CPU, against
-        # 30 ms on one thread either way (docs/guides/benchmarks.md).
+        # An emulated core computes on every CPU the process may use (XLA:CPU's own pool), beside the replica's
+        # HTTP work: on a real model the split pays (SmolLM2-135M served on 2 vCPUs: a token every 45.6 ms at one
+        # stream against 61.0 on one thread, 94 tok/s at 16 streams against 74); a small model whose calls take
+        # a few ms may gain from fewer (docs/guides/benchmarks.md), $NEURON_SERVE_EMULATED_CORE_THREADS.
         # A tensor-parallel group's process has the group's cores only (process.group_env).
         cores = group[1] if group is not None else config.cores_per_replica
-        if start_emulated_cores_on_threads(cores):
-            logger.info("emulated NeuronCores: XLA:CPU computes on %d thread(s), one per core", cores)
+        threads = emulated_core_threads()
+        if threads is not None and start_emulated_cores_on_threads(threads):
+            logger.info("emulated NeuronCores: XLA:CPU computes on %d thread(s) (%s)", threads, THREADS_ENV)
         background = config.background_compile
         engines = build_engines(config, base_dir, replica=replica, cores=cores, background=background)
     except BaseException as exc:  # noqa: BLE001 - the replica raises it in its constructor

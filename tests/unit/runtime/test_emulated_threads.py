@@ -80,3 +80,18 @@ def test_a_running_client_is_left_as_it_is():
 
     pjrt.xla().device(0)  # this process's client is started
     assert pjrt.start_emulated_cores_on_threads(1) is False
+
+
+def test_the_engine_process_threads_come_from_the_environment_and_a_bad_value_is_refused(monkeypatch):
+    from neuron_serve.errors import ConfigError  # noqa: PLC0415
+    from neuron_serve.targets import pjrt  # noqa: PLC0415
+
+    monkeypatch.delenv(pjrt.THREADS_ENV, raising=False)
+    assert pjrt.emulated_core_threads() is None  # XLA:CPU's own pool: a thread per CPU
+    monkeypatch.setenv(pjrt.THREADS_ENV, "1")
+    assert pjrt.emulated_core_threads() == 1
+    monkeypatch.setenv(pjrt.THREADS_ENV, "two")
+    with pytest.raises(ConfigError) as refused:
+        pjrt.emulated_core_threads()
+    assert str(refused.value) == ("$NEURON_SERVE_EMULATED_CORE_THREADS: give a number of threads (at least 1), or "
+                                  "unset it for one per CPU; got 'two'.")
