@@ -380,23 +380,75 @@ def measure_server(key: str, spec, model: str, extra: dict, slices: dict, warmup
         log(f"  {key}: ready in {entry['ready_s']:.0f}s")
         url = server.url(model)
         asyncio.run(run_point(url, [request_body(r, model, extra, 8) for r in warmup], len(warmup)))
-        for conc, requests in slices.items():
-            results, wall = asyncio.run(run_point(url, [request_body(r, model, extra) for r in requests], conc))
-            point = entry["points"][conc] = summarise(results, requests, wall)
-            log(f"  {key:16s} c{conc:<3d} {point['tokens_per_s']:8.1f} tok/s  TTFT p50 {ms(point['ttft_p50_s'])} ms  "
-                f"TPOT p50 {ms(point['tpot_p50_s'])} ms  errors {point['errors']}  short {point['short']}"
-                + (f"  ({point['first_error']})" if point["first_error"] else ""))
-        for conc, requests in (sampled or {}).items():
-            results, wall = asyncio.run(run_point(url, [request_body(r, model, extra) for r in requests], conc))
-            point = entry.setdefault("sampled", {})[conc] = summarise(results, requests, wall)
-            log(f"  {key:16s} c{conc:<3d} sampled {point['tokens_per_s']:8.1f} tok/s  TTFT p50 "
-                f"{ms(point['ttft_p50_s'])} ms  TPOT p50 {ms(point['tpot_p50_s'])} ms  errors {point['errors']}")
+        ours = key.startswith("neuron-serve")
+        for kind, points in (("points", slices), ("sampled", sampled or {})):
+            for conc, requests in points.items():
+                before = engine_times(spec.port, model) if ours else {}
+                results, wall = asyncio.run(run_point(url, [request_body(r, model, extra) for r in requests], conc))
+                point = entry.setdefault(kind, {})[conc] = summarise(results, requests, wall)
+                after = engine_times(spec.port, model) if ours else {}
+                if before and after:  # where the engine's time went (its process's own figures)
+                    point["engine"] = engine_split(before, after)
+                log(f"  {key:16s} c{conc:<3d}{' sampled' if kind == 'sampled' else ''} {point['tokens_per_s']:8.1f} "
+                    f"tok/s  TTFT p50 {ms(point['ttft_p50_s'])} ms  TPOT p50 {ms(point['tpot_p50_s'])} ms  errors "
+                    f"{point['errors']}  short {point['short']}"
+                    + (f"  ({point['first_error']})" if point["first_error"] else "")
+                    + (f"  engine: {_engine_text(point['engine'])}" if "engine" in point else ""))
         entry["memory_mb"] = server.memory_mb()
         if key.startswith("neuron-serve"):
             entry["padding"] = padding(spec.port, model)
     finally:
         server.stop()
     return entry
+
+
+ENGINE_SERIES = {  # what the engine says of its steps and requests (/metrics): sum and count of each histogram
+    "host": "neuron_serve_generation_step_host_seconds", "core_wait": "neuron_serve_generation_step_core_wait_seconds",
+    "queue": "neuron_serve_request_queue_time_seconds", "ttft": "neuron_serve_time_to_first_token_seconds",
+    "prefill": "neuron_serve_generation_step_seconds"}
+
+
+def engine_times(port: int, model: str) -> dict[str, list[float]]:
+    """Per ENGINE_SERIES key, [sum, count] of ``model``'s histogram now (the prefill calls' only, for "prefill");
+    {} when unreadable."""
+    import urllib.request  # noqa: PLC0415
+
+    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    except OSError:
+        return {}
+    names = {name: key for key, name in ENGINE_SERIES.items()}
+    found = {key: [0.0, 0.0] for key in ENGINE_SERIES}
+    for family in text_string_to_metric_families(text):
+        key = names.get(family.name)
+        for sample in family.samples if key else ():
+            if sample.labels.get("model_name") != model or not sample.name.endswith(("_sum", "_count")):
+                continue
+            if key == "prefill" and not sample.labels.get("bucket", "").startswith("prefill_"):
+                continue
+            found[key][0 if sample.name.endswith("_sum") else 1] += sample.value
+    return found
+
+
+def engine_split(before: dict, after: dict) -> dict[str, float]:
+    """Between two scrapes: the mean engine step's host and core-wait ms, the mean request's queue time and its
+    time to first token as the engine measured them, and the mean prefill call's ms."""
+    def mean(key: str) -> float | None:
+        count = after[key][1] - before[key][1]
+        return 1000 * (after[key][0] - before[key][0]) / count if count else None
+
+    return {"steps": after["host"][1] - before["host"][1], "host_ms": mean("host"), "core_wait_ms": mean("core_wait"),
+            "queue_ms": mean("queue"), "engine_ttft_ms": mean("ttft"), "prefill_call_ms": mean("prefill")}
+
+
+def _engine_text(split: dict) -> str:
+    def f(value):
+        return "n/a" if value is None else f"{value:.1f}"
+    return (f"{split['steps']:.0f} steps, host {f(split['host_ms'])} + core wait {f(split['core_wait_ms'])} ms a step; "
+            f"queue {f(split['queue_ms'])} ms, prefill call {f(split['prefill_call_ms'])} ms, TTFT in the engine "
+            f"{f(split['engine_ttft_ms'])} ms (means)")
 
 
 def padding(port: int, model: str) -> dict[str, float]:
@@ -495,6 +547,12 @@ def report(figures: dict) -> str:
             if r := proposed.get(f"c{conc}"):
                 lines.append(f"- concurrency {conc}: TTFT p50 {r['ttft_p50']:.2f}x, TPOT p50 {r['tpot_p50']:.2f}x, "
                              f"output tok/s {r['tokens_per_s']:.2f}x")
+    engine = [(e["label"], f"{conc}{' sampled' if kind == 'sampled' else ''}", p["engine"])
+              for e in systems.values() for kind in ("points", "sampled")
+              for conc, p in e.get(kind, {}).items() if p.get("engine")]
+    if engine:
+        lines += ["", "Where neuron-serve's engine spent its steps (its own metrics, means over each point):", ""]
+        lines += [f"- {label}, concurrency {conc}: {_engine_text(split)}" for label, conc, split in engine]
     if padded := {k: e["padding"] for k, e in systems.items() if e.get("padding")}:
         lines += ["", "Padded work over real work (the replica's `parameters.padding` after its run, warm-up "
                       "included): " + "; ".join(f"{labels[k]}: " + ", ".join(f"{family} {x:.2f}x"

@@ -262,8 +262,8 @@ def run_tensor_parallel(quick: bool, out: Path, log) -> str | None:
 def run_generate_http(quick: bool, out: Path, log) -> str | None:
     """bench/generate_http.py in its own process (it starts and stops each server itself): its Markdown table
     whenever it wrote one (a server that failed is a row of it)."""
-    return _run_module("generate_http", quick, out, log, f"generation over HTTP ({'quick' if quick else 'full'}: four "
-                       "servers in turn, neuron-serve compiles first)", 5400)
+    return _run_module("generate_http", quick, out, log, f"generation over HTTP ({'quick' if quick else 'full'}: five "
+                       "servers in turn, neuron-serve compiles first, twice)", 7200)
 
 
 def run_sampling(quick: bool, out: Path, log) -> str | None:
