@@ -82,44 +82,59 @@ def test_a_point_pools_its_requests_percentiles_and_counts_short_and_failed_ones
     assert point["tpot_p50_s"] == pytest.approx(0.050) and point["tpot_p99_s"] == pytest.approx(0.099)
 
 
-def test_ratios_compare_neuron_serve_with_the_best_peer_and_skip_failed_points():
+def test_ratios_compare_each_neuron_serve_configuration_with_the_best_peer_and_skip_failed_points():
     def point(tps, ttft, tpot, errors=0):
         return {"requests": 4, "errors": errors, "tokens_per_s": tps, "ttft_p50_s": ttft, "ttft_p99_s": ttft,
                 "tpot_p50_s": tpot, "tpot_p99_s": tpot}
 
-    systems = {"neuron-serve": {"points": {1: point(100, 0.02, 0.004), 32: point(3000, 0.1, 0.01)}},
-               "transformers-cb": {"points": {1: point(90, 0.01, 0.002), 32: point(1500, 0.2, 0.02)}},
-               "ray": {"points": {1: point(80, 0.04, 0.001, errors=4), 32: point(2000, 0.3, 0.03)}},
+    systems = {"neuron-serve": {"points": {1: point(100, 0.02, 0.004), 16: point(3000, 0.1, 0.01)},
+                                "sampled": {16: point(2400, 0.4, 0.02)}},
+               "neuron-serve-defaults": {"points": {1: point(50, 0.04, 0.004), 16: point(1000, 0.3, 0.01)}},
+               "transformers-cb": {"points": {1: point(90, 0.01, 0.002), 16: point(1500, 0.2, 0.02)},
+                                   "sampled": {16: point(1200, 0.2, 0.02)}},
+               "ray": {"points": {1: point(80, 0.04, 0.001, errors=4), 16: point(2000, 0.3, 0.03)}},
                "transformers": {"failed": "exited"}}
     found = gh.ratios(systems)
-    assert found["tokens_per_s_c32"] == {"peer": "ray", "ratio": pytest.approx(1.5)}
+    ours = found["neuron-serve"]
+    assert ours["tokens_per_s_c16"] == {"peer": "ray", "ratio": pytest.approx(1.5)}
+    assert ours["ttft_p50_c16"] == {"peer": "transformers-cb", "ratio": pytest.approx(0.5)}  # the lowest TTFT
+    assert ours["sampled_tokens_per_s_c16"] == {"peer": "transformers-cb", "ratio": pytest.approx(2.0)}
+    assert ours["sampled_ttft_p50_c16"] == {"peer": "transformers-cb", "ratio": pytest.approx(2.0)}
     # ray's concurrency-1 point failed every request: its 1 ms TPOT is not the best peer's
-    assert found["ttft_p50_c1"] == {"peer": "transformers-cb", "ratio": pytest.approx(2.0)}
-    assert found["tpot_p50_c1"] == {"peer": "transformers-cb", "ratio": pytest.approx(2.0)}
-    assert gh.ratios({k: v for k, v in systems.items() if k != "neuron-serve"}) == {}
+    assert ours["ttft_p50_c1"] == {"peer": "transformers-cb", "ratio": pytest.approx(2.0)}
+    assert ours["tpot_p50_c1"] == {"peer": "transformers-cb", "ratio": pytest.approx(2.0)}
+    # The default model.yaml is measured against the peers too, never taken for one.
+    assert found["neuron-serve-defaults"]["tokens_per_s_c16"] == {"peer": "ray", "ratio": pytest.approx(0.5)}
+    assert gh.ratios({k: v for k, v in systems.items() if not k.startswith("neuron-serve")}) == {}
 
 
-def test_the_proposed_buckets_run_is_compared_with_the_defaults_not_taken_for_a_peer():
+def test_the_proposed_buckets_run_is_compared_with_the_example_not_taken_for_a_peer():
     def point(tps, ttft, tpot):
         return {"requests": 4, "errors": 0, "tokens_per_s": tps, "ttft_p50_s": ttft, "ttft_p99_s": ttft,
                 "tpot_p50_s": tpot, "tpot_p99_s": tpot, "short": 0}
 
-    systems = {"neuron-serve": {"label": "neuron-serve", "points": {1: point(30, 0.6, 0.05), 32: point(300, 2.0, 0.1)},
+    systems = {"neuron-serve": {"label": "neuron-serve", "points": {1: point(30, 0.6, 0.05), 16: point(300, 2.0, 0.1)},
                                 "padding": {"prefill": 3.1, "decode_rows": 1.2}},
                "neuron-serve-proposed": {"label": "neuron-serve, prefill [200, 512]",
-                                         "points": {1: point(33, 0.3, 0.05), 32: point(360, 1.0, 0.1)},
+                                         "points": {1: point(33, 0.3, 0.05), 16: point(360, 1.0, 0.1)},
                                          "padding": {"prefill": 1.4, "decode_rows": 1.1}},
-               "ray": {"label": "ray", "points": {1: point(40, 0.1, 0.02), 32: point(100, 0.5, 0.2)}}}
+               "ray": {"label": "ray", "points": {1: point(40, 0.1, 0.02), 16: point(100, 0.5, 0.2)}}}
     found = gh.ratios(systems)
-    # The proposed run is neither "neuron-serve" nor a peer: the best peer at 32 is ray's 100 tok/s.
-    assert found["tokens_per_s_c32"] == {"peer": "ray", "ratio": pytest.approx(3.0)}
-    assert found["proposed_c1"] == {"ttft_p50": pytest.approx(2.0), "tpot_p50": pytest.approx(1.0),
-                                    "tokens_per_s": pytest.approx(1.1)}
-    assert found["proposed_c32"]["tokens_per_s"] == pytest.approx(1.2)
+    # The proposed run is neither "neuron-serve" nor a peer: the best peer at 16 is ray's 100 tok/s.
+    assert found["neuron-serve"]["tokens_per_s_c16"] == {"peer": "ray", "ratio": pytest.approx(3.0)}
+    assert found["proposed"]["c1"] == {"ttft_p50": pytest.approx(2.0), "tpot_p50": pytest.approx(1.0),
+                                       "tokens_per_s": pytest.approx(1.1)}
+    assert found["proposed"]["c16"]["tokens_per_s"] == pytest.approx(1.2)
+    systems["neuron-serve"]["points"][16]["engine"] = gh.engine_split(
+        {key: [0.0, 0.0] for key in gh.ENGINE_SERIES},
+        {"host": [0.5, 100], "core_wait": [9.5, 100], "queue": [0.2, 4], "ttft": [0.8, 4], "prefill": [0.4, 2]})
     text = gh.report({"systems": systems, "ratios": found, "mode": "quick", "requests_per_point": {},
                       "load_average": [1.0, 1.0], "workload": {"requests": 8, "prompt_tokens": "8-200",
                                                                 "new_tokens": "16-128", "output_tokens": 500}})
+    assert "- output tok/s at concurrency 16: 3.00x ray's" in text
     assert "- concurrency 1: TTFT p50 2.00x, TPOT p50 1.00x, output tok/s 1.10x" in text
+    assert ("- neuron-serve, concurrency 16: 100 steps, host 5.0 + core wait 95.0 ms a step; queue 50.0 ms, prefill "
+            "call 200.0 ms, TTFT in the engine 200.0 ms (means)") in text
     assert ("neuron-serve: prefill 3.10x, decode_rows 1.20x; neuron-serve, prefill [200, 512]: prefill 1.40x, "
             "decode_rows 1.10x") in text
 
