@@ -283,7 +283,7 @@ STEP_HOST = Histogram(
     "Time of one engine step not spent waiting for the core: scheduling, inputs, host choices, request updates, "
     "events", GEN_LABELS, buckets=LATENCY_BUCKETS,
 )
-QUEUE_TIME = Histogram(
+REQUEST_QUEUE_TIME = Histogram(
     "neuron_serve_request_queue_time_seconds",
     "Time from a generate request's arrival at the engine to the start of its prompt's prefill",
     GEN_LABELS, buckets=LATENCY_BUCKETS,

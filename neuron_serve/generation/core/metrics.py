@@ -28,7 +28,7 @@ class EngineMetrics:
         self.step_decode = metrics.ITERATION_TOKENS.labels(**labels, kind="decode")
         self.chunked_steps = metrics.CHUNKED_STEPS.labels(**labels)
         self.e2e = metrics.E2E_REQUEST_LATENCY.labels(**labels)
-        self.queue = metrics.QUEUE_TIME.labels(**labels)
+        self.queue = metrics.REQUEST_QUEUE_TIME.labels(**labels)
         self.step_core_wait = metrics.STEP_CORE_WAIT.labels(**labels)
         self.step_host = metrics.STEP_HOST.labels(**labels)
         self.prompt_tokens = metrics.PROMPT_TOKENS.labels(**labels)
