@@ -31,7 +31,8 @@ from ...buckets import usage as bucket_usage
 from ...errors import AdapterNotLoaded, InvalidInput
 from ..runner.executor import CoreGroupExecutor, Executor
 from .metrics import EngineMetrics
-from ..runner.model import GenerationModel, swap_weights
+from ..runner.model import GenerationModel
+from ..runner.weights import swap_weights
 from .plan import Admit, Decode, Mixed, Move, Prefill, PrefillBatch
 from .prefix_cache import PrefixCache
 from ..frontend.protocol import EngineRequest, Engines, TokenEvent

@@ -18,7 +18,8 @@ from ...assembly.queue import READY, compile_queue
 from ...config.generation import DEFAULT_MAX_WAITING
 from ...targets.pjrt import emulated, on_this_thread, use_device, xla
 from .engine import Engine
-from ..runner.model import GenerationModel, swap_weights
+from ..runner.model import GenerationModel
+from ..runner.weights import swap_weights
 from ..frontend.protocol import Dispatcher
 
 
