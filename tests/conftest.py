@@ -13,6 +13,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from collected_files import COLLECTED  # noqa: E402 - from the folder just put on the path
 # One compile cache per test run (servers started by tests inherit it), never the user's.
 os.environ.setdefault("NEURON_SERVE_CACHE_DIR", tempfile.mkdtemp(prefix="neuron-serve-test-cache-"))
+# The suite's two workers share the machine's CPUs, each starting servers: a served engine computes on one thread
+# per emulated core (alone on a machine it takes every CPU), so neither worker's engines crowd out the other's.
+os.environ.setdefault("NEURON_SERVE_EMULATED_CORE_THREADS", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -52,8 +52,8 @@ THREADS_ENV = "NEURON_SERVE_EMULATED_CORE_THREADS"
 
 
 def emulated_core_threads() -> int | None:
-    """XLA:CPU's compute threads for a replica's emulated cores, from ``$NEURON_SERVE_EMULATED_CORE_THREADS`` (None:
-    its own pool, a thread per CPU the process may use)."""
+    """XLA:CPU's compute threads per emulated core of a replica, from ``$NEURON_SERVE_EMULATED_CORE_THREADS`` (None:
+    its own pool, a thread per CPU the process may use, whatever the cores)."""
     given = os.environ.get(THREADS_ENV)
     if not given:
         return None

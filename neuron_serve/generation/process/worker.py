@@ -157,12 +157,13 @@ def serve(conn: Connection) -> int:
         # An emulated core computes on every CPU the process may use (XLA:CPU's own pool), beside the replica's
         # HTTP work: on a real model the split pays (SmolLM2-135M served on 2 vCPUs: a token every 45.6 ms at one
         # stream against 61.0 on one thread, 94 tok/s at 16 streams against 74); a small model whose calls take
-        # a few ms may gain from fewer (docs/guides/benchmarks.md), $NEURON_SERVE_EMULATED_CORE_THREADS.
+        # a few ms may gain from one per core (docs/guides/benchmarks.md): $NEURON_SERVE_EMULATED_CORE_THREADS.
         # A tensor-parallel group's process has the group's cores only (process.group_env).
         cores = group[1] if group is not None else config.cores_per_replica
-        threads = emulated_core_threads()
-        if threads is not None and start_emulated_cores_on_threads(threads):
-            logger.info("emulated NeuronCores: XLA:CPU computes on %d thread(s) (%s)", threads, THREADS_ENV)
+        per_core = emulated_core_threads()
+        if per_core is not None and start_emulated_cores_on_threads(per_core * cores):
+            logger.info("emulated NeuronCores: XLA:CPU computes on %d thread(s), %d per core (%s)", per_core * cores,
+                        per_core, THREADS_ENV)
         background = config.background_compile
         engines = build_engines(config, base_dir, replica=replica, cores=cores, background=background)
     except BaseException as exc:  # noqa: BLE001 - the replica raises it in its constructor
