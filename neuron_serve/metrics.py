@@ -283,6 +283,14 @@ STEP_HOST = Histogram(
     "Time of one engine step not spent waiting for the core: scheduling, inputs, host choices, request updates, "
     "events", GEN_LABELS, buckets=LATENCY_BUCKETS,
 )
+DECODES_AHEAD = Counter(
+    "neuron_serve_generation_decodes_ahead", "Decode calls launched before the decode before them was read, fed its "
+    "tokens on the core (async_scheduling)", GEN_LABELS,
+)
+DECODES_AHEAD_DROPPED = Counter(
+    "neuron_serve_generation_decode_rows_ahead_dropped", "Rows of decodes launched ahead whose token was dropped: "
+    "the row had ended with the token before, or the host chose that token otherwise than the core", GEN_LABELS,
+)
 REQUEST_QUEUE_TIME = Histogram(
     "neuron_serve_request_queue_time_seconds",
     "Time from a generate request's arrival at the engine to the start of its prompt's prefill",

@@ -48,7 +48,8 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
                enable_prefix_caching: bool = False, speculative_config: Any = None,
                draft: torch.nn.Module | None = None, on_device_sampling: bool = True,
                enable_chunked_prefill: bool = False, prefill_chunk_buckets: Sequence[int] | None = None,
-               long_prefill_token_threshold: int = 0, max_num_partial_prefills: int = 1) -> Frontend:
+               long_prefill_token_threshold: int = 0, max_num_partial_prefills: int = 1,
+               async_scheduling: bool | None = None) -> Frontend:
     """Compile ``lm`` for generation and start an engine over it, behind its front end (which checks and
     admits requests, and with a ``tokenizer`` detokenizes and applies stop strings; its ``engines`` is the
     :class:`~.engine.Engine`).
@@ -76,7 +77,8 @@ def engine_for(lm: torch.nn.Module, *, max_num_seqs: int = 8, max_model_len: int
              "tensor_parallel_size": tensor_parallel_size, "enable_prefix_caching": enable_prefix_caching,
              "speculative_config": speculative_config, "on_device_sampling": on_device_sampling,
              "enable_chunked_prefill": enable_chunked_prefill, "prefill_chunk_buckets": prefill_chunk_buckets,
-             "learn_buckets_after": learn_buckets_after, "prefill_batch_buckets": prefill_batch_buckets}
+             "learn_buckets_after": learn_buckets_after, "prefill_batch_buckets": prefill_batch_buckets,
+             "async_scheduling": async_scheduling}
     if enable_chunked_prefill:  # given only with it, as a model.yaml gives them
         given.update(long_prefill_token_threshold=long_prefill_token_threshold,
                      max_num_partial_prefills=max_num_partial_prefills)

@@ -146,7 +146,8 @@ def engine_options(settings: GenerationSettings) -> dict[str, Any]:
     return {"max_num_batched_tokens": settings.max_num_batched_tokens, "request_timeout_s": settings.request_timeout_s,
             "speculative_config": settings.speculative_config,
             "long_prefill_token_threshold": settings.long_prefill_token_threshold,
-            "max_num_partial_prefills": settings.max_num_partial_prefills}
+            "max_num_partial_prefills": settings.max_num_partial_prefills,
+            "async_scheduling": settings.async_scheduling}
 
 
 def compile_from_config(config: ModelConfig, base_dir: str | Path | None = None, *,

@@ -15,6 +15,9 @@ writes a prompt's chunk), and after each call the request states updated from it
 next step's first call computes (a call returns once the core has it; reading its tokens
 waits): the event loop that streams them then holds the GIL while the core works, not while
 the engine prepares the call. A prompt's first token goes out right after its prefill.
+With async scheduling (vLLM's), a step whose only work is the running rows' decode launches
+the next decode from the last one's tokens on the core before reading them (:class:`Ahead`),
+so reading, stops and events run beside the core's next call; a row ends one call late.
 Between steps the engine sleeps while nothing is waiting or running.
 """
 
@@ -37,9 +40,10 @@ from .plan import Admit, Decode, Mixed, Move, Prefill, PrefillBatch
 from .prefix_cache import PrefixCache
 from ..frontend.protocol import EngineRequest, Engines, TokenEvent
 from .request import Sequence
-from ..runner.calls import CallOutput, Runner
+from ..runner.calls import CallOutput, Launched, Runner
 from ..runner.output import waited as output_wait
 from .scheduler import Scheduler, default_budget
+from ..sample import choice
 from ..spec_decode.proposer import Proposer
 from .states import RequestStates
 
@@ -78,6 +82,17 @@ class Overlap:
             self._done = True
             self._deliver()
 
+@dataclass
+class Ahead:
+    """A one-step decode launched and not read: the next step launches the decode after it from its tokens on the
+    core (when nothing else is to be done), then reads it."""
+
+    call: Decode
+    launched: Launched
+    started: float
+    stale: frozenset[str] = frozenset()  # rows fed a token the host then replaced: what they got here is not theirs
+
+
 class Engine(Engines):
     """Continuous batching over an executor's KV-cache slots; see the module docstring.
 
@@ -85,7 +100,12 @@ class Engine(Engines):
     transformers tokenizer) is needed only for structured outputs' matchers.
     ``max_num_batched_tokens`` bounds the tokens of a step (decode rows, then prompt tokens); with a model compiled
     for chunked prefill (mixed models), ``long_prefill_token_threshold`` and ``max_num_partial_prefills`` shape
-    its chunks (scheduler.py). ``step_log`` keeps the last steps' (prompt tokens, decode rows, chunk tokens). A request
+    its chunks (scheduler.py). With ``async_scheduling`` (vLLM's; None: on where it applies), while nothing but the
+    running rows' decode is to be done, each step launches the next decode from the last one's tokens on the core
+    before it reads them, so the host's part of a step runs while the core computes; a row ends one call late (that
+    call's token for it is dropped, never sent). Speculative decoding and multi-step decodes do not feed one call's
+    tokens to the next: with them it is off. ``step_log`` keeps the last steps' (prompt tokens, decode rows, chunk
+    tokens). A request
     still waiting or running ``request_timeout_s`` after it was submitted is aborted (its
     last event says ``timed_out``) and its slot is free at the next step.
     """
@@ -94,7 +114,8 @@ class Engine(Engines):
                  max_num_batched_tokens: int | None = None, request_timeout_s: float | None = None,
                  name: str = "model", replica: str = "0", device: Any = None,
                  speculative_config: Any = None, adapters: AdapterPolicy | None = None,
-                 long_prefill_token_threshold: int = 0, max_num_partial_prefills: int = 1) -> None:
+                 long_prefill_token_threshold: int = 0, max_num_partial_prefills: int = 1,
+                 async_scheduling: bool | None = None) -> None:
         if request_timeout_s is not None and not request_timeout_s > 0:
             raise InvalidInput(f"request_timeout_s must be a number of seconds > 0 (or None: no limit); got "
                                f"{request_timeout_s!r}.")
@@ -125,6 +146,13 @@ class Engine(Engines):
         self.rebucketings: list = []
         proposer = Proposer(speculative_config, executor) if speculative_config is not None else None
         self.runner = Runner(executor, self.eos_token_ids, self.adapters is not None, proposer)
+        feeds = proposer is None and executor.decode_steps == 1
+        if async_scheduling and not feeds:
+            raise InvalidInput("async_scheduling feeds each one-step decode's tokens to the next on the core; "
+                               "speculative decoding and decode_steps > 1 do not decode that way: turn it off (or "
+                               "leave it unset: on where it applies).")
+        self.async_scheduling = feeds if async_scheduling is None else async_scheduling
+        self._ahead: Ahead | None = None
         for kind, value in executor.memory().items():
             self.metrics.held(kind, value)
         self._lock = threading.Lock()
@@ -275,20 +303,61 @@ class Engine(Engines):
         overlap = Overlap(self.states.deliver)
         self.states.abort(aborted or {})
         self.states.expire()
-        plan = self.scheduler.schedule()
-        self.states.fail(plan.failed)
-        stats = StepStats(prompt_tokens=plan.prompt_tokens)
-        for call in plan.calls:
-            if isinstance(call, Admit):
-                self.runner.admit(call)
-            elif isinstance(call, Move):
-                self.runner.move(call)
-            else:
-                self._call(call, overlap, stats)
+        stats = StepStats()
+        if self._ahead is None or not self._take_ahead(overlap, stats):
+            plan = self.scheduler.schedule()
+            self.states.fail(plan.failed)
+            stats.prompt_tokens = plan.prompt_tokens
+            for call in plan.calls:
+                if isinstance(call, Admit):
+                    self.runner.admit(call)
+                elif isinstance(call, Move):
+                    self.runner.move(call)
+                else:
+                    self._call(call, overlap, stats)
         stats.seconds, stats.core_wait = time.perf_counter() - started, output_wait() - waited_before
         self._record(stats)
         overlap()  # no model call this step carried them
         return stats
+
+    def _take_ahead(self, overlap: Overlap, stats: StepStats) -> bool:
+        """Read the decode the last step launched and apply it; first, when there is nothing to plan (no prompt
+        that may start, no rows to move into a smaller bucket) and none of its rows ended or fell behind, launch the
+        next decode of its rows from its tokens on the core (a row sure to end with the token read now is left
+        out). True when it launched one: the step is done."""
+        pending, self._ahead = self._ahead, None
+        rows = self.states.rows(pending.call.rows)
+        follow = None
+        # A prompt that may start now, or rows to move into a smaller decode bucket: read first, then plan.
+        planned = (self.scheduler.waiting and self.scheduler.free) or self.scheduler.would_compact()
+        if not pending.stale and len(rows) == len(pending.launched.rows) and not planned:
+            going = [s for s in rows if not self._ends_with_next(s)]
+            if going and not any(choice.on_host(s, ahead=1) for s in going):
+                follow = Ahead(Decode(tuple(s.request_id for s in going)),
+                               self.runner.launch(going, 1, overlap, after=pending.launched), time.perf_counter())
+                self.metrics.count(self.metrics.decodes_ahead)
+        live = [s for s in rows if s.request_id not in pending.stale]
+        if len(live) < len(pending.launched.rows):  # ended with the token before, or fed one the host replaced
+            self.metrics.count(self.metrics.ahead_dropped, len(pending.launched.rows) - len(live))
+        if live:
+            output = self.runner.take(pending.launched, live)
+            self.states.update_from_output(pending.call, live, output)
+            self._record_call(output, time.perf_counter() - pending.started, stats)
+            stats.decode_rows = len(live)
+            if follow is not None:  # a row whose token the host chose otherwise was fed the core's
+                follow.stale = frozenset(s.request_id for s, core in zip(live, output.core)
+                                         if not s.finished and s.output[-1] != core)
+        if follow is None:
+            return False
+        self._ahead = follow
+        self.states.deliver()  # while the core computes the next call
+        return True
+
+    def _ends_with_next(self, seq: Sequence) -> bool:
+        """Whether ``seq`` ends by length with the token read next (its output one longer)."""
+        max_tokens = seq.params.max_tokens
+        return (max_tokens is not None and len(seq.output) + 1 >= max_tokens) or \
+            seq.length + 1 >= self.executor.max_model_len
 
     def _call(self, call: Prefill | PrefillBatch | Decode | Mixed, overlap: Overlap, stats: StepStats) -> None:
         """One model call of the plan: made, its output applied, its time and padding recorded."""
@@ -313,8 +382,11 @@ class Engine(Engines):
                 return
             steps = self.scheduler.decode_steps(rows, self.executor.decode_steps, self.executor.max_model_len,
                                                 arriving=bool(self._inbox))
-            output = self.runner.decode(rows, steps, overlap)
             stats.decode_rows = len(rows)
+            if self.async_scheduling:  # read by the next step, once it has launched the decode after it
+                self._ahead = Ahead(call, self.runner.launch(rows, steps, overlap), started)
+                return
+            output = self.runner.decode(rows, steps, overlap)
         first_token = self.states.update_from_output(call, rows, output)
         self._record_call(output, time.perf_counter() - started, stats)
         if first_token:

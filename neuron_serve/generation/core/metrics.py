@@ -31,6 +31,8 @@ class EngineMetrics:
         self.queue = metrics.REQUEST_QUEUE_TIME.labels(**labels)
         self.step_core_wait = metrics.STEP_CORE_WAIT.labels(**labels)
         self.step_host = metrics.STEP_HOST.labels(**labels)
+        self.decodes_ahead = metrics.DECODES_AHEAD.labels(**labels)
+        self.ahead_dropped = metrics.DECODES_AHEAD_DROPPED.labels(**labels)
         self.prompt_tokens = metrics.PROMPT_TOKENS.labels(**labels)
         self.generation_tokens = metrics.GENERATION_TOKENS.labels(**labels)
         self.prefix_queries = metrics.PREFIX_CACHE_QUERIES.labels(**labels)

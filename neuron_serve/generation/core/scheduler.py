@@ -319,6 +319,11 @@ class Scheduler:
         below = sorted(slot for slot in self.free if slot < target)
         return [(self.running[src], dst) for src, dst in zip(above, below)]
 
+    def would_compact(self) -> bool:
+        """Whether the next plan moves running rows into a smaller decode bucket (a step that only decodes them
+        must plan first)."""
+        return bool(self._compaction())
+
     def _move(self, seq: Sequence, slot: int) -> Move:
         """``seq`` takes free slot ``slot`` (the runner copies its cache there before the step's batch call) and
         its old slot is free."""

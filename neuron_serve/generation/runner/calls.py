@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+import torch
+
 from ..sample import choice
 from ..core.plan import Admit, Chunk, Move
 from ..core.request import Sequence
@@ -20,6 +22,7 @@ from ..sample.sampling import Sampled, prompt_logprobs
 
 if TYPE_CHECKING:
     from .executor import Executor
+    from .output import StepOutput
     from .shapes import Shape
     from ..spec_decode.proposer import Proposer
 
@@ -35,6 +38,16 @@ class CallOutput:
     used: list[tuple[str, int, int]] = field(default_factory=list)
     proposals: list[list[int]] | None = None  # a verify round's proposals, row by row
     prompt_logprobs: list | None = None  # a scored prefill's
+    core: list | None = None  # a decode's: the token the core chose for each row (before any host choice)
+
+
+@dataclass
+class Launched:
+    """A decode the core has, its tokens not read yet: its rows (in order), output and bucket."""
+
+    rows: list[Sequence]
+    out: StepOutput
+    shape: Shape
 
 
 class Runner:
@@ -94,12 +107,33 @@ class Runner:
             verified = self._verify(rows, proposals, overlap)
             if verified is not None:
                 return verified
-        out, shape = self.executor.decode([s.output[-1] for s in rows], [s.position for s in rows],
-                                          [s.slot for s in rows], steps, choice.for_call(rows))
+        return self.take(self.launch(rows, steps, overlap))
+
+    def launch(self, rows: list[Sequence], steps: int, overlap: Callable[[], None],
+               after: Launched | None = None) -> Launched:
+        """A decode of ``steps`` tokens a row, launched and not read. ``after``, a one-step decode of the same rows
+        (or more) not read yet: each row's token is the one that call chose, fed on the core, at the position
+        after (the host's state is a token behind, so each row's choice is for its token after the next)."""
+        slots = [s.slot for s in rows]
+        if after is None:
+            out, shape = self.executor.decode([s.output[-1] for s in rows], [s.position for s in rows], slots, steps,
+                                              choice.for_call(rows))
+        else:
+            out, shape = self.executor.decode(None, [s.position + 1 for s in rows], slots, steps,
+                                              choice.for_call(rows, ahead=1), feed=after.out)
         overlap()
+        return Launched(rows, out, shape)
+
+    def take(self, launched: Launched, rows: list[Sequence] | None = None) -> CallOutput:
+        """A launched decode's tokens, read (its first read waits for the core), for ``rows`` of its rows (default:
+        all); ``core`` says which token the core chose for each (what a decode launched after it was fed)."""
+        rows = launched.rows if rows is None else rows
+        out, shape = launched.out, launched.shape
+        if len(rows) != len(launched.rows):  # a decode's output row r is slot r's
+            out = out.rows(torch.as_tensor([s.slot for s in rows], dtype=torch.long))
         taken = choice.Taken(rows, out, self.eos_token_ids)
         tokens = [taken.steps(i) if shape.steps > 1 else [taken.at(i)] for i in range(len(rows))]
-        return CallOutput(tokens, shape, _decode_used(rows, shape, shape.steps))
+        return CallOutput(tokens, shape, _decode_used(rows, shape, shape.steps), core=taken.tokens)
 
     def _verify(self, rows: list[Sequence], proposals: list[list[int]],
                 overlap: Callable[[], None]) -> CallOutput | None:

@@ -74,10 +74,11 @@ class Executor(abc.ABC):
         """:meth:`prefill`, and the logits at every prompt position (len(prompt), vocab) on the host."""
 
     @abc.abstractmethod
-    def decode(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int], steps: int = 1,
-               choices: Sequence[RowChoice] | None = None) -> tuple[StepOutput, Shape]:
+    def decode(self, tokens: Sequence[int] | None, positions: Sequence[int], slots: Sequence[int], steps: int = 1,
+               choices: Sequence[RowChoice] | None = None, feed: StepOutput | None = None) -> tuple[StepOutput, Shape]:
         """One token (or ``steps``) for each running sequence, by argmax, or sampled with ``choices``
-        (one a sequence); outputs in the order given."""
+        (one a sequence); outputs in the order given. With ``feed``, a one-step decode not read yet, each row's
+        token is the one it chose for that row's slot, taken on the core (``tokens`` is None)."""
 
     @abc.abstractmethod
     def verify(self, rows: Sequence[Sequence[int]], positions: Sequence[int], slots: Sequence[int],
@@ -181,9 +182,9 @@ class CoreGroupExecutor(Executor):
             self.model.draft.prefill(prompt, slot)
         return self.model.prefill_scored(prompt, slot, choice)
 
-    def decode(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int], steps: int = 1,
-               choices: Sequence[RowChoice] | None = None) -> tuple[StepOutput, Shape]:
-        return self.model.decode(tokens, positions, slots, steps, choices)
+    def decode(self, tokens: Sequence[int] | None, positions: Sequence[int], slots: Sequence[int], steps: int = 1,
+               choices: Sequence[RowChoice] | None = None, feed: StepOutput | None = None) -> tuple[StepOutput, Shape]:
+        return self.model.decode(tokens, positions, slots, steps, choices, feed)
 
     def verify(self, rows: Sequence[Sequence[int]], positions: Sequence[int], slots: Sequence[int],
                choices: Sequence[RowChoice] | None = None) -> tuple[StepOutput, Shape] | None:

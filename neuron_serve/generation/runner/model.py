@@ -397,8 +397,9 @@ class GenerationModel:
         inputs += self._adapters(range(shape.rows))
         return self._run(shape, inputs).rows(index), shape
 
-    def decode(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-               steps: int = 1, choices: Sequence[RowChoice] | None = None) -> tuple["StepOutput", Shape]:
+    def decode(self, tokens: Sequence[int] | None, positions: Sequence[int], slots: Sequence[int],
+               steps: int = 1, choices: Sequence[RowChoice] | None = None,
+               feed: "StepOutput | None" = None) -> tuple["StepOutput", Shape]:
         """One token for each running sequence (its last token, at its position, in its slot).
 
         Row r of the call is slot r, so the call covers slots 0 to the highest running one;
@@ -406,7 +407,8 @@ class GenerationModel:
         max_model_len - steps to max_model_len - 1, which no cached prefix holds). Returns the output of each
         sequence, in the order given, and the bucket run. Tokens are argmax, or, with ``choices`` (one per
         sequence), sampled on the core. ``steps`` > 1 (``decode_steps``) runs that many steps: each row's
-        tokens are its next ``steps`` tokens, written at the positions after.
+        tokens are its next ``steps`` tokens, written at the positions after. With ``feed`` (a one-step decode's
+        output not read yet) each row's token is the one that call chose for its slot, taken on the core.
 
         A form not compiled yet runs as one that is: one step a call (the shape returned says how many),
         and without the sampled form, argmax, each sampled row marked not done (the host chooses its
@@ -418,10 +420,13 @@ class GenerationModel:
         shape = (self.decode_shape(rows, max(positions) + steps, steps, sampled)
                  or self.decode_shape(rows, max(positions) + 1, 1, sampled)
                  or self.decode_shape(rows, max(positions) + 1, 1, False))
-        tokens_t = torch.zeros(shape.rows, 1, dtype=torch.long)
         positions_t = torch.full((shape.rows, 1), self.max_model_len - shape.steps, dtype=torch.long)
         index = torch.as_tensor(slots, dtype=torch.long)
-        tokens_t[index, 0] = torch.as_tensor(tokens, dtype=torch.long)
+        if feed is not None:  # a free row takes the call before's token for its slot, at its last position
+            tokens_t = feed.next_input(shape.rows)
+        else:
+            tokens_t = torch.zeros(shape.rows, 1, dtype=torch.long)
+            tokens_t[index, 0] = torch.as_tensor(tokens, dtype=torch.long)
         positions_t[index, 0] = torch.as_tensor(positions, dtype=torch.long)
         rows_t = torch.arange(shape.rows, dtype=torch.long)
         last = torch.zeros(shape.rows, 1, dtype=torch.long)

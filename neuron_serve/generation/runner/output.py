@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from ...targets import xla_state
 from ...targets.pjrt import xla
 
 _waiting = threading.local()
@@ -69,6 +70,18 @@ class StepOutput:
     def with_done(self, done: torch.Tensor) -> "StepOutput":
         """The same output, each row's token final only where ``done`` (a host tensor, one flag a row) says."""
         return StepOutput(self._outputs.logits, self._outputs.on_core[0], done, self._index)
+
+    def next_input(self, rows: int) -> torch.Tensor:
+        """This decode's tokens as the next decode's token input, never read home: (rows, 1) on the core, row r
+        the token of slot r (a decode's rows are its slots). One small executable (compiled once a row count)
+        that the core runs after this call; the next call is queued behind it."""
+        tokens = self._outputs.on_core[0].to(torch.long)
+        with torch.no_grad(), xla_state.exclusive():  # its pending graph must not meet a trace's sync or clear
+            given = tokens.shape[0]
+            fed = tokens[:rows] if given >= rows else torch.cat([tokens, tokens.new_zeros(rows - given)])
+            fed = fed.reshape(rows, 1)
+            xla()._XLAC._xla_sync_multi([fed], devices=[], wait=False)
+        return fed
 
     @property
     def tokens(self) -> list:

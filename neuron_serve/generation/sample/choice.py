@@ -22,17 +22,19 @@ if TYPE_CHECKING:
     from ..runner.output import StepOutput
 
 
-def on_host(seq: Sequence) -> bool:
-    """Whether ``seq``'s next token is chosen on the host (see the module docstring)."""
-    return seq.params.on_host(len(seq.output))
+def on_host(seq: Sequence, ahead: int = 0) -> bool:
+    """Whether ``seq``'s next token (``ahead`` tokens past its output) is chosen on the host (see the module
+    docstring)."""
+    return seq.params.on_host(len(seq.output) + ahead)
 
 
-def for_call(seqs: Seq[Sequence]) -> list[RowChoice] | None:
-    """Each row's parameters for a sampled call; None when every row takes the argmax (a greedy call). A
-    row the host chooses for takes the argmax on the core: cheapest, and unused."""
-    if all(seq.params.greedy or on_host(seq) for seq in seqs):
+def for_call(seqs: Seq[Sequence], ahead: int = 0) -> list[RowChoice] | None:
+    """Each row's parameters for a sampled call (its token ``ahead`` tokens past its output: 1 for a decode
+    launched before the one before it is read); None when every row takes the argmax (a greedy call). A row the
+    host chooses for takes the argmax on the core: cheapest, and unused."""
+    if all(seq.params.greedy or on_host(seq, ahead) for seq in seqs):
         return None
-    return [GREEDY if on_host(seq) else seq.params.choice(len(seq.output)) for seq in seqs]
+    return [GREEDY if on_host(seq, ahead) else seq.params.choice(len(seq.output) + ahead) for seq in seqs]
 
 
 def host_choice(seq: Sequence, logits: torch.Tensor, eos_token_ids: frozenset[int], ahead: int = 0, undone: bool = False) -> Sampled:

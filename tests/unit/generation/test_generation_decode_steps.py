@@ -39,8 +39,8 @@ class Calls:
         self.model, self.steps = engine.engines.model, []
         decode = self.model.decode
 
-        def recording(tokens, positions, slots, steps=1, choices=None):
-            out, shape = decode(tokens, positions, slots, steps, choices)
+        def recording(tokens, positions, slots, steps=1, choices=None, feed=None):
+            out, shape = decode(tokens, positions, slots, steps, choices, feed)
             self.steps.append(shape.steps)
             return out, shape
 

@@ -80,8 +80,8 @@ def test_sequences_left_above_a_smaller_decode_bucket_move_down_and_still_equal_
         moves.append((src, dst))
         move(src, dst)
 
-    def recording_decode(tokens, positions, slots, steps=1, choices=None):
-        out, shape = decode(tokens, positions, slots, steps, choices)
+    def recording_decode(tokens, positions, slots, steps=1, choices=None, feed=None):
+        out, shape = decode(tokens, positions, slots, steps, choices, feed)
         rows.append(shape.rows)
         return out, shape
 
@@ -417,17 +417,18 @@ def test_a_steps_tokens_reach_their_sinks_while_the_next_model_call_computes(lla
     # token is handed over at once, before the decode call of its own step is prepared.
     lm, engine = llama
     decodes = [0]
-    computing = [False]  # a decode call launched whose tokens are not read yet
+    computing: set[int] = set()  # decode calls launched whose tokens are not read yet
     decode = engine.engines.model.decode
 
     def counted(*args, **kwargs):
         decodes[0] += 1
         out, shape = decode(*args, **kwargs)
-        computing[0] = True
+        key = id(out._outputs)
+        computing.add(key)
         home = out._outputs.home
 
         def read():
-            computing[0] = False
+            computing.discard(key)
             return home()
 
         out._outputs.home = read
@@ -438,7 +439,7 @@ def test_a_steps_tokens_reach_their_sinks_while_the_next_model_call_computes(lla
     done = threading.Event()
 
     def sink(event):
-        seen.append((event.token, event.finished, computing[0], decodes[0]))
+        seen.append((event.token, event.finished, bool(computing), decodes[0]))
         if event.finished:
             done.set()
 
