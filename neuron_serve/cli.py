@@ -282,11 +282,14 @@ def _buckets(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         where = usage.traffic_dir(store.root, config.name)
-        sizes, source = usage.recorded(store.root, config.name), str(where)
-    families = proposal.propose(config, Path(args.config).resolve().parent, sizes, args.max_models)
+        replicas = usage.replicas_recorded(store.root, config.name)
+        sizes, source = usage.recorded(store.root, config.name), f"{where} ({replicas} replica{'s' * (replicas != 1)})"
+    min_calls = proposal.MIN_CALLS if args.min_calls is None else args.min_calls
+    families = proposal.propose(config, Path(args.config).resolve().parent, sizes, args.max_models, min_calls)
     if not families:
         print(f"error: no sizes recorded for {config.name} in {source}: serve it first (each replica writes its "
-              f"sizes every {usage.SAVE_EVERY_S:g} s and when it stops), or pass --sizes FILE", file=sys.stderr)
+              f"sizes {usage.SAVE_DELAY_S:g} s after a call at most, and when it stops), or pass --sizes FILE",
+              file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(families, indent=2))
@@ -377,6 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="sizes to read instead of the compile cache's: {family: {size: requests}}")
     buckets.add_argument("--max-models", type=int, metavar="N",
                          help="buckets a family may have (default: as many as today)")
+    buckets.add_argument("--min-calls", type=int, metavar="N", default=None,
+                         help="calls of a family recorded before its buckets are proposed (default: 100; fewer "
+                              "tell too little of the traffic)")
     buckets.add_argument("--json", action="store_true", help="print the proposal as JSON")
     buckets.set_defaults(func=_buckets)
 

@@ -7,7 +7,8 @@ The sizes come from the compile cache (buckets/usage.py: every replica of the mo
 file (``--sizes``: ``{family: {size: requests}}``, or a replica's file). Each family keeps its largest bucket (every
 request must still fit) and, unless ``--max-models`` says otherwise, as many buckets as today: the same number of
 compiled models, spent where the traffic is (buckets/traffic.py's propose). Work is counted in the family's units
-(tokens, rows); padded work over real work is 1.0 when nothing is padded.
+(tokens, rows); padded work over real work is 1.0 when nothing is padded. A family with fewer calls recorded than
+``--min-calls`` (default :data:`MIN_CALLS`) is not proposed for: the report says how many there are instead.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ GENERATE_FAMILIES = {
 }
 POOLING_FAMILIES = {"length": ("length_buckets", "tokens")}  # family -> (field under pooling, unit)
 POOLING_TASKS = ("embed", "score", "classify")
+MIN_CALLS = 100  # `neuron-serve buckets`' default: fewer calls of a family tell too little of its traffic
 
 
 def read_sizes(path: str | Path) -> Sizes:
@@ -99,20 +101,26 @@ def today(config: Any, base_dir: str | Path | None) -> dict[str, tuple[str, str,
                       f"and its batch sizes (dynamic_batch: true)")
 
 
-def propose(config: Any, base_dir: str | Path | None, sizes: Sizes, max_models: int | None = None) -> dict:
-    """Per family with buckets and recorded sizes: today's buckets and padding, the proposed ones and theirs."""
+def propose(config: Any, base_dir: str | Path | None, sizes: Sizes, max_models: int | None = None,
+            min_calls: int = 1) -> dict:
+    """Per family with buckets and recorded sizes: today's buckets and padding, the proposed ones and theirs. A
+    family with fewer than ``min_calls`` calls recorded gets no proposal (``proposed`` None): too little traffic to
+    tell its buckets by."""
     if max_models is not None and max_models < 1:
         raise ConfigError(f"--max-models: a family needs at least one bucket; got {max_models}.")
+    if min_calls < 1:
+        raise ConfigError(f"--min-calls: a proposal needs at least one call; got {min_calls}.")
     families = {}
     for family, (field, unit, buckets) in today(config, base_dir).items():
         counts = sizes.of(family)
         if not buckets or not counts:
             continue
-        proposed = traffic.propose(counts, max_models or len(buckets), buckets[-1])
+        calls = sum(counts.values())
+        proposed = traffic.propose(counts, max_models or len(buckets), buckets[-1]) if calls >= min_calls else None
         families[family] = {
-            "field": field, "unit": unit, "calls": sum(counts.values()),
+            "field": field, "unit": unit, "calls": calls, "min_calls": min_calls,
             "today": buckets, "padding_today": traffic.padding(counts, buckets),
-            "proposed": proposed, "padding_proposed": traffic.padding(counts, proposed),
+            "proposed": proposed, "padding_proposed": traffic.padding(counts, proposed) if proposed else None,
             "per_bucket_today": traffic.per_bucket(counts, buckets),
         }
     return families
@@ -141,10 +149,17 @@ def report(name: str, families: dict, source: str) -> str:
         for bucket, use in entry["per_bucket_today"].items():
             if use["requests"]:
                 lines.append(f"    {bucket:>6}: {use['requests']} calls, {use['real']} real, {use['padded']} padded")
-        lines.append(f"  proposed {entry['proposed']}: padded work {entry['padding_proposed']:.2f}x the real")
+        if entry["proposed"] is None:
+            lines.append(f"  too little traffic to propose from: {entry['calls']} calls recorded, at least "
+                         f"{entry['min_calls']} wanted (--min-calls N)")
+        else:
+            lines.append(f"  proposed {entry['proposed']}: padded work {entry['padding_proposed']:.2f}x the real")
+    proposed = {family: entry for family, entry in families.items() if entry["proposed"] is not None}
+    if not proposed:
+        return "\n".join([*lines, "", "model.yaml: nothing to change until more traffic is recorded"])
     lines += ["", "model.yaml:"]
     sections: dict[str, list[str]] = {}
-    for entry in families.values():
+    for entry in proposed.values():
         if "." not in entry["field"]:  # a top-level field (an infer model's batch_sizes)
             lines.append(f"{entry['field']}: {entry['proposed']}")
             continue

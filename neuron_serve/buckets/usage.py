@@ -23,7 +23,6 @@ import os
 import re
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 from .. import metrics
@@ -32,7 +31,9 @@ from .traffic import Sizes
 
 logger = logging.getLogger("neuron_serve")
 
-SAVE_EVERY_S = 30.0  # how often a replica writes its sizes out while it serves (and once more when it stops)
+# A replica writes its sizes at most this long after it records one (and once more when it stops), so what
+# `neuron-serve buckets` reads of a running deployment is its traffic up to a few seconds ago.
+SAVE_DELAY_S = 2.0
 TRAFFIC_DIR = "traffic"
 
 
@@ -57,7 +58,7 @@ class Usage:
         self._counters: dict[tuple[str, int], tuple] = {}
         self._work: dict[tuple[str, int], list[int]] = {}  # (family, bucket) -> [calls, real, padded]
         self._lock = threading.Lock()
-        self._saved = time.monotonic()
+        self._timer: threading.Timer | None = None  # the write due for what was recorded since the last one
 
     def counters(self, family: str, bucket: int) -> tuple:
         """The real and padded counters of ``bucket`` of ``family``."""
@@ -78,8 +79,10 @@ class Usage:
             work[0] += 1
             work[1] += size
             work[2] += max(bucket - size, 0)
-        if self.path is not None and time.monotonic() - self._saved > SAVE_EVERY_S:
-            self.save()
+            if self.path is not None and self._timer is None:
+                self._timer = threading.Timer(SAVE_DELAY_S, self.save)
+                self._timer.daemon = True  # the stop's own write outlives it
+                self._timer.start()
         return self.counters(family, bucket)
 
     def counts(self, family: str) -> dict[int, int]:
@@ -104,7 +107,9 @@ class Usage:
         if self.path is None:
             return
         with self._lock:
-            self._saved = time.monotonic()
+            if self._timer is not None:
+                self._timer.cancel()  # this write holds what it would have written
+                self._timer = None
             body = {"model": self.model, "replica": self.replica, "sizes": self.sizes.as_dict()}
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -156,6 +161,12 @@ def for_model(model: str, replica: str) -> Usage:
         if usage is None:
             usage = _USAGE[(model, replica, root)] = Usage(model, replica, root)
         return usage
+
+
+def replicas_recorded(cache_root: str | Path, model: str) -> int:
+    """How many replicas (of this deployment and the earlier ones on the cache) kept sizes of ``model``."""
+    folder = traffic_dir(cache_root, model)
+    return len(list(folder.glob("*.json"))) if folder.is_dir() else 0
 
 
 def recorded(cache_root: str | Path, model: str, but: Path | None = None) -> Sizes:

@@ -79,7 +79,7 @@ def test_the_sizes_are_kept_in_the_compile_cache_and_the_cli_proposes_buckets_fr
                                       "model": {"factory": "generation_models:build"}, "generation": GENERATION}))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
     done = subprocess.run([sys.executable, "-m", "neuron_serve.cli", "--cache-dir", str(cache), "buckets",
-                           str(config), "--json"], capture_output=True, text=True, env=env, timeout=120)
+                           str(config), "--min-calls", "1", "--json"], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     prefill = json.loads(done.stdout)["prefill"]
     # Today 5 runs as 16 and 20 as 48: (16 + 48) / (5 + 20). Two buckets with 48 kept: [20, 48] runs both as 20,
@@ -87,7 +87,7 @@ def test_the_sizes_are_kept_in_the_compile_cache_and_the_cli_proposes_buckets_fr
     assert (prefill["today"], prefill["proposed"]) == ([16, 48], [20, 48])
     assert prefill["padding_today"] == pytest.approx(64 / 25) and prefill["padding_proposed"] == pytest.approx(40 / 25)
     text = subprocess.run([sys.executable, "-m", "neuron_serve.cli", "--cache-dir", str(cache), "buckets",
-                           str(config)], capture_output=True, text=True, env=env, timeout=120).stdout
+                           str(config), "--min-calls", "1"], capture_output=True, text=True, env=env, timeout=120).stdout
     assert "  today    [16, 48]: padded work 2.56x the real" in text
     assert "  proposed [20, 48]: padded work 1.60x the real" in text
     assert text.endswith("generation:\n  prefill_buckets: [20, 48]\n  decode_batch_buckets: [1]\n"
@@ -100,7 +100,7 @@ def test_decode_context_buckets_are_proposed_from_the_positions_decode_calls_att
                                       "generation": {**GENERATION, "decode_context_buckets": [24, 48]}}))
     sizes = tmp_path / "sizes.json"
     sizes.write_text(json.dumps({"decode_context": {"9": 30, "12": 50, "40": 5}}))
-    assert cli.main(["buckets", str(config), "--sizes", str(sizes), "--json"]) == 0
+    assert cli.main(["buckets", str(config), "--sizes", str(sizes), "--min-calls", "50", "--json"]) == 0
     context = json.loads(capsys.readouterr().out)["decode_context"]
     # Today 9 and 12 run as 24, 40 as 48: (80 x 24 + 5 x 48) / 990; [12, 48] runs them as 12 and 48.
     assert (context["today"], context["proposed"]) == ([24, 48], [12, 48])
@@ -113,10 +113,55 @@ def test_a_file_of_sizes_and_a_budget_of_buckets(tmp_path, capsys):
                                       "generation": GENERATION}))
     sizes = tmp_path / "sizes.json"
     sizes.write_text(json.dumps({"prefill": {"3": 10, "9": 5, "30": 1}}))
-    assert cli.main(["buckets", str(config), "--sizes", str(sizes), "--max-models", "3", "--json"]) == 0
+    assert cli.main(["buckets", str(config), "--sizes", str(sizes), "--max-models", "3", "--min-calls", "16", "--json"]) == 0
     prefill = json.loads(capsys.readouterr().out)["prefill"]
     assert prefill["proposed"] == [3, 9, 48]  # 30 runs on 48, the largest, kept
     assert prefill["padding_proposed"] == pytest.approx((10 * 3 + 5 * 9 + 48) / (10 * 3 + 5 * 9 + 30))
+
+
+def test_a_family_with_too_few_calls_gets_no_proposal_and_the_count_is_said(tmp_path, capsys):
+    config = tmp_path / "model.yaml"
+    config.write_text(yaml.safe_dump({"name": "lm", "task": "generate", "model": {"factory": "x:y"},
+                                      "generation": GENERATION}))
+    sizes = tmp_path / "sizes.json"
+    sizes.write_text(json.dumps({"prefill": {"3": 1}, "decode_rows": {"1": 120}}))
+    assert cli.main(["buckets", str(config), "--sizes", str(sizes)]) == 0
+    text = capsys.readouterr().out
+    assert ("prefill (generation.prefill_buckets, tokens; 1 calls):\n  today    [16, 48]: padded work 5.33x the "
+            "real\n        16: 1 calls, 3 real, 13 padded\n  too little traffic to propose from: 1 calls recorded, "
+            "at least 100 wanted (--min-calls N)\n") in text
+    assert text.endswith("model.yaml:\ngeneration:\n  decode_batch_buckets: [1]\n")  # the one with enough
+    sizes.write_text(json.dumps({"prefill": {"3": 1}}))
+    assert cli.main(["buckets", str(config), "--sizes", str(sizes)]) == 0
+    assert capsys.readouterr().out.endswith("\nmodel.yaml: nothing to change until more traffic is recorded\n")
+    assert cli.main(["buckets", str(config), "--sizes", str(sizes), "--json"]) == 0
+    prefill = json.loads(capsys.readouterr().out)["prefill"]
+    assert (prefill["calls"], prefill["min_calls"], prefill["proposed"]) == (1, 100, None)
+    assert cli.main(["buckets", str(config), "--sizes", str(sizes), "--min-calls", "0"]) == 2
+    assert capsys.readouterr().err == "error: --min-calls: a proposal needs at least one call; got 0.\n"
+
+
+def test_a_replica_writes_what_it_recorded_seconds_after_a_call_and_the_cli_reads_it_while_it_serves(
+        fresh_cache, tmp_path, capsys):
+    """No request after the last is needed for its sizes to reach the cache (a burst of traffic, then none)."""
+    usage = bucket_usage.Usage("live", "r1", fresh_cache.root)
+    for length in (5, 9, 9):
+        usage.record("prefill", length, 16)
+    deadline = time.monotonic() + 10
+    while not usage.path.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert json.loads(usage.path.read_text())["sizes"] == {"prefill": {"5": 1, "9": 2}}
+    usage.record("prefill", 30, 48)  # a later call: written again, as late
+    deadline = time.monotonic() + 10
+    while "30" not in json.loads(usage.path.read_text())["sizes"]["prefill"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    config = tmp_path / "model.yaml"
+    config.write_text(yaml.safe_dump({"name": "live", "task": "generate", "model": {"factory": "x:y"},
+                                      "generation": GENERATION}))
+    assert cli.main(["buckets", str(config), "--min-calls", "4"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"live: sizes from {fresh_cache.root / 'traffic' / 'live'} (1 replica)\n"
+                           f"prefill (generation.prefill_buckets, tokens; 4 calls):\n"), text
 
 
 def test_refusals_name_what_to_do(fresh_cache, tmp_path, capsys):
@@ -125,9 +170,9 @@ def test_refusals_name_what_to_do(fresh_cache, tmp_path, capsys):
                                       "generation": GENERATION}))
     assert cli.main(["buckets", str(config)]) == 1
     where = fresh_cache.root / "traffic" / "lm"
-    assert capsys.readouterr().err == (f"error: no sizes recorded for lm in {where}: serve it first "
-                                       f"(each replica writes its sizes every 30 s and when it stops), or pass "
-                                       f"--sizes FILE\n")
+    assert capsys.readouterr().err == (f"error: no sizes recorded for lm in {where} (0 replicas): serve it first "
+                                       f"(each replica writes its sizes 2 s after a call at most, and when it "
+                                       f"stops), or pass --sizes FILE\n")
     sizes = tmp_path / "sizes.json"
     sizes.write_text(json.dumps({"prefill": {"3": 10}}))
     assert cli.main(["buckets", str(config), "--sizes", str(sizes), "--max-models", "0"]) == 2

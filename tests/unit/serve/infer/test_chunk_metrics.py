@@ -162,7 +162,7 @@ def test_an_infer_model_counts_and_keeps_its_sizes_and_neuron_serve_buckets_prop
 
     # Kept in the compile cache when the replica stopped; proposed from there.
     (yaml_path := tmp_path / "row-sums.yaml").write_text(json.dumps({**BUCKETED, "name": "row-sums-usage"}))
-    assert cli.main(["buckets", str(yaml_path), "--json"]) == 0
+    assert cli.main(["buckets", str(yaml_path), "--min-calls", "1", "--json"]) == 0
     families = json.loads(capsys.readouterr().out)
     # shape: sizes {3: 2, 6: 1} on two buckets, 8 kept: [3, 8] pads 3+3+8 = 14 against [6, 8]'s 6+6+6 = 18.
     assert families["shape"]["today"] == [4, 8] and families["shape"]["proposed"] == [3, 8]
@@ -171,7 +171,7 @@ def test_an_infer_model_counts_and_keeps_its_sizes_and_neuron_serve_buckets_prop
     # rows: every chunk had one real row: [1, 4] pads nothing.
     assert families["rows"]["today"] == [2, 4] and families["rows"]["proposed"] == [1, 4]
     assert families["rows"]["padding_proposed"] == pytest.approx(1.0)
-    assert cli.main(["buckets", str(yaml_path)]) == 0
+    assert cli.main(["buckets", str(yaml_path), "--min-calls", "1"]) == 0
     assert capsys.readouterr().out.endswith("model.yaml:\nbatch_sizes: [1, 4]\nbuckets:\n  sizes: [3, 8]\n")
 
 
