@@ -103,6 +103,10 @@ REFUSED = [
     ("prefill rows past max_num_seqs", with_(GENERATE, generation={"max_num_seqs": 4, "prefill_batch_buckets": [1, 8]}),
      "generation.prefill_batch_buckets: give prompt counts from 1 (a prompt alone) to at most max_num_seqs (4), got "
      "[1, 8]."),
+    ("async scheduling with speculation", with_(GENERATE, generation={
+        "async_scheduling": True, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}),
+     "generation.async_scheduling: feeds each one-step decode's tokens to the next on the core, and "
+     "speculative_config does not decode that way; set it false or leave it unset (on where it applies)"),
     ("no adapter on the core", with_(GENERATE, generation={"lora": {"max_loras": 0}}),
      "generation.lora.max_loras: Input should be greater than or equal to 1"),
     ("a rank vLLM does not allow", with_(GENERATE, generation={"lora": {"max_lora_rank": 24}}),
@@ -153,7 +157,7 @@ def test_a_generate_model_yaml_parses_with_defaults():
         "decode_context_buckets": None, "decode_steps": 1, "on_device_sampling": True, "tensor_parallel_size": 1,
         "max_num_batched_tokens": None, "enable_chunked_prefill": False, "prefill_chunk_buckets": None,
         "long_prefill_token_threshold": 0, "max_num_partial_prefills": 1, "learn_buckets_after": None,
-        "prefill_batch_buckets": None,
+        "prefill_batch_buckets": None, "async_scheduling": None,
         "max_waiting": 256, "enable_prefix_caching": False, "speculative_config": None, "lora": None,
         "tool_call_parser": None, "quantization": None, "quantization_type": "per_channel_symmetric",
         "modules_to_not_convert": None, "kv_cache_dtype": "auto", "calculate_kv_scales": None,
