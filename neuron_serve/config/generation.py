@@ -225,9 +225,10 @@ class GenerationSettings(BaseModel):
         description="vLLM's async scheduling: while nothing but the running rows' decode is to be done, each engine "
                     "step launches the next decode from the last one's tokens on the core before it reads them, so "
                     "the host's part of a step (reading tokens, stops, events) runs while the core computes; a row "
-                    "ends one call late (that call's token for it is dropped, never sent). Default: on, but with "
-                    "speculative decoding and decode_steps > 1, which do not feed one call's tokens to the next "
-                    "(true with them is refused)")
+                    "ends one call late (that call's token for it is dropped, never sent). Default: on with Neuron "
+                    "devices, off on emulated cores (XLA:CPU computes on the CPUs the host's work needs: slower "
+                    "served at one stream), and off with speculative decoding and decode_steps > 1, which do not "
+                    "feed one call's tokens to the next (true with them is refused)")
     max_waiting: int = Field(
         DEFAULT_MAX_WAITING, ge=1, description="requests waiting for a slot before more are refused (503)")
     enable_prefix_caching: bool = Field(
@@ -307,8 +308,7 @@ class GenerationSettings(BaseModel):
         if self.async_scheduling and (self.speculative_config is not None or self.decode_steps > 1):
             by = "speculative_config" if self.speculative_config is not None else "decode_steps > 1"
             raise FieldError("async_scheduling", f"feeds each one-step decode's tokens to the next on the core, and "
-                                                 f"{by} does not decode that way; set it false or leave it unset (on "
-                                                 f"where it applies)")
+                                                 f"{by} does not decode that way; set it false or leave it unset")
         if not self.enable_chunked_prefill:
             for name in ("long_prefill_token_threshold", "max_num_partial_prefills"):
                 if name in self.model_fields_set:

@@ -106,7 +106,7 @@ REFUSED = [
     ("async scheduling with speculation", with_(GENERATE, generation={
         "async_scheduling": True, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}),
      "generation.async_scheduling: feeds each one-step decode's tokens to the next on the core, and "
-     "speculative_config does not decode that way; set it false or leave it unset (on where it applies)"),
+     "speculative_config does not decode that way; set it false or leave it unset"),
     ("no adapter on the core", with_(GENERATE, generation={"lora": {"max_loras": 0}}),
      "generation.lora.max_loras: Input should be greater than or equal to 1"),
     ("a rank vLLM does not allow", with_(GENERATE, generation={"lora": {"max_lora_rank": 24}}),

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ...buckets import usage as bucket_usage
 from ...errors import AdapterNotLoaded, InvalidInput
+from ...targets.pjrt import emulated
 from ..runner.executor import CoreGroupExecutor, Executor
 from .metrics import EngineMetrics
 from ..runner.model import GenerationModel
@@ -100,7 +101,8 @@ class Engine(Engines):
     transformers tokenizer) is needed only for structured outputs' matchers.
     ``max_num_batched_tokens`` bounds the tokens of a step (decode rows, then prompt tokens); with a model compiled
     for chunked prefill (mixed models), ``long_prefill_token_threshold`` and ``max_num_partial_prefills`` shape
-    its chunks (scheduler.py). With ``async_scheduling`` (vLLM's; None: on where it applies), while nothing but the
+    its chunks (scheduler.py). With ``async_scheduling`` (vLLM's; None: on a Neuron device where it applies, off on
+    emulated cores, where the host's work and the calls share the CPUs), while nothing but the
     running rows' decode is to be done, each step launches the next decode from the last one's tokens on the core
     before it reads them, so the host's part of a step runs while the core computes; a row ends one call late (that
     call's token for it is dropped, never sent). Speculative decoding and multi-step decodes do not feed one call's
@@ -150,8 +152,10 @@ class Engine(Engines):
         if async_scheduling and not feeds:
             raise InvalidInput("async_scheduling feeds each one-step decode's tokens to the next on the core; "
                                "speculative decoding and decode_steps > 1 do not decode that way: turn it off (or "
-                               "leave it unset: on where it applies).")
-        self.async_scheduling = feeds if async_scheduling is None else async_scheduling
+                               "leave it unset).")
+        # Unset: on a Neuron device, whose calls run apart from the host; not on emulated cores, whose calls compute
+        # on the CPUs the host's work needs (served, one stream: 46.3 ms a token with it, 39.9 without).
+        self.async_scheduling = (feeds and not emulated()) if async_scheduling is None else async_scheduling
         self._ahead: Ahead | None = None
         for kind, value in executor.memory().items():
             self.metrics.held(kind, value)

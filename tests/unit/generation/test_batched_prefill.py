@@ -41,6 +41,7 @@ def test_the_compiled_prefills_are_each_length_alone_and_with_2_and_4_prompts_of
     _, front = served
     labels = [s.label for s in front.engines.model.shapes if s.kind == "prefill"]
     assert labels == ["prefill_16", "prefill_64", "prefill_2x16", "prefill_4x16"]
+    assert front.engines.async_scheduling is False  # unset, on emulated cores: each decode read before the next
 
 
 def test_greedy_prompts_of_mixed_lengths_prefilled_together_equal_transformers(served):
