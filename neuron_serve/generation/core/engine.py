@@ -83,6 +83,7 @@ class Overlap:
             self._done = True
             self._deliver()
 
+
 @dataclass
 class Ahead:
     """A one-step decode launched and not read: the next step launches the decode after it from its tokens on the

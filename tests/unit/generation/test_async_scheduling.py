@@ -99,6 +99,37 @@ def test_every_event_has_exact_counts_and_none_follows_the_last(served):
     assert sum(e.finished for e in seen) == 1
 
 
+def test_a_stop_string_ends_the_row_on_the_token_completing_it_and_nothing_after_is_sent(served):
+    lm, front = served
+    tokenizer = gm.byte_tokenizer()
+    front.tokenizer = tokenizer
+    try:
+        prompt = prompts((7,), seed=27)[0]
+        want = gm.eager_greedy(lm, prompt, 24)
+        text = tokenizer.decode(want)
+        # Two printable ASCII characters past the start (random bytes also decode to U+FFFD, not text to stop on).
+        stop = next(text[i:i + 2] for i in range(4, len(text) - 1)
+                    if text[i:i + 2].isascii() and text[i:i + 2].isprintable())
+        seen, finished = [], threading.Event()
+
+        def sink(event):
+            seen.append(event)
+            if event.finished:
+                finished.set()
+
+        front.submit(prompt, SamplingParams(max_tokens=24, temperature=0, stop=(stop,)), sink)
+        assert finished.wait(120)
+    finally:
+        front.tokenizer = None
+    tokens = [e.token for e in seen if e.token is not None]
+    assert (seen[-1].finish_reason, seen[-1].stop_reason) == ("stop", stop)
+    assert "".join(e.text for e in seen) == text[:text.index(stop)]
+    assert tokens == want[:len(tokens)] and stop in tokenizer.decode(tokens)
+    assert stop not in tokenizer.decode(tokens[:-1])  # it ended on the token completing it, none after
+    assert [e.completion_tokens for e in seen] == list(range(1, len(seen) + 1))
+    assert sum(e.finished for e in seen) == 1 and front.engines.running == 0
+
+
 def test_prompts_arriving_while_others_decode_equal_transformers(served):
     """A prompt arriving reads the decode under way first (it is prefilled at once, not a call late); the rows
     decoding go on from their tokens."""
