@@ -61,6 +61,7 @@ def served(tmp_path_factory):
         "generation": {"max_num_seqs": 4, "max_model_len": 48, "prefill_buckets": [12, 48],
                        "prefill_batch_buckets": [1, 4], "decode_batch_buckets": [4],
                        "decode_context_buckets": [48], "on_device_sampling": False, "enable_prefix_caching": True,
+                       "async_scheduling": True,  # off by default on emulated cores: adapters' rows decoded ahead
                        "lora": {**LORA, "lora_modules": {name: name for name in ("attention", "mlp", "layer-1")}}}})
     front = build_engine(config, root)
     yield front, peft, lm, root
