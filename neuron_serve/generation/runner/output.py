@@ -75,8 +75,8 @@ class StepOutput:
         """This decode's tokens as the next decode's token input, never read home: (rows, 1) on the core, row r
         the token of slot r (a decode's rows are its slots). One small executable (compiled once a row count)
         that the core runs after this call; the next call is queued behind it."""
-        tokens = self._outputs.on_core[0].to(torch.long)
         with torch.no_grad(), xla_state.exclusive():  # its pending graph must not meet a trace's sync or clear
+            tokens = self._outputs.on_core[0].to(torch.long)
             given = tokens.shape[0]
             fed = tokens[:rows] if given >= rows else torch.cat([tokens, tokens.new_zeros(rows - given)])
             fed = fed.reshape(rows, 1)
