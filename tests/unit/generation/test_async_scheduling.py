@@ -6,6 +6,7 @@ with the async scheduling off (seeded sampling, a token the host chose otherwise
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -28,6 +29,13 @@ def prompts(lengths, seed: int = 21) -> list[list[int]]:
 def counted(name: str) -> float:
     return REGISTRY.get_sample_value(f"neuron_serve_generation_{name}_total",
                                      {"model_name": NAME, "replica": "0"}) or 0.0
+
+
+def idle_within(front, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while front.engines.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return front.engines.running == 0
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +135,10 @@ def test_a_stop_string_ends_the_row_on_the_token_completing_it_and_nothing_after
     assert tokens == want[:len(tokens)] and stop in tokenizer.decode(tokens)
     assert stop not in tokenizer.decode(tokens[:-1])  # it ended on the token completing it, none after
     assert [e.completion_tokens for e in seen] == list(range(1, len(seen) + 1))
-    assert sum(e.finished for e in seen) == 1 and front.engines.running == 0
+    assert sum(e.finished for e in seen) == 1
+    # The frontend finds the stop string and sends the finished event before the engine takes its abort: the slot
+    # is freed at the engine's next step, not necessarily by the time the sink has run.
+    assert idle_within(front, 30)
 
 
 def test_prompts_arriving_while_others_decode_equal_transformers(served):
