@@ -70,15 +70,16 @@ class Usage:
                                            metrics.BUCKET_WORK.labels(**labels, kind="padded"))
         return found
 
-    def record(self, family: str, size: int, bucket: int) -> tuple:
-        """A call of real ``size`` on ``bucket``: kept; returns its real and padded counters for the caller to count
-        (an engine counts on its own thread, with its other metrics)."""
+    def record(self, family: str, size: int, bucket: int, padded: int | None = None) -> tuple:
+        """A call of real ``size`` on ``bucket``, padded by ``padded`` (default: to the bucket; a text packed
+        beside others: its share of its row's padding): kept; returns its real and padded counters for the caller
+        to count (an engine counts on its own thread, with its other metrics)."""
         self.sizes.record(family, size)
         with self._lock:
             work = self._work.setdefault((family, bucket), [0, 0, 0])
             work[0] += 1
             work[1] += size
-            work[2] += max(bucket - size, 0)
+            work[2] += max(bucket - size, 0) if padded is None else padded
             if self.path is not None and self._timer is None:
                 self._timer = threading.Timer(SAVE_DELAY_S, self.save)
                 self._timer.daemon = True  # the stop's own write outlives it

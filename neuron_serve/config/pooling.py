@@ -81,6 +81,16 @@ class PoolingSettings(BaseModel):
                     f"max_model_len. auto: as many lengths as the default, chosen from the input lengths the "
                     f"model's replicas recorded in the compile cache (the ones that pad least, max_model_len kept) "
                     f"once learn_buckets_after inputs are recorded; the defaults until then")
+    packing: bool | None = Field(
+        default=None,
+        description="run several texts in one compiled row (first-fit decreasing into rows of a length bucket), "
+                    "each attending only to itself, its positions restarting and pooled on its own, so a batch "
+                    "pads to whole rows rather than every text to its bucket; a text longer than a row runs in the "
+                    "bucket that holds it. Default: on where the model computes the same packed as alone (checked "
+                    "on it at load: mean, CLS or last-token pooling, an encoder or decoder taking a 4-D attention "
+                    "mask and position ids, a cross-encoder's classifier on each pair's first token), else off "
+                    "with the reason in the model's metadata; true refuses a model that cannot; false: one text "
+                    "a row")
     learn_buckets_after: PositiveInt | None = Field(
         default=None,
         description=f"length_buckets: auto: the recorded inputs a replica needs before it starts on the buckets "
@@ -128,6 +138,10 @@ class PoolingSettings(BaseModel):
 def check_pooling_task(config: Any) -> None:
     """ModelConfig's rules of the pooling tasks (and of ``pooling`` elsewhere); raises FieldError naming the field."""
     if config.task not in POOLING_TASKS:
+        if config.batching.max_batch_tokens is not None:
+            raise FieldError("batching.max_batch_tokens", f"applies to task: embed, score or classify, whose texts "
+                                                          f"are counted in tokens; a task: {config.task} batch is "
+                                                          f"counted in rows (max_batch_size); remove it")
         if config.pooling is not None:
             raise FieldError("pooling", f"applies to task: embed, score or classify, not {config.task}; set one of "
                                         f"them or remove pooling")

@@ -222,6 +222,12 @@ class BatchingSettings(_Strict):
     max_queue_delay_ms: float = Field(DEFAULT_MAX_QUEUE_DELAY_MS, ge=0, description="longest wait to fill a batch")
     max_queue_size: int = Field(DEFAULT_MAX_QUEUE_SIZE, ge=1, description="waiting requests before 503")
     request_timeout_s: float = Field(DEFAULT_REQUEST_TIMEOUT_S, gt=0, description="a request waiting longer gets 504")
+    max_batch_tokens: int | None = Field(
+        None, ge=1,
+        description="task: embed, score and classify: most tokens of the texts one batch takes (text-embeddings-"
+                    "inference's max-batch-tokens): requests join a batch while their tokens fit, then its texts "
+                    "are packed into rows; a request of more runs alone. Default: max_batch_size times the longest "
+                    "length bucket")
 
 
 class AutoscalingSettings(_Strict):

@@ -22,6 +22,7 @@ from ..config.pooling import MAX_DEFAULT_MODEL_LEN, PoolingSettings
 from ..config.schema import ModelConfig
 from ..errors import ConfigError
 from .graph import PoolingGraph
+from .packed_graph import MODES, SEGMENTS, PackedPoolingGraph, SequenceClassifierHead, exact, position_offset
 from .spec import OUTPUTS, POOLING_MODES, POOLING_NAMES, PoolingSpec
 
 logger = logging.getLogger("neuron_serve")
@@ -63,14 +64,53 @@ def load(config: ModelConfig, base_dir: str | Path | None = None) -> tuple[Pooli
     max_len = _max_model_len(settings, loaded, model, tokenizer)
     graph = PoolingGraph(model, names, _output_key(transformer), transformer.module_output_name, heads, result,
                          activation).eval()
+    pad_token_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+    vocab_size = int(model.get_input_embeddings().num_embeddings)
+    packed, packing = _packing(config, settings, directory, model, names, transformer, heads, activation, graph,
+                               pad_token_id, vocab_size)
     output = OUTPUTS[config.task] if config.task == "embed" or activation is not None else "logits"
     buckets, learned = length_buckets(config, settings, max_len)
     spec = PoolingSpec(task=config.task, input_names=names, output_name=output, max_model_len=max_len,
-                       length_buckets=tuple(buckets), buckets_from=learned,
-                       pad_token_id=int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0),
-                       vocab_size=int(model.get_input_embeddings().num_embeddings), prompt=prompt,
-                       dtype=str(dtype).removeprefix("torch."), **fields)
-    return graph, spec, tokenizer
+                       length_buckets=tuple(buckets), buckets_from=learned, pad_token_id=pad_token_id,
+                       vocab_size=vocab_size, prompt=prompt, dtype=str(dtype).removeprefix("torch."),
+                       segments=packed.segments if packed is not None else 1, packing=packing, **fields)
+    return (packed if packed is not None else graph), spec, tokenizer
+
+
+def _packing(config: ModelConfig, settings: PoolingSettings, directory: Path, model: torch.nn.Module,
+             names: tuple[str, ...], transformer: Any, heads: list, activation: torch.nn.Module | None,
+             padded: PoolingGraph, pad_token_id: int, vocab_size: int) -> tuple[PackedPoolingGraph | None, str]:
+    """The packed graph of the model (several texts a row) and "on", or None and why it is served padded: packing
+    off in model.yaml, a pooling it cannot do per text, or a model that computes otherwise packed (`exact`)."""
+    if settings.packing is False:
+        return None, "off (pooling.packing: false)"
+    graph, reason = None, None
+    if config.task == "embed":
+        from sentence_transformers.sentence_transformer.modules import Pooling  # noqa: PLC0415
+
+        first = heads[0] if heads else None
+        mode = getattr(first, "pooling_mode", None) if isinstance(first, Pooling) else None
+        if mode not in MODES:
+            reason = f"its pooling ({mode or 'none'}) is not one of {', '.join(MODES)}, which are pooled per text"
+        else:
+            graph = PackedPoolingGraph(model, names, _output_key(transformer), SEGMENTS, position_offset(model),
+                                       _is_decoder(model), mode, heads[1:], "sentence_embedding")
+    elif not isinstance(getattr(model, "classifier", None), torch.nn.Module):
+        reason = f"its {type(model).__name__} has no classifier reading the first token of each pair"
+    else:
+        graph = PackedPoolingGraph(model.base_model, names, "last_hidden_state", SEGMENTS, position_offset(model),
+                                   False, None, heads, "scores", feature=transformer.module_output_name,
+                                   classifier=SequenceClassifierHead(model), activation=activation)
+    if graph is not None:
+        reason = exact(graph.eval(), padded, vocab_size, pad_token_id)
+    if reason is None:
+        return graph, "on"
+    if settings.packing:
+        raise ConfigError(f"pooling.packing: {directory} cannot run several texts a row: {reason}; set packing: "
+                          f"false or leave it out (it is then served one text a row)")
+    logger.info("model %s: one text a row (packing off): %s", config.name, reason)
+    return None, f"off: {reason}"
+
 
 
 def _load(task: str, directory: Path) -> Any:

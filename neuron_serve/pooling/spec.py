@@ -41,6 +41,8 @@ class PoolingSpec:
     activation: str | None = None  # the activation applied in the graph (Sigmoid, Softmax, ...), None: logits
     dtype: str = "float32"  # what the weights and activations compute in (model.yaml's dtype); outputs are float32
     buckets_from: str = "defaults"  # where length_buckets come from: model.yaml, defaults, traffic (N inputs)
+    segments: int = 1  # texts a compiled row holds at most (1: one text a row, padded)
+    packing: str = "off"  # "on", or "off" and why (model.yaml, or what the model cannot do packed)
 
     def with_hidden_size(self, size: int) -> "PoolingSpec":
         """This spec once the compiled graph says how wide an embedding is."""
@@ -49,7 +51,8 @@ class PoolingSpec:
     def describe(self) -> dict:
         """The fields model metadata and ``GET /v1/models`` show (``parameters`` of OIP's metadata)."""
         found = {"task": self.task, "max_model_len": self.max_model_len, "length_buckets": list(self.length_buckets),
-                 "length_buckets_from": self.buckets_from, "dtype": self.dtype}
+                 "length_buckets_from": self.buckets_from, "dtype": self.dtype, "packing": self.packing,
+                 "texts_per_row": self.segments}
         if self.task == "embed":
             found.update(pooling_type=self.pooling_type, normalize=self.normalize, dimensions=self.hidden_size,
                          is_matryoshka=self.is_matryoshka)

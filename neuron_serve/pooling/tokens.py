@@ -1,4 +1,5 @@
-"""Text to the rows a pooling model takes, on the replica's host: token ids and segment ids, then padded tensors.
+"""Text to the rows a pooling model takes, on the replica's host: token ids and segment ids (packing.py makes the
+compiled rows of them).
 
 Tokenization calls the model's Rust tokenizer (``tokenizers``) directly, as transformers'
 fast tokenizer does inside ``tokenizer(texts)`` (what sentence-transformers' ``encode`` and
@@ -18,8 +19,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import numpy as np
-import torch
 
 from ..errors import ConfigError, InvalidInput
 from .spec import PoolingSpec
@@ -114,19 +113,3 @@ class Tokens:
         if truncate is not None:
             lists = [ids[-truncate:] for ids in lists]
         return [Row(list(ids), [0] * len(ids) if self.segments else None) for ids in lists]
-
-
-def tensors(rows: Sequence[Row], length: int, spec: PoolingSpec) -> list[torch.Tensor]:
-    """``rows`` as the graph's inputs, each padded to ``length`` tokens (ids with the pad id, mask and segments 0)."""
-    count = len(rows)
-    ids = np.full((count, length), spec.pad_token_id, dtype=np.int64)
-    mask = np.zeros((count, length), dtype=np.int64)
-    types = np.zeros((count, length), dtype=np.int64) if "token_type_ids" in spec.input_names else None
-    for i, row in enumerate(rows):
-        n = len(row.ids)
-        ids[i, :n] = row.ids
-        mask[i, :n] = 1
-        if types is not None and row.type_ids is not None:
-            types[i, :n] = row.type_ids
-    given = {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
-    return [torch.from_numpy(given[name]) for name in spec.input_names]

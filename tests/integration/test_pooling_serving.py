@@ -179,7 +179,9 @@ def test_openai_client_raises_on_refusals(served):
 
 def test_oip_v2_over_http_and_grpc_takes_token_tensors_and_answers_the_embedding(served):
     """The same model over OIP v2: inputs input_ids, attention_mask and token_type_ids (INT64, any batch and
-    length), output embedding (FP32, the full normalised vector)."""
+    length), output embedding (FP32): the model is packed, so a row's attention mask numbers its texts (a padded
+    row's 0/1 mask is one text) and the embedding holds one full normalised vector per text of a row, the first
+    text's first."""
     batch = served.embedder.tokenizer(TEXTS[:2], padding=True, return_tensors="np")
     expected = encode(served, TEXTS[:2])
     for module, address in ((thttp, served.url.removeprefix("http://")), (tgrpc, served.grpc_url)):
@@ -191,6 +193,8 @@ def test_oip_v2_over_http_and_grpc_takes_token_tensors_and_answers_the_embedding
             inputs.append(tensor)
         got = torch.from_numpy(client.infer("embedder", inputs).as_numpy("embedding").copy())
         client.close()
+        assert got.shape == (2, 32, 32)  # rows, texts a row, dimensions
+        got = got[:, 0]
         torch.testing.assert_close(got, expected, atol=EMBEDDING_TOLERANCE, rtol=0)
 
 

@@ -79,6 +79,9 @@ CASES = [
                                               "model": {"pretrained": "/models/minilm"}, "inputs": None},
      "batch_sizes: auto applies to task: infer (it learns from the rows of its chunks); a task: embed model learns "
      "its buckets with pooling.length_buckets: auto; give a list"),
+    ("max_batch_tokens for a model of tensors", variant("batching.max_batch_tokens", 4096),
+     "batching.max_batch_tokens: applies to task: embed, score or classify, whose texts are counted in tokens; a "
+     "task: infer batch is counted in rows (max_batch_size); remove it"),
 ]
 
 

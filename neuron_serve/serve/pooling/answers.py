@@ -54,7 +54,7 @@ async def answer(plane: PoolingPlane, route: str, body: bytes) -> Answer:
     api = ROUTES[route]
     inputs = tokens = padded = 0
     try:
-        plane.data.admit()  # a full queue refuses before anything is decoded
+        plane.admit()  # a full queue refuses before anything is decoded
         with plane.data.begin() as call:  # counted and timed as an infer request, the codec's work included
             parsed = openai_pooling.parse(api, body)
             _check_model(plane, api, parsed.model)

@@ -46,7 +46,7 @@ def pooling_app() -> FastAPI:
         async def endpoint(request: Request) -> Response:
             try:
                 served = plane()
-                served.data.admit()  # refuse before reading the body when the queue is full
+                served.admit()  # refuse before reading the body when the queue is full
                 body = await read_body(request, served.config.http.max_request_bytes)
             except Exception as exc:  # noqa: BLE001 - not ready, overloaded, too large: OpenAI's error object
                 found = error(exc)

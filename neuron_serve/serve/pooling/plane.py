@@ -12,7 +12,6 @@ asked dimensions. The wire formats are codecs around it (`serve/protocols/openai
 from __future__ import annotations
 
 import asyncio
-import bisect
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,7 +21,10 @@ from ...buckets import usage as bucket_usage
 from ...config.schema import ModelConfig
 from ...errors import InvalidInput
 from ...pooling.spec import PoolingSpec
-from ...pooling.tokens import THREAD_CHARS, Row, Tokens, tensors
+from ...pooling import packing
+from ...pooling.tokens import THREAD_CHARS, Row, Tokens
+from ...runtime.request_queue import DynamicBatcher
+from ..infer import triton as triton_ext
 from ..infer.plane import InferCall, ModelDataPlane
 from ..protocols.pooling import PoolingRequest, PoolingResult
 from .observer import PoolingMetrics
@@ -43,19 +45,34 @@ class PoolingPlane:
         self.usage = bucket_usage.for_model(self.name, data.replica)
         self.rebucket = None  # a pooling/rebucket.LengthRebucketing when pooling.length_buckets is auto
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")  # requests of much text
+        batching = config.batching
+        # Batches by tokens (text-embeddings-inference's max-batch-tokens), the requests' texts packed into rows
+        # as each batch runs; the data plane's own batcher still serves OIP v2 requests of token tensors.
+        self.max_batch_tokens = batching.max_batch_tokens or batching.max_batch_size * spec.length_buckets[-1]
+        self._batcher = DynamicBatcher(self._run_batch, max_batch_size=self.max_batch_tokens,
+                                       max_queue_delay_s=batching.max_queue_delay_ms / 1000,
+                                       max_queue_size=batching.max_queue_size,
+                                       request_timeout_s=batching.request_timeout_s,
+                                       max_concurrent_batches=2 * len(data.runner.cores))
 
     # -- lifecycle ------------------------------------------------------------------
 
     def start(self) -> None:
         self.data.start()
+        self._batcher.start()
 
     async def stop(self) -> None:
+        await self._batcher.stop(drain=True)
         await self.data.stop()
         self.usage.save()
         self._tokenizing.shutdown(wait=False)
 
     def ready(self) -> bool:
         return self.data.ready()
+
+    def admit(self) -> None:
+        """Raise Overloaded now when the batcher would refuse a request (full, or stopping)."""
+        self._batcher.admit()
 
     def metadata(self) -> dict:
         """OIP v2 model metadata: the compiled model's tensors, and the pooling settings in ``parameters``
@@ -183,34 +200,57 @@ class PoolingPlane:
                                    request.field)
 
     async def _run(self, rows: list[Row], call: InferCall) -> tuple[torch.Tensor, int]:
-        """Every row through the request queue, grouped by length bucket; (outputs in row order, tokens padded)."""
-        buckets = self.spec.length_buckets
-        groups: dict[int, list[int]] = {}
-        for i, row in enumerate(rows):
-            groups.setdefault(bisect.bisect_left(buckets, len(row.ids)), []).append(i)
-        runs = [self.data.run(tensors([rows[i] for i in members], buckets[b], self.spec), call)
-                for b, members in groups.items()]
-        # One group (the usual case) is awaited directly: gather would wrap it in a task.
-        outputs = [await runs[0]] if len(runs) == 1 else await asyncio.gather(*runs)
-        padded = sum(buckets[b] * len(m) for b, m in groups.items()) - sum(len(r.ids) for r in rows)
-        self._used(rows, groups, buckets)
-        if len(groups) == 1:
-            return outputs[0][0], padded
-        first = outputs[0][0]
-        joined = torch.empty((len(rows), *first.shape[1:]), dtype=first.dtype)
-        for members, output in zip(groups.values(), outputs):
-            joined[members] = output[0]
-        return joined, padded
+        """The rows through the batcher, with other requests' (see `_run_batch`); (outputs in row order, tokens of
+        padding counted for them)."""
+        return await self._batcher.submit((rows, call.times), rows=sum(len(r.ids) for r in rows))
 
-    def _used(self, rows: list[Row], groups: dict[int, list[int]], buckets: tuple[int, ...]) -> None:
-        """Each input's length recorded against the bucket that ran it, and counted (with the answer's metrics)."""
-        for b, members in groups.items():
-            bucket = buckets[b]
-            for i in members:
-                size = len(rows[i].ids)
-                self.metrics.bucket_work(self.usage.record("length", size, bucket), size, bucket - size)
+    async def _run_batch(self, items: list[tuple[list[Row], triton_ext.RequestTimes]]) -> list:
+        """A batch of requests' texts packed into rows of the compiled lengths (pooling/packing.py: the cheapest
+        packing by what the compiled calls cost, one text a row for a padded graph) and run over the cores; each
+        request's outputs and its texts' share of the padding."""
+        started = time.perf_counter()
+        texts = [row for rows, _ in items for row in rows]
+        self.data.observer.batch(len(texts), [started - times.decoded for _, times in items])
+        inline = await self.data.lone.alone(len(items))
+        runner = self.data.runner
+        lengths = [len(row.ids) for row in texts]
+        compiled = [sizes[0] for sizes in runner.model.spec.sizes]  # the lengths compiled now, smallest first
+
+        def cost(bucket: int, count: int) -> float:
+            return sum(runner.costs[bucket][size] for size in runner.plan(bucket, count))
+
+        packings = packing.plan(lengths, compiled, cost, self.spec.segments)
+        names = self.spec.input_names
+        ids, types = [row.ids for row in texts], [row.type_ids for row in texts]
+        results = await runner.infer([packing.tensors(p, ids, types, names, self.spec.pad_token_id)
+                                      for p in packings], inline=inline)
+        ran = time.perf_counter()
+        for _, times in items:
+            times.started, times.ran = started, ran
+        failed = next((r for r in results if isinstance(r, Exception)), None)
+        if failed is not None:
+            return [failed] * len(items)
+        self.data.observer.executed()
+        first = results[0][0]
+        outputs = torch.empty((len(texts), first.shape[-1]), dtype=first.dtype)
+        padded = [0] * len(texts)
+        for packed, result in zip(packings, results):
+            values = result[0] if result[0].dim() == 3 else result[0][:, None]  # a padded graph: one text a row
+            for r, row in enumerate(packed.rows):
+                outputs[list(row)] = values[r, :len(row)]
+            shares = packing.padding_shares(packed, lengths)
+            for i, share in shares.items():
+                padded[i] = share
+            for i in shares:
+                self.metrics.bucket_work(self.usage.record("length", lengths[i], packed.length, shares[i]),
+                                         lengths[i], shares[i])
         if self.rebucket is not None:
             self.rebucket.observe()
+        answers, at = [], 0
+        for rows, _ in items:
+            answers.append((outputs[at:at + len(rows)], sum(padded[at:at + len(rows)])))
+            at += len(rows)
+        return answers
 
 
 _current: PoolingPlane | None = None

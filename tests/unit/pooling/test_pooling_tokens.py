@@ -1,12 +1,11 @@
-"""Tokens: text to rows exactly as the model's transformers tokenizer makes them, truncation, and padded tensors."""
+"""Tokens: text to rows exactly as the model's transformers tokenizer makes them, truncation."""
 
 import pytest
-import torch
 
 import pooling_models
 from neuron_serve.errors import ConfigError, InvalidInput
 from neuron_serve.pooling.spec import PoolingSpec
-from neuron_serve.pooling.tokens import Row, Tokens, tensors
+from neuron_serve.pooling.tokens import Row, Tokens
 
 TEXTS = ["Serve the model.", "", "gRPC over HTTP/1 behind HAProxy, one call per request", "ünïcode text"]
 PAIRS = [("how to serve", "neuron-serve deploy serves a model.yaml"), ("a", "b c d e f g h")]
@@ -59,15 +58,6 @@ def test_too_short_a_truncation_for_a_pair_is_refused_naming_the_field():
     with pytest.raises(InvalidInput, match="truncate_prompt_tokens: 2 tokens cannot hold an input with its 2 special "
                                            "tokens; give at least 3"):
         tokens.texts(TEXTS, 2)
-
-
-def test_rows_become_the_graph_inputs_padded_with_the_pad_id_and_zeros():
-    rows = [Row([2, 7, 3], [0, 0, 0]), Row([2, 3], [0, 1])]
-    ids, mask, types = tensors(rows, 4, spec())
-    assert ids.tolist() == [[2, 7, 3, 0], [2, 3, 0, 0]]
-    assert mask.tolist() == [[1, 1, 1, 0], [1, 1, 0, 0]]
-    assert types.tolist() == [[0, 0, 0, 0], [0, 1, 0, 0]]
-    assert ids.dtype == torch.int64 and len(tensors(rows, 4, spec(("input_ids", "attention_mask")))) == 2
 
 
 def test_a_tokenizer_without_its_rust_core_is_refused():

@@ -1,5 +1,5 @@
-"""What a pooling model's length buckets pad on the texts it gets: each input's tokens and padding counted per
-bucket (Prometheus and the model's metadata), its lengths kept in the compile cache, and `neuron-serve buckets`
+"""What a pooling model's length buckets pad on the texts it gets: each input's tokens and its share of its row's
+padding counted per bucket (Prometheus and the model's metadata), its lengths kept in the compile cache, and `neuron-serve buckets`
 proposing length buckets from them (the padding worked out here from the tokenizer's own counts)."""
 
 from __future__ import annotations
@@ -70,9 +70,12 @@ def served(pooled, pooling_dirs, tmp_path_factory):
 
 
 def test_each_input_counts_its_tokens_and_padding_on_its_length_bucket(served):
+    """The request of five texts (43 tokens) runs packed in one row of 64: 21 tokens of padding for all five; each
+    text alone pads its own row."""
     lengths, metadata, _, _ = served
+    assert sum(lengths) <= 64
     real = 2 * sum(lengths)
-    padded = 2 * sum(64 - n for n in lengths)
+    padded = (64 - sum(lengths)) + sum(64 - n for n in lengths)
     assert (work("real"), work("padded")) == (real, padded)
     assert metadata["parameters"]["padding"] == {"length": {
         "padded_fraction": round(padded / (real + padded), 4),
