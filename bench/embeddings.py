@@ -18,19 +18,21 @@ sentence-transformers' own benchmarks use; 6 layers, hidden 384, mean pooling, n
 3. ``ray``: sentence-transformers' ``encode`` behind Ray Serve with ``@serve.batch`` (16 texts,
    2 ms; bench/peers/ray_embed_app.py), Serve's default HTTP proxy.
 
-Then, as ``neuron-serve-proposed``, neuron-serve again with the length buckets ``neuron-serve buckets`` proposes
-from the lengths the first one's replica recorded in the compile cache (the same number of buckets, the largest
-kept): buckets chosen from the traffic the model got. With ``--servers ...,auto``, as ``neuron-serve-auto``,
-neuron-serve with ``pooling.length_buckets: auto`` (``learn_buckets_after`` 512) on a compile cache of its own (no
-lengths recorded before it): loaded until it has re-bucketed itself while serving and compiled the new buckets,
-then measured the same way. Each neuron-serve run's padded work over its real work is read from its model's
-metadata (``parameters.padding``) before and after the measured points.
+neuron-serve packs several texts into one compiled row by default (``pooling.packing``); the optional servers
+measure it one text a row, the padded layout: ``padded`` (``pooling.packing: false``, the default length buckets),
+``auto`` (the same with ``pooling.length_buckets: auto``, ``learn_buckets_after`` 512, on a compile cache of its
+own: loaded until it has re-bucketed itself while serving and compiled the new buckets, then measured), and
+``proposed`` (one text a row on the length buckets ``neuron-serve buckets`` proposes from the lengths the first
+run's replica recorded in the compile cache). Each neuron-serve run's padded work (the tokens its compiled rows
+hold over the texts' own) is read from its model's metadata (``parameters.padding``) around each workload's points.
 
 ``--lengths lognormal`` makes the texts' token lengths log-normal (median 16, sigma 0.8, 4 to 250 tokens): most
-short, a long tail, the skewed traffic buckets chosen from the traffic are for. The figures of
-docs/guides/shapes.md: ``python -m bench.embeddings --lengths lognormal --servers neuron-serve,infinity,auto``.
+short, a long tail, the skewed traffic packing and learned buckets are for. ``--texts-per-request 1,32`` measures
+each server with one text a request, then 32. What ``make bench`` runs (docs/guides/embeddings.md's figures):
+``python -m bench.embeddings --lengths lognormal --texts-per-request 1,32 --servers
+neuron-serve,padded,auto,infinity,ray``.
 
-Workload: one text a request, ``{"model": "embedder", "input": text}`` on ``/v1/embeddings``,
+Workload (by default): one text a request, ``{"model": "embedder", "input": text}`` on ``/v1/embeddings``,
 from a seeded list of lines of this repository's docs of 8 to 64 tokens (all-MiniLM-L6-v2's tokenizer), the same
 files for
 every server; wrk (closed loop) at concurrency 1 and 16, a 1 s warm-up first. Each server's
@@ -144,13 +146,15 @@ def token_counts(tokenizer, texts: list[str]) -> list[int]:
     return [len(tokenizer(text)["input_ids"]) for text in texts]
 
 
-def write_bodies(texts: list[str], directory: Path) -> Path:
-    """One request file per text and wrk's manifest (bench/loadgen.lua)."""
+def write_bodies(texts: list[str], directory: Path, per_request: int = 1) -> Path:
+    """One request file per text (``per_request`` 1) or per ``per_request`` consecutive texts (from each text on,
+    wrapping round), and wrk's manifest (bench/loadgen.lua)."""
     directory.mkdir(parents=True, exist_ok=True)
     lines = []
-    for i, text in enumerate(texts):
+    for i in range(len(texts)):
         path = directory / f"{i:04d}.json"
-        path.write_text(json.dumps({"model": MODEL, "input": text}))
+        chosen = [texts[(i + k) % len(texts)] for k in range(per_request)]
+        path.write_text(json.dumps({"model": MODEL, "input": chosen[0] if per_request == 1 else chosen}))
         lines.append(f"{path} 0")
     (manifest := directory / "manifest.txt").write_text("\n".join(lines) + "\n")
     return manifest
@@ -190,15 +194,21 @@ def specs(model_dir: Path, yaml_path: Path, python: str = sys.executable) -> dic
             "ray": (ray, [("ray", ray.label, "/v1/embeddings")])}
 
 
-def write_neuron_serve_yaml(model_dir: Path, path: Path, length_buckets: list[int] | str | None = None) -> None:
+def write_neuron_serve_yaml(model_dir: Path, path: Path, length_buckets: list[int] | str | None = None,
+                            packing: bool | None = None) -> None:
     import yaml  # noqa: PLC0415
 
     config = {"name": MODEL, "task": "embed", "model": {"pretrained": str(model_dir.resolve())}, "cores_per_replica": 2,
               "batching": {"max_batch_size": BATCH}}
+    pooling = {}
     if length_buckets is not None:
-        config["pooling"] = {"length_buckets": length_buckets}
+        pooling["length_buckets"] = length_buckets
         if length_buckets == "auto":
-            config["pooling"]["learn_buckets_after"] = LEARN_AFTER
+            pooling["learn_buckets_after"] = LEARN_AFTER
+    if packing is not None:
+        pooling["packing"] = packing
+    if pooling:
+        config["pooling"] = pooling
     path.write_text(yaml.safe_dump(config, sort_keys=False))
 
 
@@ -289,123 +299,154 @@ def check(server: EmbeddingServer, texts: list[str], expected: np.ndarray) -> fl
     return worst
 
 
-def measure(spec, routes: list[tuple[str, str, str]], manifest: Path, texts: list[str], expected: np.ndarray,
-            seconds: float, out: Path, log) -> dict[str, dict]:
-    """Start one server, check and measure it on each of its ``routes`` (key, label, path), stop it."""
+def measure(spec, routes: list[tuple[str, str, str]], manifests: dict[int, Path], texts: list[str],
+            expected: np.ndarray, seconds: float, out: Path, log) -> dict[str, dict]:
+    """Start one server, check and measure it on each of its ``routes`` (key, label, path) with each workload of
+    ``manifests`` (texts a request -> its bodies), stop it."""
     server = EmbeddingServer(spec, out / "logs", routes[0][2])
-    entries = {key: {"label": label, "points": {}} for key, label, _ in routes}
+    entries = {key: {"label": label, "points": {}, "runs": {}} for key, label, _ in routes}
     ours = spec.key.startswith("neuron-serve")
     try:
         probe = (json.dumps({"model": MODEL, "input": texts[0]}).encode(), {"Content-Type": "application/json"})
         try:
             ready = server.wait_ready({MODEL: probe})
             if spec.key == "neuron-serve-auto":
-                learned = learn(server, manifest, log)
+                learned = learn(server, manifests[min(manifests)], log)
                 for entry in entries.values():
                     entry["label"] += f" (after its warm-up: {learned.get('length_buckets')})"
         except RuntimeError as exc:
             log(f"  {spec.key} failed: {exc}")
             return {key: {**entry, "failed": str(exc)} for key, entry in entries.items()}
-        before = parameters(server).get("padding", {}) if ours else {}
+        found = parameters(server) if ours else {}
+        for entry in entries.values():
+            entry["packing"] = found.get("packing")
         for key, _, path in routes:
             server.path, entry = path, entries[key]
             entry["ready_s"] = ready
             entry["max_diff"] = check(server, texts[:CHECKED], expected)
             log(f"  {key}: ready in {ready:.0f}s; max |diff| from encode {entry['max_diff']:.1e}")
-            for conc in CONCURRENCY:
-                loadgen.run_load(server.url(MODEL), manifest, conc, 1)  # warm-up at the same concurrency
-                point = loadgen.run_load(server.url(MODEL), manifest, conc, seconds).as_dict()
-                entry["points"][conc] = point
-                log(f"  {key:15s} c{conc:<3d} {point['rps']:8.1f} req/s  p50 {point['p50_ms']:7.1f} ms  "
-                    f"p99 {point['p99_ms']:7.1f} ms  errors {point['errors']}")
-        memory, padded = server.memory_mb(), padding(before, parameters(server).get("padding", {})) if ours else None
+            for per_request, manifest in manifests.items():
+                before = parameters(server).get("padding", {}) if ours else {}
+                run = entry["runs"][per_request] = {"points": {}}
+                for conc in CONCURRENCY:
+                    loadgen.run_load(server.url(MODEL), manifest, conc, 1)  # warm-up at the same concurrency
+                    point = loadgen.run_load(server.url(MODEL), manifest, conc, seconds).as_dict()
+                    run["points"][conc] = point
+                    log(f"  {key:15s} {per_request:2d} text(s) c{conc:<3d} {point['rps']:8.1f} req/s  "
+                        f"p50 {point['p50_ms']:7.1f} ms  p99 {point['p99_ms']:7.1f} ms  errors {point['errors']}")
+                padded = padding(before, parameters(server).get("padding", {})) if ours else None
+                if padded is not None:
+                    run["padding"], run["padding_by_bucket"] = padded
+                    log(f"  {key:15s} {per_request:2d} text(s) padded work {padded[0]:.2f}x the real tokens")
+            if 1 in entry["runs"]:  # one text a request: the figures of the runs before texts a request were asked
+                entry["points"] = entry["runs"][1]["points"]
+                if "padding" in entry["runs"][1]:
+                    entry["padding"] = entry["runs"][1]["padding"]
+        memory = server.memory_mb()
         for entry in entries.values():
             entry["memory_mb"] = memory
-            if padded is not None:
-                entry["padding"], entry["padding_by_bucket"] = padded
     finally:
         server.stop()
     return entries
 
 
+PADDED = ("neuron-serve-padded", "neuron-serve-auto")  # neuron-serve one text a row: default and learned buckets
+
+
 def ratios(systems: dict) -> dict:
-    """neuron-serve (its model URL) against the better peer: requests/s at concurrency 16, p50 and p99 at 1."""
-    def point(key, conc):
-        found = systems.get(key, {}).get("points", {}).get(conc)
+    """neuron-serve (its model URL) against the better peer and against itself one text a row (defaults, auto), for
+    each workload (texts a request): requests/s at concurrency 16 (ours over theirs), p50 and p99 at 1 (theirs over
+    ours): above 1 is better for neuron-serve."""
+    def point(key, texts, conc):
+        found = systems.get(key, {}).get("runs", {}).get(texts, {}).get("points", {}).get(conc)
         return found if found and found["errors"] < found["requests"] else None
 
     result = {}
     top, one = max(CONCURRENCY), min(CONCURRENCY)
-    theirs = [(k, p) for k in PEERS if (p := point(k, top))]
-    for ours_key, name in (("neuron-serve", f"rps_c{top}"), ("neuron-serve-proposed", f"rps_c{top}_proposed"),
-                           ("neuron-serve-auto", f"rps_c{top}_auto")):
-        ours = point(ours_key, top)
-        if ours and theirs:
-            best, p = max(theirs, key=lambda kp: kp[1]["rps"])
-            result[name] = {"peer": best, "ratio": ours["rps"] / p["rps"]}
-    ours = point("neuron-serve", one)
-    for figure in ("p50_ms", "p99_ms"):
-        theirs = [(k, p) for k in PEERS if (p := point(k, one))]
-        if ours and theirs:
-            best, p = min(theirs, key=lambda kp: kp[1][figure])
-            result[f"{figure[:3]}_c{one}"] = {"peer": best, "ratio": p[figure] / ours[figure]}
+    workloads = sorted({t for e in systems.values() for t in e.get("runs", {})})
+    for texts in workloads:
+        for rivals, against in ((PEERS, "peer"), (PADDED[:1], "padded"), (PADDED[1:], "auto")):
+            ours = point("neuron-serve", texts, top)
+            theirs = [(k, p) for k in rivals if (p := point(k, texts, top))]
+            if ours and theirs:
+                best, p = max(theirs, key=lambda kp: kp[1]["rps"])
+                result[f"rps_c{top}_x{texts}_{against}"] = {"peer": best, "ratio": ours["rps"] / p["rps"]}
+            ours = point("neuron-serve", texts, one)
+            for figure in ("p50_ms", "p99_ms"):
+                theirs = [(k, p) for k in rivals if (p := point(k, texts, one))]
+                if ours and theirs:
+                    best, p = min(theirs, key=lambda kp: kp[1][figure])
+                    result[f"{figure[:3]}_c{one}_x{texts}_{against}"] = {"peer": best,
+                                                                         "ratio": p[figure] / ours[figure]}
     return result
 
 
 def report(figures: dict) -> str:
     systems = figures["systems"]
     lines = ["## Embeddings over HTTP (bench/embeddings.py)", "",
-             "| server | conc | req/s | p50 ms | p99 ms | errors | max \\|diff\\| from encode |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "| server | texts a request | conc | req/s | texts/s | p50 ms | p99 ms | errors | padded work | "
+             "max \\|diff\\| from encode |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for entry in systems.values():
         if entry.get("failed"):
-            lines.append(f"| {entry['label']} | | failed: {entry['failed'][:80]} | | | | |")
-        for conc, p in entry.get("points", {}).items():
-            lines.append(f"| {entry['label']} | {conc} | {p['rps']:.1f} | {p['p50_ms']:.1f} | {p['p99_ms']:.1f} | "
-                         f"{p['errors']} | {entry.get('max_diff', float('nan')):.1e} |")
+            lines.append(f"| {entry['label']} | | | failed: {entry['failed'][:80]} | | | | | | |")
+        for texts, run in entry.get("runs", {}).items():
+            padded = f"{run['padding']:.2f}x" if "padding" in run else ""
+            for conc, p in run["points"].items():
+                lines.append(f"| {entry['label']} | {texts} | {conc} | {p['rps']:.1f} | {p['rps'] * int(texts):.1f} | "
+                             f"{p['p50_ms']:.1f} | {p['p99_ms']:.1f} | {p['errors']} | {padded} | "
+                             f"{entry.get('max_diff', float('nan')):.1e} |")
     labels = {k: e["label"] for k, e in systems.items()}
-    padded = [(e["label"], e["padding"]) for k, e in systems.items() if "padding" in e and k != "neuron-serve-v1"]
-    if padded:
-        lines += ["", "Padded work over real work (tokens computed over the texts' own, from the replica's "
-                      "`parameters.padding` before and after the measured points): " + "; ".join(f"{label}: {x:.2f}x" for label, x in padded)]
+    lines += ["", "Padded work: the tokens the compiled rows hold (texts and padding) over the texts' own tokens, from "
+                  "the replica's `parameters.padding` before and after each workload's points.", "",
+              "neuron-serve (the model's URL, packed rows by default) against the better peer of the same run, and "
+              "against itself one text a row (pooling.packing: false) with the default and the auto length buckets "
+              "(n/a: a figure is missing; above 1 is better for neuron-serve):", ""]
+    top, one = max(CONCURRENCY), min(CONCURRENCY)
     found = figures["ratios"]
-    lines += ["", "neuron-serve (the model's URL) against the better peer of the same run (n/a: a figure is missing; "
-              "above 1 is better for neuron-serve):", ""]
-    for name, text in [(f"rps_c{max(CONCURRENCY)}", f"requests/s at concurrency {max(CONCURRENCY)}"),
-                       (f"rps_c{max(CONCURRENCY)}_proposed", f"requests/s at concurrency {max(CONCURRENCY)}, with the "
-                                                             f"proposed length buckets"),
-                       (f"rps_c{max(CONCURRENCY)}_auto", f"requests/s at concurrency {max(CONCURRENCY)}, with "
-                                                         f"length_buckets: auto after its warm-up"),
-                       (f"p50_c{min(CONCURRENCY)}", "p50 latency at concurrency 1 (the peer's over ours)"),
-                       (f"p99_c{min(CONCURRENCY)}", "p99 latency at concurrency 1 (the peer's over ours)")]:
-        r = found.get(name)
-        lines.append(f"- {text}: " + (f"{r['ratio']:.2f}x against {labels[r['peer']]}" if r else "n/a"))
-    lines += ["", f"Workload: one text a request ({figures['lengths_text']}, {TEXTS} texts), {figures['seconds']:g}"
-              f" s per point after a 1 s warm-up; model: all-MiniLM-L6-v2 (deployments/embedder/); load "
-              f"average {figures['load_average'][0]:.1f} at the start, {figures['load_average'][-1]:.1f} at the end on "
+    for texts in sorted({t for e in systems.values() for t in e.get("runs", {})}):
+        for against, whom in (("peer", "the better peer"), ("padded", "one text a row, default buckets"),
+                              ("auto", "one text a row, length_buckets: auto")):
+            for name, text in ((f"rps_c{top}_x{texts}_{against}", f"requests/s at concurrency {top}"),
+                               (f"p50_c{one}_x{texts}_{against}", f"p50 at concurrency {one} (theirs over ours)"),
+                               (f"p99_c{one}_x{texts}_{against}", f"p99 at concurrency {one} (theirs over ours)")):
+                r = found.get(name)
+                if r:
+                    lines.append(f"- {texts} text(s) a request, {text}, against {whom}: {r['ratio']:.2f}x "
+                                 f"({labels[r['peer']]})")
+    lines += ["", f"Workload: {figures['lengths_text']}, {TEXTS} texts; {figures['seconds']:g} s per point after a "
+              f"1 s warm-up; model: all-MiniLM-L6-v2 (deployments/embedder/); load average "
+              f"{figures['load_average'][0]:.1f} at the start, {figures['load_average'][-1]:.1f} at the end on "
               f"{os.cpu_count()} cores."]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    keys, optional = ["neuron-serve", "infinity", "ray"], ["auto"]
+    keys, optional = ["neuron-serve", "infinity", "ray"], ["padded", "auto", "proposed"]
     parser = argparse.ArgumentParser(prog="python -m bench.embeddings", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="4 s per point instead of 10")
     parser.add_argument("--seconds", type=float, help="seconds of load per point")
     parser.add_argument("--out", type=Path, help="results directory (default bench/results/<timestamp>)")
     parser.add_argument("--servers", default=",".join(keys),
-                        help="comma-separated subset of: " + ", ".join(keys + optional) + " (auto: neuron-serve with "
-                             "length_buckets: auto on a compile cache of its own, measured once it has switched)")
+                        help="comma-separated subset of: " + ", ".join(keys + optional) + " (padded: neuron-serve "
+                             "with pooling.packing: false; auto: the same with length_buckets: auto on a compile "
+                             "cache of its own, measured once it has switched; proposed: neuron-serve, one text a "
+                             "row, on the length buckets `neuron-serve buckets` proposes from neuron-serve's run)")
     parser.add_argument("--lengths", choices=("docs", "lognormal"), default="docs",
                         help=f"the texts' token lengths: docs lines of {TOKENS[0]} to {TOKENS[1]} (default), or "
                              f"log-normal (median {LOGNORMAL_MEDIAN}, sigma {LOGNORMAL_SIGMA}, 4 to 250)")
+    parser.add_argument("--texts-per-request", default="1",
+                        help="comma-separated workloads: texts in each request (default 1; e.g. 1,32)")
     args = parser.parse_args(argv)
     out = args.out or RESULTS / time.strftime("%Y%m%d-%H%M%S")
     (out / "logs").mkdir(parents=True, exist_ok=True)
     chosen = args.servers.split(",")
     if unknown := set(chosen) - set(keys + optional):
         parser.error(f"unknown servers: {', '.join(sorted(unknown))}")
+    if "proposed" in chosen and "neuron-serve" not in chosen:
+        parser.error("proposed needs neuron-serve, whose recorded lengths it proposes from")
+    per_request = sorted({int(n) for n in args.texts_per_request.split(",")})
     if "infinity" in chosen and not INFINITY.exists():
         print(f"[embeddings] no {INFINITY}: run `make infinity-venv`; infinity is skipped", file=sys.stderr)
         chosen.remove("infinity")
@@ -424,26 +465,29 @@ def main(argv: list[str] | None = None) -> int:
                     f"p90 {counts[int(len(counts) * 0.9)]}, mean {sum(counts) / len(counts):.1f}")
     log(lengths_text)
     expected = reference.encode(texts[:CHECKED])
-    manifest = write_bodies(texts, out / "embed-bodies")
+    manifests = {n: write_bodies(texts, out / f"embed-bodies-{n}", n) for n in per_request}
     write_neuron_serve_yaml(model_dir, out / "embedder.yaml")
     seconds = args.seconds or (4 if args.quick else 10)
     found = specs(model_dir, out / "embedder.yaml")
     load, systems = [os.getloadavg()[0]], {}
-    log(f"{len(chosen)} servers x concurrency {', '.join(map(str, CONCURRENCY))}, {seconds:g}s each; results in {out}")
-    for key in chosen:
-        if key == "auto":
-            # Its own compile cache: no lengths recorded before it, so it starts on the defaults and learns while
-            # it serves (the shared cache holds the other runs' lengths, which a start would learn from).
-            write_neuron_serve_yaml(model_dir, out / "embedder-auto.yaml", "auto")
-            spec, routes = variant_spec(found, "neuron-serve-auto", "neuron-serve, length_buckets: auto",
-                                        out / "embedder-auto.yaml", {"NEURON_SERVE_CACHE_DIR": str(out / "auto-cache")})
-            systems.update(measure(spec, routes, manifest, texts, expected, seconds, out, log))
+    log(f"{len(chosen)} servers x texts a request {per_request} x concurrency {', '.join(map(str, CONCURRENCY))}, "
+        f"{seconds:g}s each; results in {out}")
+    for key in [k for k in chosen if k != "proposed"]:
+        if key in ("padded", "auto"):
+            # auto has a compile cache of its own: no lengths recorded before it, so it starts on the defaults and
+            # learns while it serves (the shared cache holds the other runs' lengths, which a start would learn from).
+            path = out / f"embedder-{key}.yaml"
+            write_neuron_serve_yaml(model_dir, path, "auto" if key == "auto" else None, packing=False)
+            label = "neuron-serve, one text a row" + (", length_buckets: auto" if key == "auto" else "")
+            env = {"NEURON_SERVE_CACHE_DIR": str(out / "auto-cache")} if key == "auto" else None
+            spec, routes = variant_spec(found, f"neuron-serve-{key}", label, path, env)
+            systems.update(measure(spec, routes, manifests, texts, expected, seconds, out, log))
             continue
         spec, routes = found[key]
         started = time.time()
-        systems.update(measure(spec, routes, manifest, texts, expected, seconds, out, log))
-        if key == "neuron-serve" and not systems["neuron-serve"].get("failed"):
-            # The buckets the recorded lengths call for, served and measured the same way.
+        systems.update(measure(spec, routes, manifests, texts, expected, seconds, out, log))
+        if key == "neuron-serve" and "proposed" in chosen and not systems["neuron-serve"].get("failed"):
+            # The buckets the recorded lengths call for, served one text a row and measured the same way.
             sizes = recorded_sizes(started)
             if not sizes.get("length"):
                 log("  no lengths recorded in the compile cache (NEURON_SERVE_CACHE_DIR=off?): no proposed buckets")
@@ -451,19 +495,21 @@ def main(argv: list[str] | None = None) -> int:
             (sizes_path := out / "embedder-sizes.json").write_text(json.dumps(sizes))
             buckets = proposed_buckets(out / "embedder.yaml", sizes_path)
             log(f"  neuron-serve buckets proposes length buckets {buckets}")
-            write_neuron_serve_yaml(model_dir, out / "embedder-proposed.yaml", buckets)
-            spec, routes = variant_spec(found, "neuron-serve-proposed", f"neuron-serve, length buckets {buckets}",
+            write_neuron_serve_yaml(model_dir, out / "embedder-proposed.yaml", buckets, packing=False)
+            spec, routes = variant_spec(found, "neuron-serve-proposed", f"neuron-serve, one text a row, length "
+                                                                        f"buckets {buckets}",
                                         out / "embedder-proposed.yaml")
-            systems.update(measure(spec, routes, manifest, texts, expected, seconds, out, log))
+            systems.update(measure(spec, routes, manifests, texts, expected, seconds, out, log))
     load.append(os.getloadavg()[0])
     figures = {"seconds": seconds, "load_average": load, "systems": systems, "lengths": args.lengths,
-               "lengths_text": lengths_text}
+               "lengths_text": lengths_text, "texts_per_request": per_request}
     figures["ratios"] = ratios(systems)
     markdown = report(figures)
     (out / "embeddings.md").write_text(markdown + "\n")
     (out / "embeddings.json").write_text(json.dumps(figures, indent=2))
     print(markdown, flush=True)
-    return 1 if any(e.get("failed") or any(p["errors"] for p in e["points"].values()) for e in systems.values()) else 0
+    return 1 if any(e.get("failed") or any(p["errors"] for run in e.get("runs", {}).values()
+                                           for p in run["points"].values()) for e in systems.values()) else 0
 
 
 if __name__ == "__main__":

@@ -232,11 +232,12 @@ def run_generate(quick: bool, out: Path, log) -> str | None:
 
 
 def _run_module(module: str, quick: bool, out: Path, log, what: str, timeout: int,
-                env: dict | None = None) -> str | None:
-    """``python -m bench.<module>`` in its own process, writing <module>.md in ``out``: that file's text, or None
-    (its log says why)."""
+                env: dict | None = None, args: list[str] | None = None) -> str | None:
+    """``python -m bench.<module> [args]`` in its own process, writing <module>.md in ``out``: that file's text, or
+    None (its log says why)."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", **(env or {})}
-    command = [sys.executable, "-m", f"bench.{module}", "--out", str(out)] + (["--quick"] if quick else [])
+    command = [sys.executable, "-m", f"bench.{module}", "--out", str(out)] + (["--quick"] if quick else []) + \
+        (args or [])
     log(what)
     (out / f"{module}.md").unlink(missing_ok=True)
     with open(out / "logs" / f"{module}.log", "w") as handle:
@@ -306,10 +307,12 @@ def run_prefill(quick: bool, out: Path, log) -> str | None:
 
 
 def run_embeddings(quick: bool, out: Path, log) -> str | None:
-    """bench/embeddings.py (neuron-serve, infinity-emb and sentence-transformers on Ray Serve in turn), then
-    bench/embed_placement.py (where tokenization and pooling run, in process)."""
-    served = _run_module("embeddings", quick, out, log, "embeddings over HTTP (three servers in turn, neuron-serve "
-                         "compiles first)", 3600)
+    """bench/embeddings.py on log-normal text lengths, one text and 32 texts a request (neuron-serve packed, then one
+    text a row with the default and the auto length buckets, infinity-emb and sentence-transformers on Ray Serve in
+    turn), then bench/embed_placement.py (where tokenization and pooling run, in process)."""
+    served = _run_module("embeddings", quick, out, log, "embeddings over HTTP (five servers in turn, neuron-serve "
+                         "compiles first)", 7200, args=["--lengths", "lognormal", "--texts-per-request", "1,32",
+                                                        "--servers", "neuron-serve,padded,auto,infinity,ray"])
     placed = _run_module("embed_placement", quick, out, log, "where tokenization and pooling run (in process)", 1800,
                          {"PJRT_DEVICE": "CPU"})
     return "\n\n".join(part.strip() for part in (served, placed) if part) or None
