@@ -68,6 +68,7 @@ LOGNORMAL_MEDIAN, LOGNORMAL_SIGMA = 16, 0.8  # --lengths lognormal: tokens a tex
 LEARN_AFTER = 512  # the auto run's learn_buckets_after
 AUTO_WARMUP_S = 900  # the auto run's longest wait for its switch of buckets
 BATCH = 16
+BATCHED_POINT_S = 20  # the shortest point of a workload of several texts a request
 CHECKED = 4  # texts each server's answers are compared on
 TOLERANCE = 1e-4
 SHAPE = {"hidden": 384, "layers": 6, "heads": 12}  # all-MiniLM-L6-v2's, for a random model of its shape
@@ -287,6 +288,19 @@ def learn(server: EmbeddingServer, manifest: Path, log) -> dict:
     raise RuntimeError(f"the auto replica did not switch its buckets in {AUTO_WARMUP_S} s: {parameters(server)}")
 
 
+def compiled(server: EmbeddingServer, timeout_s: float, log) -> dict:
+    """Wait until the replica's background compile is over (``parameters.compile.pending`` 0): measured before, the
+    compiles would share the CPUs with the load. Returns the parameters then."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = parameters(server)
+        if found.get("compile", {}).get("pending", 1) == 0:
+            log(f"  {found['compile'].get('compiled')} compiled models, none pending; packing: {found.get('packing')}")
+            return found
+        time.sleep(2)
+    raise RuntimeError(f"the background compile did not end in {timeout_s:g} s: {parameters(server).get('compile')}")
+
+
 def check(server: EmbeddingServer, texts: list[str], expected: np.ndarray) -> float:
     """The largest difference between the server's embeddings of ``texts`` and ``expected``."""
     worst = 0.0
@@ -310,6 +324,7 @@ def measure(spec, routes: list[tuple[str, str, str]], manifests: dict[int, Path]
         probe = (json.dumps({"model": MODEL, "input": texts[0]}).encode(), {"Content-Type": "application/json"})
         try:
             ready = server.wait_ready({MODEL: probe})
+            found = compiled(server, spec.startup_s, log) if ours else {}
             if spec.key == "neuron-serve-auto":
                 learned = learn(server, manifests[min(manifests)], log)
                 for entry in entries.values():
@@ -317,7 +332,6 @@ def measure(spec, routes: list[tuple[str, str, str]], manifests: dict[int, Path]
         except RuntimeError as exc:
             log(f"  {spec.key} failed: {exc}")
             return {key: {**entry, "failed": str(exc)} for key, entry in entries.items()}
-        found = parameters(server) if ours else {}
         for entry in entries.values():
             entry["packing"] = found.get("packing")
         for key, _, path in routes:
@@ -326,18 +340,22 @@ def measure(spec, routes: list[tuple[str, str, str]], manifests: dict[int, Path]
             entry["max_diff"] = check(server, texts[:CHECKED], expected)
             log(f"  {key}: ready in {ready:.0f}s; max |diff| from encode {entry['max_diff']:.1e}")
             for per_request, manifest in manifests.items():
-                before = parameters(server).get("padding", {}) if ours else {}
                 run = entry["runs"][per_request] = {"points": {}}
+                # A request of many texts takes seconds at 16 clients: a short point would count a round or two.
+                length = seconds if per_request == 1 else max(seconds, BATCHED_POINT_S)
                 for conc in CONCURRENCY:
                     loadgen.run_load(server.url(MODEL), manifest, conc, 1)  # warm-up at the same concurrency
-                    point = loadgen.run_load(server.url(MODEL), manifest, conc, seconds).as_dict()
+                    before = parameters(server).get("padding", {}) if ours else {}
+                    point = loadgen.run_load(server.url(MODEL), manifest, conc, length).as_dict()
+                    padded = padding(before, parameters(server).get("padding", {})) if ours else None
+                    if padded is not None:
+                        point["padding"] = padded[0]
                     run["points"][conc] = point
                     log(f"  {key:15s} {per_request:2d} text(s) c{conc:<3d} {point['rps']:8.1f} req/s  "
-                        f"p50 {point['p50_ms']:7.1f} ms  p99 {point['p99_ms']:7.1f} ms  errors {point['errors']}")
-                padded = padding(before, parameters(server).get("padding", {})) if ours else None
-                if padded is not None:
-                    run["padding"], run["padding_by_bucket"] = padded
-                    log(f"  {key:15s} {per_request:2d} text(s) padded work {padded[0]:.2f}x the real tokens")
+                        f"p50 {point['p50_ms']:7.1f} ms  p99 {point['p99_ms']:7.1f} ms  errors {point['errors']}"
+                        + (f"  padded work {padded[0]:.2f}x" if padded is not None else ""))
+                if max(CONCURRENCY) in run["points"] and "padding" in run["points"][max(CONCURRENCY)]:
+                    run["padding"] = run["points"][max(CONCURRENCY)]["padding"]
             if 1 in entry["runs"]:  # one text a request: the figures of the runs before texts a request were asked
                 entry["points"] = entry["runs"][1]["points"]
                 if "padding" in entry["runs"][1]:
@@ -391,14 +409,14 @@ def report(figures: dict) -> str:
         if entry.get("failed"):
             lines.append(f"| {entry['label']} | | | failed: {entry['failed'][:80]} | | | | | | |")
         for texts, run in entry.get("runs", {}).items():
-            padded = f"{run['padding']:.2f}x" if "padding" in run else ""
             for conc, p in run["points"].items():
+                padded = f"{p['padding']:.2f}x" if "padding" in p else ""
                 lines.append(f"| {entry['label']} | {texts} | {conc} | {p['rps']:.1f} | {p['rps'] * int(texts):.1f} | "
                              f"{p['p50_ms']:.1f} | {p['p99_ms']:.1f} | {p['errors']} | {padded} | "
                              f"{entry.get('max_diff', float('nan')):.1e} |")
     labels = {k: e["label"] for k, e in systems.items()}
     lines += ["", "Padded work: the tokens the compiled rows hold (texts and padding) over the texts' own tokens, from "
-                  "the replica's `parameters.padding` before and after each workload's points.", "",
+                  "the replica's `parameters.padding` before and after each point.", "",
               "neuron-serve (the model's URL, packed rows by default) against the better peer of the same run, and "
               "against itself one text a row (pooling.packing: false) with the default and the auto length buckets "
               "(n/a: a figure is missing; above 1 is better for neuron-serve):", ""]

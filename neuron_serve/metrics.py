@@ -310,7 +310,8 @@ POOLING_INPUTS = Counter(
     ["model", "replica", "api"],
 )
 PADDING_TOKENS = Counter(
-    "neuron_serve_padding_tokens_total", "Tokens added to fill a sequence-length bucket (pooling models): wasted work",
+    "neuron_serve_padding_tokens_total", "Free tokens of the compiled rows a pooling model's texts ran in (each text its "
+    "share of its row's): wasted work",
     ["model", "replica"],
 )
 

@@ -159,13 +159,14 @@ def test_embeddings_equal_sentence_transformers_and_rank_a_paraphrase_first(clie
     similarity = served @ served.T
     # "eating food" is nearest "eating a piece of bread", far from the baby and the cheetah.
     assert similarity[0, 1] > 0.7 and similarity[0, 1] > 3 * max(similarity[0, 2], similarity[0, 3])
-    # The model's metadata counts what the length buckets (64, 256) padded: these four ran on 64, their own tokens
-    # (the tokenizer's, special tokens included) and the rest of 64 each.
+    # The model's metadata counts what the length buckets (64, 256) padded: these four ran packed in one row of 64,
+    # their own tokens (the tokenizer's, special tokens included) and the rest of the row.
     tokens = sum(len(ids) for ids in model.tokenizer(SENTENCES)["input_ids"])
+    assert tokens <= 64
     after = padding()
     grown = {b: {k: after[b][k] - before.get(b, {}).get(k, 0) for k in after[b]} for b in after}
     assert {b: g for b, g in grown.items() if g["calls"]} == {"64": {"calls": 4, "real": tokens,
-                                                                      "padded": 4 * 64 - tokens}}
+                                                                      "padded": 64 - tokens}}
 
 
 def test_status_buckets_adds_up_what_each_model_s_buckets_padded(client, examples_llm_server):

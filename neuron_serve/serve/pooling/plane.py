@@ -47,13 +47,15 @@ class PoolingPlane:
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")  # requests of much text
         batching = config.batching
         # Batches by tokens (text-embeddings-inference's max-batch-tokens), the requests' texts packed into rows
-        # as each batch runs; the data plane's own batcher still serves OIP v2 requests of token tensors.
+        # as each batch runs; the data plane's own batcher still serves OIP v2 requests of token tensors. One batch
+        # a core: while both run, the next fills with more texts, which pack into fewer rows (served, 16 clients of
+        # one text: 1.2x the texts' tokens computed instead of 1.4x with two a core, at the same requests/s).
         self.max_batch_tokens = batching.max_batch_tokens or batching.max_batch_size * spec.length_buckets[-1]
         self._batcher = DynamicBatcher(self._run_batch, max_batch_size=self.max_batch_tokens,
                                        max_queue_delay_s=batching.max_queue_delay_ms / 1000,
                                        max_queue_size=batching.max_queue_size,
                                        request_timeout_s=batching.request_timeout_s,
-                                       max_concurrent_batches=2 * len(data.runner.cores))
+                                       max_concurrent_batches=len(data.runner.cores))
 
     # -- lifecycle ------------------------------------------------------------------
 
