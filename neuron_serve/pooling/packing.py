@@ -60,6 +60,15 @@ def plan(lengths: Sequence[int], compiled: Sequence[int], cost: Callable[[int, i
     longer one with those of its own smallest bucket; ``cost(bucket index, rows)`` the seconds its calls take."""
     best: tuple[float, int, list[Rows]] | None = None
     own = [bisect.bisect_left(compiled, n) for n in lengths]
+    known: dict[tuple[int, int], float] = {}
+
+    def steady(bucket: int, rows: int) -> float:
+        # The costs are measured, some while the replica serves: a longer row measured cheaper than a shorter one
+        # is noise, and would send a short text to a long bucket. A length costs at least what every shorter does.
+        if (bucket, rows) not in known:
+            known[bucket, rows] = max(cost(b, rows) for b in range(bucket + 1))
+        return known[bucket, rows]
+
     for b in range(len(compiled)):
         groups: dict[int, list[int]] = {}
         for i, home in enumerate(own):
@@ -67,7 +76,7 @@ def plan(lengths: Sequence[int], compiled: Sequence[int], cost: Callable[[int, i
         packed = [Rows(compiled[g], tuple(tuple(r) for r in first_fit_decreasing(lengths, members, compiled[g],
                                                                                    most)))
                   for g, members in sorted(groups.items())]
-        seconds = sum(cost(compiled.index(p.length), len(p.rows)) for p in packed)
+        seconds = sum(steady(compiled.index(p.length), len(p.rows)) for p in packed)
         capacity = sum(p.length * len(p.rows) for p in packed)
         if best is None or (seconds, capacity) < best[:2]:
             best = (seconds, capacity, packed)

@@ -1,12 +1,13 @@
 """The pooling plane of one model (task: embed, score, classify): a `PoolingRequest` in, a `PoolingResult` out.
 
 It is built on the model's infer data plane (`ModelDataPlane`), which holds the compiled
-model on the cores, its request queue and metrics, and still serves OIP v2 for the same
-model. For each request it tokenizes the inputs on the host (`Tokens`), refuses what the
-model cannot take (naming the field), groups the inputs by the length bucket that holds
-them and hands each group to the request queue, where rows of every client's requests
-are batched together and run over the cores round-robin; then it cuts embeddings to the
-asked dimensions. The wire formats are codecs around it (`serve/protocols/openai_pooling.py`).
+model on the cores (its runner) and metrics, and still serves OIP v2 for the same model
+on its own request queue. For each request it tokenizes the inputs on the host (`Tokens`),
+refuses what the model cannot take (naming the field) and queues them on its batcher,
+which takes requests into a batch while their tokens fit ``batching.max_batch_tokens``;
+a batch's texts, of every client, are packed into compiled rows (pooling/packing.py: one
+text a row when the model is not packed) and run over the cores round-robin; then it
+cuts embeddings to the asked dimensions. The wire formats are codecs around it (`serve/protocols/openai_pooling.py`).
 """
 
 from __future__ import annotations

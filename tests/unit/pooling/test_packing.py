@@ -33,6 +33,13 @@ def test_the_plan_packs_short_texts_into_few_rows_and_a_long_text_into_the_bucke
     assert [(p.length, p.rows) for p in packing.plan([9], compiled, linear(compiled), most=32)] == [(16, ((0,),))]
 
 
+def test_a_longer_row_measured_cheaper_than_a_shorter_one_is_not_taken_for_it():
+    """Costs are measured with noise: a text alone stays in its own bucket even when the longer one timed faster."""
+    measured = {0: 9.0, 1: 5.0}  # the 64-token row timed faster than the 16-token one
+    chosen = packing.plan([9], [16, 64], lambda bucket, rows: rows * measured[bucket], most=32)
+    assert [(p.length, p.rows) for p in chosen] == [(16, ((0,),))]
+
+
 def test_one_segment_a_row_is_the_padded_layout():
     chosen = packing.plan([5, 5, 30], [16, 64], linear([16, 64]), most=1)
     assert [(p.length, p.rows) for p in chosen] == [(16, ((0,), (1,))), (64, ((2,),))]

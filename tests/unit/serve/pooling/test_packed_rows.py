@@ -99,6 +99,25 @@ def test_mean_pooling_never_counts_another_texts_tokens(pooled, pooling_dirs):
     torch.testing.assert_close(answer.values, alone, atol=EMBEDDING_TOLERANCE, rtol=0)
 
 
+def test_a_text_longer_than_a_row_runs_in_the_bucket_that_holds_it(pooled, pooling_dirs):
+    """The embedder of two length buckets (16 and 64 tokens): short texts packed together, a 50-token text beside
+    them in one request runs in a row of 64; every answer equals encode's."""
+    vocabulary = words(pooling_dirs)
+    lengths = [5, 7, 4, 9, 6, 3, 50]
+    texts = [text_of(vocabulary, n, start=5 * i) for i, n in enumerate(lengths)]
+
+    async def calls(plane):
+        answer = await pool(plane, PoolingRequest("embed", texts=texts))
+        await asyncio.sleep(0.1)
+        return answer, plane.metadata()["parameters"]["padding"]["length"]["buckets"]
+
+    answer, buckets = serve(pooled, "embedder", None, calls)
+    expected = SentenceTransformer(str(pooling_dirs["embedder"]), device="cpu").encode(texts, convert_to_tensor=True)
+    torch.testing.assert_close(answer.values, expected, atol=EMBEDDING_TOLERANCE, rtol=0)
+    assert buckets["64"]["calls"] >= 1 and sum(b["real"] for b in buckets.values()) == sum(lengths)
+    assert sum(b["padded"] for b in buckets.values()) < 16 * 6 + 64 - sum(lengths)  # less than one text a row
+
+
 def test_cross_encoder_pairs_packed_together_equal_predict(pooled, pooling_dirs):
     """Query and document pairs, a pair a segment (its token types as the tokenizer makes them): the scores equal
     CrossEncoder.predict's (sigmoid of the logit)."""
