@@ -159,6 +159,35 @@ CONFIGS.update({
 })
 
 
+def on_plane(built: tuple, calls):
+    """Start a pooling plane on ``built`` (config, compiled model, spec, tokenizer: what the unit tests' ``pooled``
+    returns) in process, run ``await calls(plane)``, stop it; what ``calls`` returned."""
+    import asyncio  # noqa: PLC0415
+
+    from neuron_serve.pooling.tokens import Tokens  # noqa: PLC0415
+    from neuron_serve.serve.infer.plane import ModelDataPlane  # noqa: PLC0415
+    from neuron_serve.serve.pooling.plane import PoolingPlane  # noqa: PLC0415
+
+    config, model, spec, tokenizer = built
+
+    async def main():
+        plane = PoolingPlane(config, ModelDataPlane(config, model, "test", spec.describe()), Tokens(tokenizer, spec),
+                             spec)
+        plane.start()
+        try:
+            return await calls(plane)
+        finally:
+            await plane.stop()
+
+    return asyncio.run(main())
+
+
+async def answer(plane, request):
+    """The plane's answer to one PoolingRequest, counted as a request."""
+    with plane.data.begin() as call:
+        return await plane.pool(request, call)
+
+
 class Directories:
     """The model directories of one test session, each written when first asked for."""
 

@@ -12,12 +12,10 @@ import torch
 from prometheus_client import REGISTRY
 from sentence_transformers import CrossEncoder, SentenceTransformer
 
+import pooling_models
 from neuron_serve.config.schema import ModelConfig
 from neuron_serve.errors import ConfigError
 from neuron_serve.pooling import source
-from neuron_serve.pooling.tokens import Tokens
-from neuron_serve.serve.infer.plane import ModelDataPlane
-from neuron_serve.serve.pooling.plane import PoolingPlane
 from neuron_serve.serve.protocols.pooling import PoolingRequest
 
 EMBEDDING_TOLERANCE = 1e-5  # XLA:CPU packed against eager float32 alone, on unit vectors
@@ -38,23 +36,24 @@ def text_of(vocabulary: list[str], tokens: int, start: int = 0) -> str:
 
 
 def serve(pooled, name, source_dir, calls, **changes):
-    config, model, spec, tokenizer = pooled(name, source_dir, **changes)
-
-    async def main():
-        plane = PoolingPlane(config, ModelDataPlane(config, model, "test", spec.describe()), Tokens(tokenizer, spec),
-                             spec)
-        plane.start()
-        try:
-            return await calls(plane)
-        finally:
-            await plane.stop()
-
-    return asyncio.run(main())
+    return pooling_models.on_plane(pooled(name, source_dir, **changes), calls)
 
 
-async def pool(plane, request):
-    with plane.data.begin() as call:
-        return await plane.pool(request, call)
+pool = pooling_models.answer
+
+
+def buckets(plane) -> dict:
+    """The model's length buckets' work so far (the counts are the process's, shared by planes of one model)."""
+    return plane.metadata()["parameters"].get("padding", {}).get("length", {}).get("buckets", {})
+
+
+async def counted(plane, request):
+    """The answer to ``request`` and each length bucket's calls, real and padded tokens for it alone."""
+    before = buckets(plane)
+    answer = await pool(plane, request)
+    await asyncio.sleep(0.1)  # the metrics are applied once the answer is out
+    after = buckets(plane)
+    return answer, {b: {k: after[b][k] - before.get(b, {}).get(k, 0) for k in after[b]} for b in after}
 
 
 def test_texts_of_every_length_packed_together_equal_encode_each_alone(pooled, pooling_dirs):
@@ -68,15 +67,13 @@ def test_texts_of_every_length_packed_together_equal_encode_each_alone(pooled, p
     assert [len(reference.tokenizer(t)["input_ids"]) for t in texts] == lengths
 
     async def calls(plane):
-        answer = await pool(plane, PoolingRequest("embed", texts=texts))
-        await asyncio.sleep(0.1)  # the metrics are applied once the answer is out
-        return answer, plane.metadata()["parameters"]
+        return *(await counted(plane, PoolingRequest("embed", texts=texts))), plane.metadata()["parameters"]
 
-    answer, parameters = serve(pooled, "embedder-one", "embedder", calls)
+    answer, work, parameters = serve(pooled, "embedder-one", "embedder", calls)
     assert parameters["packing"] == "on" and parameters["texts_per_row"] == 32
     expected = reference.encode(texts, convert_to_tensor=True)
     torch.testing.assert_close(answer.values, expected, atol=EMBEDDING_TOLERANCE, rtol=0)
-    work = parameters["padding"]["length"]["buckets"]["64"]
+    work = work["64"]
     assert work["real"] == sum(lengths) == answer.tokens
     # FFD into rows of 64: [64], [40, 24], [33, 17, 12], [9, 7, 5, 4, 3, 3]: 4 rows for 12 texts.
     assert work["padded"] == answer.padded == 4 * 64 - sum(lengths) < 12 * 64 - sum(lengths)
@@ -107,15 +104,13 @@ def test_a_text_longer_than_a_row_runs_in_the_bucket_that_holds_it(pooled, pooli
     texts = [text_of(vocabulary, n, start=5 * i) for i, n in enumerate(lengths)]
 
     async def calls(plane):
-        answer = await pool(plane, PoolingRequest("embed", texts=texts))
-        await asyncio.sleep(0.1)
-        return answer, plane.metadata()["parameters"]["padding"]["length"]["buckets"]
+        return await counted(plane, PoolingRequest("embed", texts=texts))
 
-    answer, buckets = serve(pooled, "embedder", None, calls)
+    answer, work = serve(pooled, "embedder", None, calls)
     expected = SentenceTransformer(str(pooling_dirs["embedder"]), device="cpu").encode(texts, convert_to_tensor=True)
     torch.testing.assert_close(answer.values, expected, atol=EMBEDDING_TOLERANCE, rtol=0)
-    assert buckets["64"]["calls"] >= 1 and sum(b["real"] for b in buckets.values()) == sum(lengths)
-    assert sum(b["padded"] for b in buckets.values()) < 16 * 6 + 64 - sum(lengths)  # less than one text a row
+    assert work["64"]["calls"] >= 1 and sum(b["real"] for b in work.values()) == sum(lengths)
+    assert sum(b["padded"] for b in work.values()) < 16 * 6 + 64 - sum(lengths)  # less than one text a row
 
 
 def test_cross_encoder_pairs_packed_together_equal_predict(pooled, pooling_dirs):

@@ -2,18 +2,14 @@
 sentence-transformers' ``encode``, Matryoshka dimensions, truncation, and the plane's refusals. Cross-encoders and
 classifiers are checked against ``CrossEncoder.predict`` where they are served (tests/integration)."""
 
-import asyncio
-
 import pytest
 import torch
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.modules import Normalize, Transformer
 from sentence_transformers.sentence_transformer.modules import Pooling
 
+import pooling_models
 from neuron_serve.errors import InvalidInput
-from neuron_serve.pooling.tokens import Tokens
-from neuron_serve.serve.infer.plane import ModelDataPlane
-from neuron_serve.serve.pooling.plane import PoolingPlane
 from neuron_serve.serve.protocols.pooling import PoolingRequest
 
 EMBEDDING_TOLERANCE = 1e-5  # XLA:CPU against eager float32, on unit vectors and raw CLS states alike
@@ -28,23 +24,10 @@ DOCUMENTS = ["a dynamic batcher forms batches of requests", "the partition repor
 
 def run(pooled, name, calls, source=None, **changes):
     """Start a pooling plane on model ``name`` (built once a session), run ``calls(plane)``, stop it."""
-    config, model, spec, tokenizer = pooled(name, source, **changes)
-
-    async def main():
-        plane = PoolingPlane(config, ModelDataPlane(config, model, "test", spec.describe()), Tokens(tokenizer, spec),
-                             spec)
-        plane.start()
-        try:
-            return await calls(plane)
-        finally:
-            await plane.stop()
-
-    return asyncio.run(main())
+    return pooling_models.on_plane(pooled(name, source, **changes), calls)
 
 
-async def pool(plane, request):
-    with plane.data.begin() as call:
-        return await plane.pool(request, call)
+pool = pooling_models.answer
 
 
 def embed(pooled, name, texts, source=None, **fields):
