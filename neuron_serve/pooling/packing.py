@@ -30,9 +30,6 @@ class Rows:
     length: int
     rows: tuple[tuple[int, ...], ...]
 
-    def tokens(self, lengths: Sequence[int]) -> int:
-        return sum(lengths[i] for row in self.rows for i in row)
-
 
 def first_fit_decreasing(lengths: Sequence[int], members: Sequence[int], capacity: int,
                          most: int) -> list[list[int]]:

@@ -241,12 +241,10 @@ class PoolingPlane:
             values = result[0] if result[0].dim() == 3 else result[0][:, None]  # a padded graph: one text a row
             for r, row in enumerate(packed.rows):
                 outputs[list(row)] = values[r, :len(row)]
-            shares = packing.padding_shares(packed, lengths)
-            for i, share in shares.items():
+            for i, share in packing.padding_shares(packed, lengths).items():
                 padded[i] = share
-            for i in shares:
-                self.metrics.bucket_work(self.usage.record("length", lengths[i], packed.length, shares[i]),
-                                         lengths[i], shares[i])
+                self.metrics.bucket_work(self.usage.record("length", lengths[i], packed.length, share), lengths[i],
+                                         share)
         if self.rebucket is not None:
             self.rebucket.observe()
         answers, at = [], 0
