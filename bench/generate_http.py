@@ -66,7 +66,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import servers
+from . import cpu_shares, servers
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -383,17 +383,20 @@ def measure_server(key: str, spec, model: str, extra: dict, slices: dict, warmup
         ours = key.startswith("neuron-serve")
         for kind, points in (("points", slices), ("sampled", sampled or {})):
             for conc, requests in points.items():
-                before = engine_times(spec.port, model) if ours else {}
+                before, cpu_before = engine_times(spec.port, model) if ours else {}, cpu_shares.snapshot()
                 results, wall = asyncio.run(run_point(url, [request_body(r, model, extra) for r in requests], conc))
                 point = entry.setdefault(kind, {})[conc] = summarise(results, requests, wall)
+                # Where the CPUs went: the emulated cores, the serving processes and this load share them.
+                point["cpu"] = cpu_shares.shares(cpu_before, cpu_shares.snapshot(), wall, server.proc.pid)
                 after = engine_times(spec.port, model) if ours else {}
                 if before and after:  # where the engine's time went (its process's own figures)
-                    point["engine"] = engine_split(before, after)
+                    point["engine"] = engine_split(before, after, wall)
                 log(f"  {key:16s} c{conc:<3d}{' sampled' if kind == 'sampled' else ''} {point['tokens_per_s']:8.1f} "
                     f"tok/s  TTFT p50 {ms(point['ttft_p50_s'])} ms  TPOT p50 {ms(point['tpot_p50_s'])} ms  errors "
                     f"{point['errors']}  short {point['short']}"
                     + (f"  ({point['first_error']})" if point["first_error"] else "")
-                    + (f"  engine: {_engine_text(point['engine'])}" if "engine" in point else ""))
+                    + (f"  engine: {_engine_text(point['engine'])}" if "engine" in point else "")
+                    + f"  CPU: {cpu_shares.text(point['cpu'])}")
         entry["memory_mb"] = server.memory_mb()
         if key.startswith("neuron-serve"):
             entry["padding"] = padding(spec.port, model)
@@ -409,8 +412,8 @@ ENGINE_SERIES = {  # what the engine says of its steps and requests (/metrics): 
 
 
 def engine_times(port: int, model: str) -> dict[str, list[float]]:
-    """Per ENGINE_SERIES key, [sum, count] of ``model``'s histogram now (the prefill calls' only, for "prefill");
-    {} when unreadable."""
+    """Per ENGINE_SERIES key, [sum, count] of ``model``'s histogram now (the prefill calls' only, for "prefill"),
+    and under "calls" the same per compiled bucket; {} when unreadable."""
     import urllib.request  # noqa: PLC0415
 
     from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
@@ -420,35 +423,58 @@ def engine_times(port: int, model: str) -> dict[str, list[float]]:
     except OSError:
         return {}
     names = {name: key for key, name in ENGINE_SERIES.items()}
-    found = {key: [0.0, 0.0] for key in ENGINE_SERIES}
+    found: dict = {key: [0.0, 0.0] for key in ENGINE_SERIES}
+    calls = found["calls"] = {}
     for family in text_string_to_metric_families(text):
         key = names.get(family.name)
         for sample in family.samples if key else ():
             if sample.labels.get("model_name") != model or not sample.name.endswith(("_sum", "_count")):
                 continue
-            if key == "prefill" and not sample.labels.get("bucket", "").startswith("prefill_"):
-                continue
-            found[key][0 if sample.name.endswith("_sum") else 1] += sample.value
+            index = 0 if sample.name.endswith("_sum") else 1
+            if key == "prefill":  # the step histogram, per bucket: every call's, and the prefills' summed
+                bucket = sample.labels.get("bucket", "")
+                calls.setdefault(bucket, [0.0, 0.0])[index] += sample.value
+                if not bucket.startswith("prefill_"):
+                    continue
+            found[key][index] += sample.value
     return found
 
 
-def engine_split(before: dict, after: dict) -> dict[str, float]:
+def engine_split(before: dict, after: dict, wall: float | None = None) -> dict:
     """Between two scrapes: the mean engine step's host and core-wait ms, the mean request's queue time and its
-    time to first token as the engine measured them, and the mean prefill call's ms."""
+    time to first token as the engine measured them, the mean prefill call's ms; with ``wall`` (the seconds
+    between them) the share of it the compiled calls took, and per bucket its calls and their mean ms."""
     def mean(key: str) -> float | None:
         count = after[key][1] - before[key][1]
         return 1000 * (after[key][0] - before[key][0]) / count if count else None
 
-    return {"steps": after["host"][1] - before["host"][1], "host_ms": mean("host"), "core_wait_ms": mean("core_wait"),
-            "queue_ms": mean("queue"), "engine_ttft_ms": mean("ttft"), "prefill_call_ms": mean("prefill")}
+    split = {"steps": after["host"][1] - before["host"][1], "host_ms": mean("host"),
+             "core_wait_ms": mean("core_wait"), "queue_ms": mean("queue"), "engine_ttft_ms": mean("ttft"),
+             "prefill_call_ms": mean("prefill")}
+    calls = {}
+    for bucket, (total, count) in after.get("calls", {}).items():
+        was = before.get("calls", {}).get(bucket, [0.0, 0.0])
+        if count > was[1]:
+            calls[bucket] = {"calls": int(count - was[1]), "seconds": total - was[0],
+                             "mean_ms": 1000 * (total - was[0]) / (count - was[1])}
+    if calls:
+        split["calls"] = dict(sorted(calls.items(), key=lambda kv: -kv[1]["seconds"]))
+        if wall:
+            split["calls_share"] = sum(c["seconds"] for c in calls.values()) / wall
+    return split
 
 
 def _engine_text(split: dict) -> str:
     def f(value):
         return "n/a" if value is None else f"{value:.1f}"
-    return (f"{split['steps']:.0f} steps, host {f(split['host_ms'])} + core wait {f(split['core_wait_ms'])} ms a step; "
+    text = (f"{split['steps']:.0f} steps, host {f(split['host_ms'])} + core wait {f(split['core_wait_ms'])} ms a step; "
             f"queue {f(split['queue_ms'])} ms, prefill call {f(split['prefill_call_ms'])} ms, TTFT in the engine "
             f"{f(split['engine_ttft_ms'])} ms (means)")
+    if "calls_share" in split:  # how much of the point the compiled calls took, and the three that took most
+        top = ", ".join(f"{bucket} {c['calls']} x {c['mean_ms']:.0f} ms" for bucket, c in
+                        list(split["calls"].items())[:3])
+        text += f"; compiled calls {100 * split['calls_share']:.0f}% of the wall ({top})"
+    return text
 
 
 def padding(port: int, model: str) -> dict[str, float]:
@@ -553,6 +579,13 @@ def report(figures: dict) -> str:
     if engine:
         lines += ["", "Where neuron-serve's engine spent its steps (its own metrics, means over each point):", ""]
         lines += [f"- {label}, concurrency {conc}: {_engine_text(split)}" for label, conc, split in engine]
+    cpu = [(e["label"], f"{conc}{' sampled' if kind == 'sampled' else ''}", p["cpu"])
+           for e in systems.values() for kind in ("points", "sampled")
+           for conc, p in e.get(kind, {}).items() if p.get("cpu")]
+    if cpu:
+        lines += ["", "The CPU each kind of process used during each point (percent of one CPU; the emulated cores "
+                      "compute in the engine process):", ""]
+        lines += [f"- {label}, concurrency {conc}: {cpu_shares.text(found_)}" for label, conc, found_ in cpu]
     if padded := {k: e["padding"] for k, e in systems.items() if e.get("padding")}:
         lines += ["", "Padded work over real work (the replica's `parameters.padding` after its run, warm-up "
                       "included): " + "; ".join(f"{labels[k]}: " + ", ".join(f"{family} {x:.2f}x"

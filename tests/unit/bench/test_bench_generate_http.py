@@ -158,3 +158,52 @@ def test_transformers_serve_gets_the_model_s_generation_config_with_an_eos_it_ca
          "transformers_version": "5.24.0"}))
     assert json.loads(gh.no_eos_config(tmp_path)) == {"bos_token_id": 0, "eos_token_id": 1024, "pad_token_id": 1,
                                                       "do_sample": False}
+
+
+def test_the_engine_split_says_each_bucket_s_calls_and_the_share_of_the_wall_they_took():
+    before = {"host": [1.0, 10], "core_wait": [2.0, 10], "queue": [0.0, 0], "ttft": [0.0, 0], "prefill": [0.3, 1],
+              "calls": {"prefill_64": [0.3, 1], "decode_16x256": [1.0, 10]}}
+    after = {"host": [1.5, 20], "core_wait": [4.0, 20], "queue": [0.2, 2], "ttft": [0.6, 2], "prefill": [0.9, 3],
+             "calls": {"prefill_64": [0.9, 3], "decode_16x256": [2.5, 20], "decode_1x128": [0.04, 1]}}
+    split = gh.engine_split(before, after, wall=2.5)
+    assert split["steps"] == 10 and split["host_ms"] == pytest.approx(50) and split["prefill_call_ms"] == pytest.approx(300)
+    assert list(split["calls"]) == ["decode_16x256", "prefill_64", "decode_1x128"]  # most time first
+    assert split["calls"]["decode_16x256"] == {"calls": 10, "seconds": pytest.approx(1.5), "mean_ms": pytest.approx(150)}
+    assert split["calls_share"] == pytest.approx((1.5 + 0.6 + 0.04) / 2.5)
+    assert "compiled calls 86% of the wall (decode_16x256 10 x 150 ms, prefill_64 2 x 300 ms, decode_1x128 1 x 40 ms)" \
+        in gh._engine_text(split)
+    assert "calls_share" not in gh.engine_split(before, after)  # no wall given: no share
+
+
+def test_cpu_shares_count_a_busy_child_of_the_server_and_the_load_generator_apart():
+    import os
+    import subprocess
+    import time
+
+    from bench import cpu_shares
+
+    # The "server": a process whose child (named as Ray's replicas are) spins for 0.5 s of CPU once told to.
+    child = ("import sys, time\nsys.stdin.readline()\nend = time.process_time() + 0.5\n"
+             "while time.process_time() < end: pass\nprint('done', flush=True)\nsys.stdin.readline()")
+    server = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', "
+                               f"{child!r}, 'ray::ServeReplica:llm'])"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        before, started = cpu_shares.snapshot(), time.monotonic()
+        server.stdin.write("go\n")
+        server.stdin.flush()
+        end = time.process_time() + 0.2
+        while time.process_time() < end:  # this process is the load generator
+            pass
+        assert server.stdout.readline().strip() == "done"
+        after, seconds = cpu_shares.snapshot(), time.monotonic() - started
+        found = cpu_shares.shares(before, after, seconds, server.pid)
+    finally:
+        server.stdin.write("end\n")
+        server.stdin.close()
+        server.wait(timeout=30)
+        server.stdout.close()
+    assert found["replicas"] == pytest.approx(100 * 0.5 / seconds, rel=0.2)  # the spinning child, by its name
+    assert found["load generator"] >= 100 * 0.15 / seconds  # CPU times come in clock ticks (10 ms)
+    assert found["total"] == pytest.approx(sum(v for k, v in found.items() if k != "total"))
+    assert cpu_shares.text(found).endswith(f"of {os.cpu_count()} CPUs")
