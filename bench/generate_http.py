@@ -42,7 +42,10 @@ from the first request sent to the last answer), time to first token (request se
 first chunk with text) and time per output token per request ((last token time - first
 token time) / (tokens - 1), the last token's time being the chunk that ends the choice),
 p50 and p99. Then each neuron-serve configuration against the best peer: tokens/s and TTFT at
-concurrency 16, TTFT and TPOT at concurrency 1. Writes generate_http.md (printed too) and generate_http.json.
+concurrency 16, TTFT and TPOT at concurrency 1. Per point, too, the CPU each kind of process used (the engine
+process, the replicas, Ray's own, this load generator: bench/cpu_shares.py), and for neuron-serve its engine's
+steps and the compiled calls' share of the wall, per bucket (its own metrics). Writes generate_http.md (printed
+too) and generate_http.json.
 
 With ``--proposed``, neuron-serve is served again (``neuron-serve-proposed``) on the prefill and decode-rows
 buckets ``neuron-serve buckets`` proposes from the sizes its first run recorded in the compile cache (as many as
