@@ -13,6 +13,8 @@ import os
 
 import psutil
 
+from . import servers
+
 # The kind of a process, from its command line, in the order tried; a process of the server's tree that matches
 # none is "server, other".
 KINDS = [("engine process", "generation.process.worker"), ("replicas", "ray::ServeReplica"),
@@ -20,28 +22,16 @@ KINDS = [("engine process", "generation.process.worker"), ("replicas", "ray::Ser
          ("Ray Serve controller and proxies", "ray::HAProxy"), ("Ray daemons", "/ray/"), ("Ray daemons", "ray::")]
 
 
-def snapshot() -> dict[int, tuple[str, float, int]]:
-    """pid -> (command line, CPU seconds so far, parent pid) of every process that can be read."""
+def snapshot() -> dict[int, tuple[str, float]]:
+    """pid -> (command line, CPU seconds so far) of every process that can be read."""
     found = {}
     for proc in psutil.process_iter():
         try:
             with proc.oneshot():
                 times = proc.cpu_times()
-                found[proc.pid] = (" ".join(proc.cmdline()) or proc.name(), times.user + times.system, proc.ppid())
+                found[proc.pid] = (" ".join(proc.cmdline()) or proc.name(), times.user + times.system)
         except (psutil.Error, OSError):
             continue
-    return found
-
-
-def _tree(processes: dict[int, tuple[str, float, int]], root: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for pid, (_, _, parent) in processes.items():
-        children.setdefault(parent, []).append(pid)
-    found, stack = set(), [root]
-    while stack:
-        pid = stack.pop()
-        found.add(pid)
-        stack.extend(children.get(pid, []))
     return found
 
 
@@ -57,9 +47,9 @@ def kind_of(cmdline: str, in_server: bool, me: int, pid: int) -> str:
 def shares(before: dict, after: dict, seconds: float, server_pid: int | None) -> dict[str, float]:
     """Per kind, the CPU its processes used between the two snapshots, in percent of one CPU (a process seen only
     after counts from 0), and "total"."""
-    server = _tree(after, server_pid) if server_pid is not None else set()
+    server = set(servers._pids(server_pid)) if server_pid is not None else set()
     me, used = os.getpid(), {}
-    for pid, (cmdline, cpu, _) in after.items():
+    for pid, (cmdline, cpu) in after.items():
         start = before.get(pid, (None, 0.0))[1]
         kind = kind_of(cmdline, pid in server, me, pid)
         used[kind] = used.get(kind, 0.0) + max(cpu - start, 0.0)
